@@ -1,0 +1,115 @@
+// Package core is the pure-Go heart of libvmmipc: the ticket format, the wire
+// protocol, the per-process server with its registry, the receiver stream and
+// the import orchestration. It knows nothing of CUDA or cgo; memory backends
+// plug in through the Exporter and Importer interfaces.
+package core
+
+import (
+	"errors"
+	"fmt"
+	"syscall"
+)
+
+// Code is a libvmmipc status code. The values are the ones in vmmipc.h.
+type Code int32
+
+// Status codes, mirroring include/vmmipc.h.
+const (
+	OK        Code = 0
+	End       Code = 1
+	EINVAL    Code = -1
+	EBADF     Code = -2
+	EAUTH     Code = -3
+	ENOENT    Code = -4
+	EIO       Code = -5
+	EEXPORT   Code = -6
+	ECUDA     Code = -7
+	ENFILE    Code = -8
+	EFORK     Code = -9
+	EINTERNAL Code = -10
+)
+
+var codeNames = map[Code]string{
+	OK:        "VMMIPC_OK: success",
+	End:       "VMMIPC_END: stream finished",
+	EINVAL:    "VMMIPC_EINVAL: invalid argument or malformed data",
+	EBADF:     "VMMIPC_EBADF: bad, stale or closed handle",
+	EAUTH:     "VMMIPC_EAUTH: authentication failed",
+	ENOENT:    "VMMIPC_ENOENT: no such registration (unknown, used up, unregistered or expired)",
+	EIO:       "VMMIPC_EIO: I/O error, peer gone or timed out",
+	EEXPORT:   "VMMIPC_EEXPORT: the sender could not export a chunk",
+	ECUDA:     "VMMIPC_ECUDA: CUDA driver unavailable or a driver call failed",
+	ENFILE:    "VMMIPC_ENFILE: out of file descriptors",
+	EFORK:     "VMMIPC_EFORK: called in a child after fork()",
+	EINTERNAL: "VMMIPC_EINTERNAL: internal error in libvmmipc",
+}
+
+// String returns the status name and a short description.
+func (c Code) String() string {
+	if s, ok := codeNames[c]; ok {
+		return s
+	}
+	return fmt.Sprintf("VMMIPC_UNKNOWN(%d): unknown status", int32(c))
+}
+
+// Error is an error with a status code. Callers branch on Code with CodeOf.
+type Error struct {
+	Code Code
+	Msg  string // what failed and, where useful, what to do
+	Err  error  // the underlying cause, if any
+}
+
+func (e *Error) Error() string {
+	if e.Err != nil {
+		return e.Msg + ": " + e.Err.Error()
+	}
+	return e.Msg
+}
+
+func (e *Error) Unwrap() error { return e.Err }
+
+// Errorf returns an *Error with the given code and formatted message. A %w
+// verb wraps its operand as the cause.
+func Errorf(code Code, format string, args ...any) error {
+	err := fmt.Errorf(format, args...)
+	return &Error{Code: code, Msg: err.Error(), Err: errors.Unwrap(err)}
+}
+
+// wrapErr tags err with code unless it already carries one, prefixing msg.
+func wrapErr(code Code, err error, format string, args ...any) error {
+	msg := fmt.Sprintf(format, args...)
+	var e *Error
+	if errors.As(err, &e) {
+		return &Error{Code: e.Code, Msg: msg + ": " + e.Msg, Err: e.Err}
+	}
+	return &Error{Code: code, Msg: msg, Err: err}
+}
+
+// CodeOf returns the status code carried by err: OK for nil, ENFILE for
+// descriptor exhaustion, EIO for other system errors, EINTERNAL otherwise.
+func CodeOf(err error) Code {
+	if err == nil {
+		return OK
+	}
+	var e *Error
+	if errors.As(err, &e) {
+		return e.Code
+	}
+	if errors.Is(err, syscall.EMFILE) || errors.Is(err, syscall.ENFILE) {
+		return ENFILE
+	}
+	var errno syscall.Errno
+	if errors.As(err, &errno) {
+		return EIO
+	}
+	return EINTERNAL
+}
+
+// ioCode classifies a socket or system error: ENFILE when out of
+// descriptors, EIO otherwise.
+func ioCode(err error) Code {
+	if errors.Is(err, syscall.EMFILE) || errors.Is(err, syscall.ENFILE) {
+		return ENFILE
+	}
+	return EIO
+}

@@ -1,0 +1,198 @@
+package core
+
+import (
+	"crypto/rand"
+	"encoding/binary"
+	"fmt"
+	"strings"
+)
+
+// TicketSize is VMMIPC_TICKET_SIZE: a ticket is always exactly this long.
+const TicketSize = 256
+
+// TicketFormat is the ticket layout version this library writes and reads.
+const TicketFormat = 1
+
+// MaxChunks bounds the chunk count of one registration (2^26 chunks of 2 MiB
+// is 128 TiB), so that a hostile ticket or peer cannot make us allocate
+// without bound.
+const MaxChunks = 1 << 26
+
+// Memory kinds, as VMMIPC_MEMORY_* in vmmipc.h.
+const (
+	MemoryHost uint8 = 1
+	MemoryCUDA uint8 = 2
+)
+
+const (
+	addrAbstract uint8 = 1   // Linux abstract socket namespace
+	addrPath     uint8 = 2   // filesystem socket
+	maxAddrLen         = 107 // sun_path is 108 bytes including the NUL
+)
+
+var ticketMagic = [8]byte{'V', 'M', 'M', 'I', 'P', 'C', 'T', 'K'}
+
+// Ticket layout (little-endian):
+//
+//	0   [8]  magic "VMMIPCTK"
+//	8   u16  format version
+//	10  u8   memory kind
+//	11  u8   address kind
+//	12  u32  exporter pid
+//	16  u64  registration id
+//	24  [32] secret
+//	56  u64  chunk count
+//	64  u64  total size
+//	72  [16] device UUID (CUDA) or zeros
+//	88  u16  address length
+//	90  [107] address bytes (abstract names without the leading NUL)
+//	197 ...  reserved, must be zero
+const (
+	offMagic    = 0
+	offFormat   = 8
+	offKind     = 10
+	offAddrKind = 11
+	offPid      = 12
+	offRegID    = 16
+	offSecret   = 24
+	offCount    = 56
+	offTotal    = 64
+	offUUID     = 72
+	offAddrLen  = 88
+	offAddr     = 90
+	offReserved = offAddr + maxAddrLen
+)
+
+// Secret is the 256-bit random value that proves a receiver holds the ticket.
+type Secret [32]byte
+
+// NewSecret draws a fresh secret from crypto/rand.
+func NewSecret() (Secret, error) {
+	var s Secret
+	if _, err := rand.Read(s[:]); err != nil {
+		return s, Errorf(EINTERNAL, "reading random secret: %w", err)
+	}
+	return s, nil
+}
+
+// Ticket is the decoded form of a vmmipc_ticket.
+type Ticket struct {
+	Kind       uint8  // MemoryHost or MemoryCUDA
+	Address    string // socket address; "@name" for the abstract namespace
+	Pid        uint32 // exporter's pid
+	RegID      uint64
+	Secret     Secret
+	Count      uint64
+	Total      uint64
+	DeviceUUID [16]byte
+}
+
+// Marshal encodes t into exactly TicketSize bytes.
+func (t *Ticket) Marshal() ([TicketSize]byte, error) {
+	var b [TicketSize]byte
+	if err := t.validate(); err != nil {
+		return b, err
+	}
+	copy(b[offMagic:], ticketMagic[:])
+	binary.LittleEndian.PutUint16(b[offFormat:], TicketFormat)
+	b[offKind] = t.Kind
+	addr := t.Address
+	if strings.HasPrefix(addr, "@") {
+		b[offAddrKind] = addrAbstract
+		addr = addr[1:]
+	} else {
+		b[offAddrKind] = addrPath
+	}
+	binary.LittleEndian.PutUint32(b[offPid:], t.Pid)
+	binary.LittleEndian.PutUint64(b[offRegID:], t.RegID)
+	copy(b[offSecret:], t.Secret[:])
+	binary.LittleEndian.PutUint64(b[offCount:], t.Count)
+	binary.LittleEndian.PutUint64(b[offTotal:], t.Total)
+	copy(b[offUUID:], t.DeviceUUID[:])
+	binary.LittleEndian.PutUint16(b[offAddrLen:], uint16(len(addr)))
+	copy(b[offAddr:], addr)
+	return b, nil
+}
+
+func (t *Ticket) validate() error {
+	switch {
+	case t.Kind != MemoryHost && t.Kind != MemoryCUDA:
+		return Errorf(EINVAL, "ticket: unknown memory kind %d (want 1 = host or 2 = cuda)", t.Kind)
+	case t.Count == 0:
+		return Errorf(EINVAL, "ticket: chunk count is 0")
+	case t.Count > MaxChunks:
+		return Errorf(EINVAL, "ticket: chunk count %d exceeds the limit of %d", t.Count, MaxChunks)
+	case t.Total < t.Count:
+		return Errorf(EINVAL, "ticket: total size %d is smaller than the chunk count %d", t.Total, t.Count)
+	case t.Pid == 0:
+		return Errorf(EINVAL, "ticket: exporter pid is 0")
+	}
+	addr := strings.TrimPrefix(t.Address, "@")
+	if addr == "" || len(addr) > maxAddrLen || strings.IndexByte(addr, 0) >= 0 {
+		return Errorf(EINVAL, "ticket: socket address %q is empty, longer than %d bytes or contains NUL", t.Address, maxAddrLen)
+	}
+	return nil
+}
+
+// DecodeTicket parses a ticket. Anything truncated, malformed or of another
+// format version is rejected with EINVAL and a message saying which.
+func DecodeTicket(b []byte) (*Ticket, error) {
+	if len(b) != TicketSize {
+		return nil, Errorf(EINVAL, "ticket: truncated or oversized: got %d bytes, want %d", len(b), TicketSize)
+	}
+	if [8]byte(b[offMagic:offMagic+8]) != ticketMagic {
+		return nil, Errorf(EINVAL, "ticket: wrong magic: these bytes are not a vmmipc ticket")
+	}
+	if f := binary.LittleEndian.Uint16(b[offFormat:]); f != TicketFormat {
+		return nil, Errorf(EINVAL, "ticket: format version %d, this libvmmipc reads version %d (sender and receiver must use the same library version)", f, TicketFormat)
+	}
+	for i := offReserved; i < TicketSize; i++ {
+		if b[i] != 0 {
+			return nil, Errorf(EINVAL, "ticket: reserved byte %d is not zero (corrupted ticket?)", i)
+		}
+	}
+	t := &Ticket{
+		Kind:  b[offKind],
+		Pid:   binary.LittleEndian.Uint32(b[offPid:]),
+		RegID: binary.LittleEndian.Uint64(b[offRegID:]),
+		Count: binary.LittleEndian.Uint64(b[offCount:]),
+		Total: binary.LittleEndian.Uint64(b[offTotal:]),
+	}
+	copy(t.Secret[:], b[offSecret:])
+	copy(t.DeviceUUID[:], b[offUUID:])
+	n := int(binary.LittleEndian.Uint16(b[offAddrLen:]))
+	if n == 0 || n > maxAddrLen {
+		return nil, Errorf(EINVAL, "ticket: socket address length %d out of range 1..%d", n, maxAddrLen)
+	}
+	for i := offAddr + n; i < offReserved; i++ {
+		if b[i] != 0 {
+			return nil, Errorf(EINVAL, "ticket: bytes after the socket address are not zero (corrupted ticket?)")
+		}
+	}
+	addr := string(b[offAddr : offAddr+n])
+	switch b[offAddrKind] {
+	case addrAbstract:
+		t.Address = "@" + addr
+	case addrPath:
+		if !strings.HasPrefix(addr, "/") {
+			return nil, Errorf(EINVAL, "ticket: socket path %q is not absolute", addr)
+		}
+		t.Address = addr
+	default:
+		return nil, Errorf(EINVAL, "ticket: unknown socket address kind %d", b[offAddrKind])
+	}
+	if err := t.validate(); err != nil {
+		return nil, err
+	}
+	return t, nil
+}
+
+// String describes the ticket without its secret.
+func (t *Ticket) String() string {
+	kind := "host"
+	if t.Kind == MemoryCUDA {
+		kind = "cuda"
+	}
+	return fmt.Sprintf("ticket{%s, %d chunks, %d bytes, registration %d at %s, pid %d}",
+		kind, t.Count, t.Total, t.RegID, t.Address, t.Pid)
+}

@@ -1,0 +1,21 @@
+/* Internal glue between the public C wrappers (abi.c) and the Go exports
+ * (exports.go). Not installed; the public contract is include/vmmipc.h. */
+#ifndef VMMIPC_ABI_H
+#define VMMIPC_ABI_H
+#include <stddef.h>
+#include "../include/vmmipc.h"
+
+/* Internal: never in the dynamic symbol table (only vmmipc_* of vmmipc.h). */
+#define VMMIPC_INTERNAL __attribute__((visibility("hidden")))
+
+/* Stores this thread's last-error detail (copied, truncated to fit). */
+VMMIPC_INTERNAL void vmmipc_abi_set_error(const char *msg, size_t len);
+
+/* Trampolines: cgo cannot call C function pointers directly. */
+VMMIPC_INTERNAL int vmmipc_abi_call_export(vmmipc_export_fn fn, void *user, uint64_t index, int *fd_out);
+VMMIPC_INTERNAL void vmmipc_abi_call_release(vmmipc_release_fn fn, void *user);
+
+/* Restores the host's RLIMIT_NOFILE and signal dispositions as they were
+ * before the library was loaded. Called from Go's init. */
+VMMIPC_INTERNAL void vmmipc_abi_restore_host(void);
+#endif
