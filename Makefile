@@ -4,27 +4,66 @@
 # CMake builds and runs the C tests through ctest and installs the package.
 
 GO        ?= go
+CC        ?= cc
+PYTHON    ?= python3
 PREFIX    ?= /usr/local
 BUILD     ?= build
 LIB       := $(BUILD)/libvmmipc.so
+CMAKE_DIR := $(BUILD)/cmake
+# Only vmmipc_* symbols are exported (export/vmmipc.map); SONAME libvmmipc.so.
 GOFLAGS_LIB := -buildmode=c-shared -trimpath \
-	-ldflags="-s -extldflags=-Wl,--version-script=$(CURDIR)/export/vmmipc.map"
-GO_SOURCES := $(shell find core cuda export -name '*.go' -o -name '*.c' -o -name '*.h' -o -name '*.map' 2>/dev/null) go.mod go.sum include/vmmipc.h
+	-ldflags="-s -extldflags=-Wl,--version-script=$(CURDIR)/export/vmmipc.map,-soname,libvmmipc.so"
+GO_SOURCES := $(shell find core cuda export -name '*.go' -o -name '*.c' -o -name '*.h' -o -name '*.map' 2>/dev/null) \
+	go.mod go.sum include/vmmipc.h
 
-.PHONY: all lib test test-go test-c test-python demo install help clean deps
+.PHONY: all lib test test-go test-c test-python demo bench install deps help clean
 
 all: lib ## build build/libvmmipc.so and build/include/vmmipc.h
 
-lib: $(LIB)
+lib: $(LIB) ## same as all
 
 $(LIB): $(GO_SOURCES)
 	@mkdir -p $(BUILD)/include
 	$(GO) build $(GOFLAGS_LIB) -o $@ ./export
-	@rm -f $(BUILD)/libvmmipc.h   # cgo's generated header is not the contract
+	@rm -f $(BUILD)/libvmmipc.h   # cgo's generated header; the contract is include/vmmipc.h
 	cp include/vmmipc.h $(BUILD)/include/vmmipc.h
+	@bad=$$(nm -D --defined-only $@ | awk '{print $$3}' | grep -v '^vmmipc_' || true); \
+	  if [ -n "$$bad" ]; then echo "exported non-vmmipc_ symbols: $$bad"; exit 1; fi
+
+deps: ## check the toolchain and fetch what a fresh machine lacks (Go modules, pytest)
+	@for t in $(GO) $(CC) cmake $(PYTHON); do command -v $$t >/dev/null || { echo "missing: $$t"; exit 1; }; done
+	$(GO) mod download
+	@$(PYTHON) -c 'import pytest' 2>/dev/null || $(PYTHON) -m pip install --quiet pytest
+
+test: deps lib test-go test-c test-python ## run every test: Go (race), C (ctest), Python (pytest)
+	@echo "make test: all suites passed"
+
+test-go: ## go vet, gofmt and go test -race
+	$(GO) vet ./...
+	@fmt=$$(gofmt -l core cuda export); if [ -n "$$fmt" ]; then echo "gofmt needed: $$fmt"; exit 1; fi
+	$(GO) test -race -count=1 ./...
+
+test-c: ## build the C tests with CMake (library through Go) and run them with ctest
+	cmake -S . -B $(CMAKE_DIR) -DCMAKE_BUILD_TYPE=Release >/dev/null
+	cmake --build $(CMAKE_DIR) -j2
+	ctest --test-dir $(CMAKE_DIR) --output-on-failure
+
+test-python: lib ## Python shim tests (pytest)
+	$(PYTHON) -m pytest -q tests/python
+
+$(BUILD)/vmmipc_demo: tests/c/demo.c tests/c/demo_cuda.h tests/c/testutil.h $(LIB)
+	$(CC) -O2 -Wall -o $@ tests/c/demo.c -I$(BUILD)/include -L$(BUILD) -lvmmipc -lpthread -ldl -Wl,-rpath,'$$ORIGIN'
+
+demo: deps $(BUILD)/vmmipc_demo ## share a 4096-chunk buffer between two processes (GPU if present, else host)
+	$(BUILD)/vmmipc_demo
+
+install: ## install library, header, CMake package and vmmipc.pc under PREFIX
+	cmake -S . -B $(CMAKE_DIR) -DCMAKE_INSTALL_PREFIX=$(PREFIX) -DVMMIPC_BUILD_TESTS=OFF >/dev/null
+	cmake --build $(CMAKE_DIR) -j2
+	cmake --install $(CMAKE_DIR)
 
 help: ## list targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 16
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 14
 
 clean: ## remove build outputs
 	rm -rf $(BUILD)

@@ -45,6 +45,7 @@ type registration struct {
 	exporting int    // ExportChunk calls in flight
 	released  bool
 	streams   map[*conn]struct{} // live connections, cut on end
+	settled   chan struct{}      // closed and replaced whenever a claim ends
 	timer     *time.Timer
 }
 
@@ -93,7 +94,7 @@ func (r *Registry) add(sizes []uint64, exp Exporter, opts RegisterOptions) (*reg
 	reg := &registration{
 		secret: secret, sizes: append([]uint64(nil), sizes...), offsets: offsets,
 		total: total, kind: opts.Kind, exporter: exp, owner: r,
-		uses: opts.Uses, streams: map[*conn]struct{}{},
+		uses: opts.Uses, streams: map[*conn]struct{}{}, settled: make(chan struct{}),
 	}
 	r.mu.Lock()
 	reg.id = r.nextID
@@ -147,19 +148,44 @@ func (r *Registry) Unregister(id uint64, secret Secret) error {
 	return nil
 }
 
+// claimGrace is how long a receiver that finds every use claimed waits for a
+// claim to settle. A stream that its receiver closed early (or whose
+// receiver died) gives its use back as soon as the server reads the EOF,
+// which can be just after the next receiver arrives.
+const claimGrace = time.Second
+
 // claim reserves one use for a receiver that is about to stream.
 func (g *registration) claim(c *conn) error {
+	deadline := time.Now().Add(claimGrace)
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	if g.ended != "" {
-		return Errorf(ENOENT, "registration %d %s", g.id, g.ended)
+	for {
+		if g.ended != "" {
+			return Errorf(ENOENT, "registration %d %s", g.id, g.ended)
+		}
+		if g.uses == 0 || g.consumed+g.claimed < g.uses {
+			g.claimed++
+			g.streams[c] = struct{}{}
+			return nil
+		}
+		wait := time.Until(deadline)
+		if g.claimed == 0 || wait <= 0 {
+			return Errorf(ENOENT, "registration %d allows %d receiver(s); %d finished and %d streaming now", g.id, g.uses, g.consumed, g.claimed)
+		}
+		settled := g.settled
+		g.mu.Unlock()
+		select {
+		case <-settled:
+		case <-time.After(wait):
+		}
+		g.mu.Lock()
 	}
-	if g.uses != 0 && g.consumed+g.claimed >= g.uses {
-		return Errorf(ENOENT, "registration %d allows %d receiver(s); %d finished and %d streaming now", g.id, g.uses, g.consumed, g.claimed)
-	}
-	g.claimed++
-	g.streams[c] = struct{}{}
-	return nil
+}
+
+// notifySettled wakes receivers waiting in claim. Called with g.mu held.
+func (g *registration) notifySettled() {
+	close(g.settled)
+	g.settled = make(chan struct{})
 }
 
 // finish releases a receiver's claim; completed says whether it pulled every
@@ -174,6 +200,7 @@ func (g *registration) finish(c *conn, completed bool) {
 	}
 	delete(g.streams, c)
 	g.claimed--
+	g.notifySettled()
 	usedUp := false
 	if completed {
 		g.consumed++
@@ -229,6 +256,7 @@ func (g *registration) markEnded(why string) bool {
 		return false
 	}
 	g.ended = why
+	g.notifySettled()
 	if g.timer != nil {
 		g.timer.Stop()
 	}

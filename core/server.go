@@ -64,6 +64,13 @@ func DefaultServer() (*Server, error) {
 	return s, nil
 }
 
+// StartedServer returns this process's server, or nil if none was started.
+func StartedServer() *Server {
+	defaultMu.Lock()
+	defer defaultMu.Unlock()
+	return defaultServer
+}
+
 // DefaultRegistryLive reports the live registrations of the default server
 // without starting it.
 func DefaultRegistryLive() int {

@@ -247,6 +247,9 @@ func parseError(body []byte) (errorMsg, error) {
 	if len(body) < errorHead || len(body) > errorHead+maxErrorText {
 		return errorMsg{}, Errorf(EINVAL, "protocol: error message of %d bytes", len(body))
 	}
+	if binary.LittleEndian.Uint32(body[4:]) != 0 {
+		return errorMsg{}, Errorf(EINVAL, "protocol: error message reserved bytes are not zero")
+	}
 	m := errorMsg{
 		Code:  Code(int32(binary.LittleEndian.Uint32(body[0:]))),
 		Index: binary.LittleEndian.Uint64(body[8:]),

@@ -4,8 +4,12 @@
  * compiler check every definition against the contract. */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <pthread.h>
+#include <sys/syscall.h>
+#include <time.h>
 #include <signal.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
 #include <unistd.h>
@@ -13,54 +17,128 @@
 #include "abi.h"
 #include "_cgo_export.h"
 
-/* ---- host state: saved before the Go runtime starts, restored after ---- */
+/* ---- host state: saved before the Go runtime starts, restored after ----
+ *
+ * Loading a Go c-shared library changes its host: the runtime's constructor
+ * installs signal handlers (SIGSEGV, SIGBUS, SIGFPE, SIGPIPE, SIGURG, and
+ * SA_ONSTACK on others), and the syscall package's init, on a thread of its
+ * own, raises the soft RLIMIT_NOFILE. We snapshot the host before the Go
+ * constructor (a prioritized constructor runs before plain ones), put the
+ * signals back right after it (our plain constructor follows go.o's in
+ * .init_array: check with `objdump -s -j .init_array` after a Go upgrade),
+ * and wait, bounded, for Go's package init to finish so that the limit is
+ * back before dlopen() returns. The cost: a fault inside Go code is no
+ * longer a recoverable panic, and Go cannot preempt a goroutine that loops
+ * without calls (we have none). Rule: no Go init may use the dynamic loader
+ * (dlopen, dlsym, NSS): dlopen holds its lock while we wait. */
+
+static pthread_key_t last_error_key;
+static int last_error_key_ok;
+
+struct kernel_sigaction { /* the kernel's layout on x86-64 */
+  void *handler;
+  unsigned long flags;
+  void *restorer;
+  unsigned long mask;
+};
 
 #define VMMIPC_NSIG 65
-static struct sigaction saved_actions[VMMIPC_NSIG];
-static int saved_action_ok[VMMIPC_NSIG];
+static struct kernel_sigaction saved_actions[VMMIPC_NSIG];
+static unsigned char saved_action_ok[VMMIPC_NSIG];
 static struct rlimit saved_nofile;
 static int saved_nofile_ok;
 static pid_t load_pid;
+static pthread_mutex_t init_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t init_cv;
+static int go_init_done;
 
-/* Runs before the Go runtime's own constructor (prioritized .init_array
- * entries run before plain ones), so it sees the host as it was. */
+static int raw_sigaction(int sig, const struct kernel_sigaction *act, struct kernel_sigaction *old) {
+  return (int)syscall(SYS_rt_sigaction, sig, act, old, 8);
+}
+
 __attribute__((constructor(101))) static void vmmipc_abi_save_host(void) {
   load_pid = getpid();
+  last_error_key_ok = pthread_key_create(&last_error_key, free) == 0;
   saved_nofile_ok = getrlimit(RLIMIT_NOFILE, &saved_nofile) == 0;
   for (int sig = 1; sig < VMMIPC_NSIG; sig++)
-    saved_action_ok[sig] = sigaction(sig, NULL, &saved_actions[sig]) == 0;
+    saved_action_ok[sig] = raw_sigaction(sig, NULL, &saved_actions[sig]) == 0;
+  pthread_condattr_t a;
+  pthread_condattr_init(&a);
+  pthread_condattr_setclock(&a, CLOCK_MONOTONIC);
+  pthread_cond_init(&init_cv, &a);
+  pthread_condattr_destroy(&a);
 }
 
 static void restore_signals(void) {
   for (int sig = 1; sig < VMMIPC_NSIG; sig++) {
     if (!saved_action_ok[sig] || sig == SIGKILL || sig == SIGSTOP) continue;
-    struct sigaction now;
-    if (sigaction(sig, NULL, &now) != 0) continue;
-    if (now.sa_handler != saved_actions[sig].sa_handler ||
-        now.sa_flags != saved_actions[sig].sa_flags)
-      sigaction(sig, &saved_actions[sig], NULL);
+    if (sig >= 32 && sig < SIGRTMIN) {
+      /* glibc's own signals (SIGCANCEL, SIGSETXID): glibc installs its
+       * handler lazily when the first thread starts; resetting it would
+       * make the next setuid() kill the host. Only undo Go's flag changes. */
+      struct kernel_sigaction now;
+      if (raw_sigaction(sig, NULL, &now) || now.handler != saved_actions[sig].handler) continue;
+    }
+    raw_sigaction(sig, &saved_actions[sig], NULL);
   }
 }
 
-void vmmipc_abi_restore_host(void) {
+void vmmipc_abi_saved_nofile(unsigned long long *cur, unsigned long long *max, int *ok) {
+  *cur = saved_nofile.rlim_cur;
+  *max = saved_nofile.rlim_max;
+  *ok = saved_nofile_ok;
+}
+
+void vmmipc_abi_go_init_done(void) {
+  restore_signals();
+  pthread_mutex_lock(&init_mu);
+  go_init_done = 1;
+  pthread_cond_broadcast(&init_cv);
+  pthread_mutex_unlock(&init_mu);
+}
+
+__attribute__((constructor)) static void vmmipc_abi_after_go(void) {
+  restore_signals();
+  struct timespec deadline;
+  clock_gettime(CLOCK_MONOTONIC, &deadline);
+  deadline.tv_sec += 5; /* never hang the host's dlopen, whatever happens */
+  pthread_mutex_lock(&init_mu);
+  while (!go_init_done && pthread_cond_timedwait(&init_cv, &init_mu, &deadline) != ETIMEDOUT) {
+  }
+  pthread_mutex_unlock(&init_mu);
   if (saved_nofile_ok) setrlimit(RLIMIT_NOFILE, &saved_nofile);
   restore_signals();
 }
 
-/* Runs after the Go runtime's constructor, which installed its signal
- * handlers synchronously. */
-__attribute__((constructor)) static void vmmipc_abi_after_go(void) {
-  restore_signals();
+/* ---- errors ----
+ * The last-error detail is per thread. It lives in a heap buffer found
+ * through a pthread key, not in a __thread array: Go marks this library
+ * STATIC_TLS, so all of its thread-locals come out of glibc's small static
+ * TLS reserve, and a large one makes dlopen() fail ("cannot allocate memory
+ * in static TLS block"). */
+
+
+#define LAST_ERROR_SIZE 2048
+
+static char *last_error_buf(int create) {
+  if (!last_error_key_ok) return NULL;
+  char *b = pthread_getspecific(last_error_key);
+  if (!b && create) {
+    b = calloc(1, LAST_ERROR_SIZE);
+    if (b && pthread_setspecific(last_error_key, b)) {
+      free(b);
+      b = NULL;
+    }
+  }
+  return b;
 }
 
-/* ---- errors ---- */
-
-static __thread char last_error[2048];
-
 void vmmipc_abi_set_error(const char *msg, size_t len) {
-  if (len >= sizeof last_error) len = sizeof last_error - 1;
-  memcpy(last_error, msg, len);
-  last_error[len] = '\0';
+  char *b = last_error_buf(1);
+  if (!b) return;
+  if (len >= LAST_ERROR_SIZE) len = LAST_ERROR_SIZE - 1;
+  memcpy(b, msg, len);
+  b[len] = '\0';
 }
 
 static int set_error_str(int status, const char *msg) {
@@ -184,7 +262,10 @@ const char *vmmipc_strerror(int status) {
   }
 }
 
-const char *vmmipc_last_error(void) { return last_error; }
+const char *vmmipc_last_error(void) {
+  const char *b = last_error_buf(0);
+  return b ? b : "";
+}
 
 #define STR_(x) #x
 #define STR(x) STR_(x)

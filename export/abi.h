@@ -15,7 +15,10 @@ VMMIPC_INTERNAL void vmmipc_abi_set_error(const char *msg, size_t len);
 VMMIPC_INTERNAL int vmmipc_abi_call_export(vmmipc_export_fn fn, void *user, uint64_t index, int *fd_out);
 VMMIPC_INTERNAL void vmmipc_abi_call_release(vmmipc_release_fn fn, void *user);
 
-/* Restores the host's RLIMIT_NOFILE and signal dispositions as they were
- * before the library was loaded. Called from Go's init. */
-VMMIPC_INTERNAL void vmmipc_abi_restore_host(void);
+/* The host's RLIMIT_NOFILE as it was before the library loaded. */
+VMMIPC_INTERNAL void vmmipc_abi_saved_nofile(unsigned long long *cur, unsigned long long *max, int *ok);
+
+/* Called last in Go's package init: puts the signals back and lets the
+ * loading constructor return. */
+VMMIPC_INTERNAL void vmmipc_abi_go_init_done(void);
 #endif

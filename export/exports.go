@@ -12,6 +12,7 @@ package main
 import "C"
 
 import (
+	"syscall"
 	"unsafe"
 
 	"github.com/libvmmipc/libvmmipc/core"
@@ -20,10 +21,18 @@ import (
 
 func main() {}
 
+// init runs after the syscall package's init, which raised the host's soft
+// RLIMIT_NOFILE; it puts the limit back (through syscall.Setrlimit, which
+// also drops Go's record of the "original" limit) and lets abi.c's loading
+// constructor return. See abi.c for the whole story.
 func init() {
-	// Go's syscall package raised RLIMIT_NOFILE and the runtime installed
-	// signal handlers while loading; put the host's back.
-	C.vmmipc_abi_restore_host()
+	var cur, max C.ulonglong
+	var ok C.int
+	C.vmmipc_abi_saved_nofile(&cur, &max, &ok)
+	if ok != 0 {
+		_ = syscall.Setrlimit(syscall.RLIMIT_NOFILE, &syscall.Rlimit{Cur: uint64(cur), Max: uint64(max)})
+	}
+	C.vmmipc_abi_go_init_done()
 }
 
 //export vmmipcgo_options_init
@@ -181,9 +190,9 @@ func vmmipcgo_unregister(ticket *C.vmmipc_ticket) (rc C.int) {
 	if err != nil {
 		return status(err)
 	}
-	srv, err := core.DefaultServer()
-	if err != nil {
-		return status(err)
+	srv := core.StartedServer()
+	if srv == nil {
+		return status(core.Errorf(core.ENOENT, "vmmipc_unregister: this process has registered nothing; the ticket belongs to pid %d", t.Pid))
 	}
 	return status(srv.Unregister(t))
 }

@@ -1,0 +1,411 @@
+/* End-to-end tests of libvmmipc through its C header only. The test process
+ * is the receiver; each test spawns a sender process (this binary in the
+ * "sender" role, see sender.h). Run with a test name, or "all".
+ * Prints PASS/FAIL per test and "N passed, M failed". */
+#define _GNU_SOURCE
+#include <sys/mman.h>
+
+#include "sender.h"
+#include "testutil.h"
+
+/* maps_count counts the lines of /proc/self/maps that contain needle
+ * (NULL: all lines). */
+static int maps_count(const char *needle) {
+  FILE *f = fopen("/proc/self/maps", "r");
+  if (!f) return -1;
+  char line[512];
+  int n = 0;
+  while (fgets(line, sizeof line, f))
+    if (!needle || strstr(line, needle)) n++;
+  fclose(f);
+  return n;
+}
+
+/* maps_has_range reports whether any mapping overlaps [addr, addr+size). */
+static int maps_has_range(uint64_t addr, uint64_t size) {
+  FILE *f = fopen("/proc/self/maps", "r");
+  if (!f) return -1;
+  char line[512];
+  int hit = 0;
+  while (fgets(line, sizeof line, f)) {
+    unsigned long long lo, hi;
+    if (sscanf(line, "%llx-%llx", &lo, &hi) == 2 && lo < addr + size && addr < hi) hit = 1;
+  }
+  fclose(f);
+  return hit;
+}
+
+/* verify_fd checks that a received chunk's descriptor holds the pattern. */
+static int verify_chunk_fd(const vmmipc_chunk *c) {
+  unsigned char *p = mmap(NULL, c->size, PROT_READ, MAP_SHARED, c->fd, (off_t)c->file_offset);
+  if (p == MAP_FAILED) return 0;
+  int ok = 1;
+  for (uint64_t i = 0; i < c->size && ok; i++) ok = p[i] == pattern(c->offset + i, 1);
+  munmap(p, c->size);
+  return ok;
+}
+
+/* pull_all pulls every chunk of a ticket with vmmipc_pull_next under a
+ * 64-descriptor limit, verifies each, and checks descriptor counts. */
+static int pull_all(const char *mode, uint64_t chunks, uint64_t chunk_size) {
+  child s;
+  vmmipc_ticket t;
+  CHECK(sender_start(&s, &t, mode, chunks, chunk_size, 1, -1, 0) == 0, "sender did not start");
+  int base = count_fds(0);
+  rlim_t old = set_nofile(64);
+  fd_sampler fs;
+  fd_sampler_start(&fs, 0);
+  vmmipc_options o;
+  vmmipc_options_init(&o);
+  vmmipc_stream *st = NULL;
+  double t0 = now_ms();
+  CHECK_RC(vmmipc_open(&t, &o, &st), VMMIPC_OK);
+  uint64_t count = 0, total = 0, n = 0, bad = 0;
+  CHECK_RC(vmmipc_stream_info(st, &count, &total), VMMIPC_OK);
+  CHECK(count == chunks && total == chunks * chunk_size, "info %llu/%llu", (unsigned long long)count, (unsigned long long)total);
+  vmmipc_chunk c;
+  int rc;
+  while ((rc = vmmipc_pull_next(st, &c)) == VMMIPC_OK) {
+    if (c.index != n || !verify_chunk_fd(&c)) bad++;
+    close(c.fd);
+    n++;
+  }
+  CHECK(rc == VMMIPC_END, "pull_next ended with %d: %s", rc, vmmipc_last_error());
+  CHECK_RC(vmmipc_close(st), VMMIPC_OK);
+  double ms = now_ms() - t0;
+  int peak = fd_sampler_stop(&fs);
+  set_nofile(old);
+  CHECK(n == chunks && bad == 0, "%llu chunks, %llu bad", (unsigned long long)n, (unsigned long long)bad);
+  char reply[128];
+  CHECK(child_ask(&s, reply, sizeof reply, "fds") == 0, "sender gone");
+  int s_now, s_peak;
+  sscanf(reply, "%d %d", &s_now, &s_peak);
+  CHECK(child_ask(&s, reply, sizeof reply, "released") == 0 && atoi(reply) == 1, "release callback did not run once: %s", reply);
+  printf("  %s: %llu chunks in %.1f ms; extra fds: receiver peak %d, sender peak %d (%ld samples)\n", mode,
+         (unsigned long long)n, ms, peak - base, s_peak, fs.samples);
+  CHECK(peak - base <= 8, "receiver peak %d extra fds", peak - base);
+  CHECK(s_peak <= 8 && s_now == 0, "sender peak %d extra fds, %d left", s_peak, s_now);
+  CHECK(count_fds(0) == base, "receiver fds %d, baseline %d", count_fds(0), base);
+  child_end(&s);
+  return 0;
+}
+
+static int test_pull_4096_callback(void) { return pull_all("callback", 4096, 4096); }
+static int test_pull_4096_file(void) { return pull_all("file", 4096, 4096); }
+
+/* import_all imports a host-file registration with vmmipc_import_stream
+ * under a 64-descriptor limit, verifies every byte, writes back, checks the
+ * sender sees the write, unmaps and checks nothing is left. */
+static int import_all(uint64_t chunks, uint64_t chunk_size) {
+  child s;
+  vmmipc_ticket t;
+  CHECK(sender_start(&s, &t, "file", chunks, chunk_size, 1, -1, 0) == 0, "sender did not start");
+  int base = count_fds(0), maps_base = maps_count("memfd:");
+  rlim_t old = set_nofile(64);
+  fd_sampler fs;
+  fd_sampler_start(&fs, 0);
+  vmmipc_mapping m;
+  double t0 = now_ms();
+  CHECK_RC(vmmipc_import_stream(&t, VMMIPC_DEVICE_HOST, NULL, &m), VMMIPC_OK);
+  double ms = now_ms() - t0;
+  int peak = fd_sampler_stop(&fs);
+  set_nofile(old);
+  CHECK(m.size == chunks * chunk_size && m.memory_kind == VMMIPC_MEMORY_HOST && m.device == VMMIPC_DEVICE_HOST, "mapping fields");
+  const unsigned char *p = (const unsigned char *)(uintptr_t)m.addr;
+  uint64_t bad = 0;
+  for (uint64_t i = 0; i < m.size; i++) bad += p[i] != pattern(i, 1);
+  CHECK(bad == 0, "%llu bytes differ", (unsigned long long)bad);
+  uint64_t at = m.size - 12345;
+  ((unsigned char *)(uintptr_t)m.addr)[at] = (unsigned char)~pattern(at, 1);
+  char reply[128];
+  CHECK(child_ask(&s, reply, sizeof reply, "peek %llu", (unsigned long long)at) == 0, "sender gone");
+  CHECK(atoi(reply) == (unsigned char)~pattern(at, 1), "sender sees %s, not our write", reply);
+  int s_now, s_peak;
+  CHECK(child_ask(&s, reply, sizeof reply, "fds") == 0, "sender gone");
+  sscanf(reply, "%d %d", &s_now, &s_peak);
+  uint64_t addr = m.addr, size = m.size;
+  CHECK_RC(vmmipc_unmap(&m), VMMIPC_OK);
+  CHECK(!maps_has_range(addr, size), "range still mapped after vmmipc_unmap");
+  CHECK(maps_count("memfd:") == maps_base, "memfd mappings left");
+  vmmipc_mapping stale = {.addr = addr, .size = size};
+  CHECK_RC(vmmipc_unmap(&stale), VMMIPC_EINVAL);
+  printf("  import: %llu chunks, %llu bytes in %.1f ms; extra fds: receiver peak %d, sender peak %d\n",
+         (unsigned long long)chunks, (unsigned long long)size, ms, peak - base, s_peak);
+  CHECK(peak - base <= 8, "receiver peak %d extra fds", peak - base);
+  CHECK(s_peak <= 8, "sender peak %d extra fds", s_peak);
+  CHECK(count_fds(0) == base, "receiver fds %d, baseline %d", count_fds(0), base);
+  child_end(&s);
+  return 0;
+}
+
+static int test_import_4096(void) { return import_all(4096, 4096); }
+static int test_import_300(void) { return import_all(300, 16384); } /* > SCM_MAX_FD (253) */
+
+static int test_pull_300(void) { return pull_all("callback", 300, 8192); }
+
+/* The sender's export_fn fails at chunk k. */
+static int test_export_fails_at_k(void) {
+  const int64_t k = 1717;
+  child s;
+  vmmipc_ticket t;
+  CHECK(sender_start(&s, &t, "callback", 4096, 4096, 1, k, 0) == 0, "sender did not start");
+  int base = count_fds(0), maps_base = maps_count(NULL);
+  vmmipc_mapping m = {0};
+  CHECK_RC(vmmipc_import_stream(&t, VMMIPC_DEVICE_HOST, NULL, &m), VMMIPC_EEXPORT);
+  const char *e = vmmipc_last_error();
+  printf("  error: %s\n", e);
+  CHECK(strstr(e, "chunk 1717 of 4096") != NULL, "message does not name chunk 1717: %s", e);
+  CHECK(m.addr == 0, "mapping_out touched on failure");
+  CHECK(maps_count(NULL) == maps_base, "maps: %d lines, baseline %d", maps_count(NULL), maps_base);
+  CHECK(maps_count("memfd:") == 0, "memfd mappings left");
+  CHECK(count_fds(0) == base, "fds %d, baseline %d", count_fds(0), base);
+  /* The failed import gave its use back: the same failure again, not ENOENT. */
+  CHECK_RC(vmmipc_import_stream(&t, VMMIPC_DEVICE_HOST, NULL, &m), VMMIPC_EEXPORT);
+  child_end(&s);
+  return 0;
+}
+
+/* try_open opens a ticket expecting status want, and checks no descriptor
+ * arrived (the count is unchanged). */
+static int try_open(const vmmipc_ticket *t, int want, const char *needle) {
+  int base = count_fds(0);
+  vmmipc_stream *st = NULL;
+  vmmipc_mapping m = {0};
+  int rc = vmmipc_open(t, NULL, &st);
+  if (rc == VMMIPC_OK) vmmipc_close(st);
+  CHECK(rc == want, "open returned %d (%s), want %d: %s", rc, vmmipc_strerror(rc), want, vmmipc_last_error());
+  CHECK(!needle || strstr(vmmipc_last_error(), needle), "message lacks \"%s\": %s", needle, vmmipc_last_error());
+  printf("  %-14s -> %s\n", vmmipc_strerror(rc), vmmipc_last_error());
+  rc = vmmipc_import_stream(t, VMMIPC_DEVICE_HOST, NULL, &m);
+  CHECK(rc == want, "import returned %d, want %d: %s", rc, want, vmmipc_last_error());
+  CHECK(count_fds(0) == base, "fds %d, baseline %d", count_fds(0), base);
+  return 0;
+}
+
+static int test_bad_tickets(void) {
+  child s;
+  vmmipc_ticket good, t;
+  CHECK(sender_start(&s, &good, "file", 16, 4096, 1, -1, 0) == 0, "sender did not start");
+  srand(42);
+  for (size_t i = 0; i < sizeof t.bytes; i++) t.bytes[i] = (unsigned char)rand();
+  if (try_open(&t, VMMIPC_EINVAL, "wrong magic")) return 1;
+  t = good;
+  t.bytes[0] ^= 1;
+  if (try_open(&t, VMMIPC_EINVAL, "wrong magic")) return 1;
+  t = good;
+  t.bytes[8] = 9; /* format version */
+  if (try_open(&t, VMMIPC_EINVAL, "format version 9")) return 1;
+  t = good;
+  memset(t.bytes + 64, 0, sizeof t.bytes - 64); /* truncated: only the first 64 bytes arrived */
+  if (try_open(&t, VMMIPC_EINVAL, "ticket")) return 1;
+  t = good;
+  t.bytes[40] ^= 0x10; /* a secret byte */
+  if (try_open(&t, VMMIPC_EAUTH, "wrong secret")) return 1;
+  vmmipc_ticket_info info;
+  CHECK_RC(vmmipc_ticket_decode(&good, &info), VMMIPC_OK);
+  CHECK(info.chunk_count == 16 && info.total_size == 16 * 4096 && info.memory_kind == VMMIPC_MEMORY_HOST &&
+            (pid_t)info.exporter_pid == s.pid,
+        "ticket info");
+  CHECK_RC(vmmipc_ticket_decode(NULL, &info), VMMIPC_EINVAL);
+  /* First use works, the second of a uses=1 ticket is refused. */
+  vmmipc_mapping m;
+  CHECK_RC(vmmipc_import_stream(&good, VMMIPC_DEVICE_HOST, NULL, &m), VMMIPC_OK);
+  CHECK_RC(vmmipc_unmap(&m), VMMIPC_OK);
+  if (try_open(&good, VMMIPC_ENOENT, "used up")) return 1;
+  child_end(&s);
+
+  /* An unregistered ticket. */
+  CHECK(sender_start(&s, &good, "file", 16, 4096, 0, -1, 0) == 0, "sender did not start");
+  char reply[256];
+  CHECK(child_ask(&s, reply, sizeof reply, "unregister") == 0 && atoi(reply) == 0, "unregister: %s", reply);
+  CHECK(child_ask(&s, reply, sizeof reply, "released") == 0 && atoi(reply) == 1, "release after unregister: %s", reply);
+  if (try_open(&good, VMMIPC_ENOENT, "unregistered")) return 1;
+  /* A ticket for a process that has exited. */
+  child_end(&s);
+  if (try_open(&good, VMMIPC_EIO, "cannot connect")) return 1;
+  /* Wrong device for the memory kind. */
+  CHECK_RC(vmmipc_import_stream(&good, 0, NULL, &m), VMMIPC_EINVAL);
+  return 0;
+}
+
+static int test_ttl_expires(void) {
+  child s;
+  vmmipc_ticket t;
+  CHECK(sender_start(&s, &t, "file", 4, 4096, 0, -1, 100) == 0, "sender did not start");
+  char reply[64];
+  CHECK(child_ask(&s, reply, sizeof reply, "released") == 0 && atoi(reply) == 1, "ttl did not release");
+  if (try_open(&t, VMMIPC_ENOENT, "expired")) return 1;
+  child_end(&s);
+  return 0;
+}
+
+/* uses = 2: two receivers import, both see the same shared memory. */
+static int test_two_uses(void) {
+  child s;
+  vmmipc_ticket t;
+  CHECK(sender_start(&s, &t, "file", 64, 4096, 2, -1, 0) == 0, "sender did not start");
+  vmmipc_mapping a, b;
+  CHECK_RC(vmmipc_import_stream(&t, VMMIPC_DEVICE_HOST, NULL, &a), VMMIPC_OK);
+  CHECK_RC(vmmipc_import_stream(&t, VMMIPC_DEVICE_HOST, NULL, &b), VMMIPC_OK);
+  CHECK(a.addr != b.addr, "two imports share an address");
+  ((volatile unsigned char *)(uintptr_t)a.addr)[777] = 0x5a;
+  CHECK(((volatile unsigned char *)(uintptr_t)b.addr)[777] == 0x5a, "second mapping does not see the first's write");
+  CHECK_RC(vmmipc_unmap(&a), VMMIPC_OK);
+  CHECK_RC(vmmipc_unmap(&b), VMMIPC_OK);
+  if (try_open(&t, VMMIPC_ENOENT, "used up")) return 1;
+  child_end(&s);
+  return 0;
+}
+
+/* Closing a stream early gives the use back; handles are checked. */
+static int test_handles_and_early_close(void) {
+  child s;
+  vmmipc_ticket t;
+  CHECK(sender_start(&s, &t, "callback", 32, 4096, 1, -1, 0) == 0, "sender did not start");
+  vmmipc_stream *st;
+  vmmipc_chunk c;
+  CHECK_RC(vmmipc_open(&t, NULL, &st), VMMIPC_OK);
+  CHECK_RC(vmmipc_pull_next(st, &c), VMMIPC_OK);
+  close(c.fd);
+  CHECK_RC(vmmipc_close(st), VMMIPC_OK);
+  CHECK_RC(vmmipc_close(st), VMMIPC_EBADF);
+  CHECK_RC(vmmipc_pull_next(st, &c), VMMIPC_EBADF);
+  CHECK_RC(vmmipc_pull_next(NULL, &c), VMMIPC_EBADF);
+  CHECK_RC(vmmipc_stream_info(NULL, NULL, NULL), VMMIPC_EBADF);
+  void *bogus = malloc(16);
+  CHECK_RC(vmmipc_pull_next((vmmipc_stream *)bogus, &c), VMMIPC_EBADF);
+  free(bogus);
+  CHECK_RC(vmmipc_unmap(NULL), VMMIPC_EINVAL);
+  CHECK_RC(vmmipc_open(&t, NULL, NULL), VMMIPC_EINVAL);
+  CHECK_RC(vmmipc_register(NULL, 3, NULL, NULL, NULL, NULL, NULL), VMMIPC_EINVAL);
+  vmmipc_options o;
+  vmmipc_options_init(&o);
+  o.struct_size = 2;
+  CHECK_RC(vmmipc_open(&t, &o, &st), VMMIPC_EINVAL);
+  /* The early close gave the use back: a full import still works. */
+  vmmipc_mapping m;
+  CHECK_RC(vmmipc_import_stream(&t, VMMIPC_DEVICE_HOST, NULL, &m), VMMIPC_OK);
+  CHECK_RC(vmmipc_unmap(&m), VMMIPC_OK);
+  child_end(&s);
+  return 0;
+}
+
+/* With SIGPIPE at its default, a sender that vanishes mid-stream gives the
+ * receiver VMMIPC_EIO and does not kill it. */
+static int test_peer_vanishes_sigpipe_default(void) {
+  signal(SIGPIPE, SIG_DFL);
+  child s;
+  vmmipc_ticket t;
+  CHECK(sender_start(&s, &t, "callback", 2048, 4096, 1, -1, 0) == 0, "sender did not start");
+  int base = count_fds(0);
+  vmmipc_options o;
+  vmmipc_options_init(&o);
+  o.window = 1;
+  o.timeout_ms = 5000;
+  vmmipc_stream *st;
+  vmmipc_chunk c;
+  CHECK_RC(vmmipc_open(&t, &o, &st), VMMIPC_OK);
+  CHECK_RC(vmmipc_pull_next(st, &c), VMMIPC_OK);
+  close(c.fd);
+  kill(s.pid, SIGKILL);
+  child_end(&s);
+  base -= 2; /* the pipes to the sender are closed now */
+  double t0 = now_ms();
+  int rc;
+  while ((rc = vmmipc_pull_next(st, &c)) == VMMIPC_OK) close(c.fd);
+  CHECK(rc == VMMIPC_EIO, "got %d: %s", rc, vmmipc_last_error());
+  CHECK(now_ms() - t0 < 1000, "took %.0f ms to notice", now_ms() - t0);
+  CHECK_RC(vmmipc_pull_next(st, &c), VMMIPC_EIO); /* sticky */
+  CHECK_RC(vmmipc_close(st), VMMIPC_OK);
+  CHECK(count_fds(0) == base, "fds %d, baseline %d", count_fds(0), base);
+  return 0;
+}
+
+/* After fork(), the child gets VMMIPC_EFORK at once from every entry point. */
+static int test_fork_child_gets_efork(void) {
+  pid_t pid = fork();
+  if (pid == 0) {
+    vmmipc_ticket t = {{0}};
+    vmmipc_options o;
+    uint64_t n;
+    int ok = vmmipc_options_init(&o) == VMMIPC_EFORK && vmmipc_open(&t, NULL, NULL) == VMMIPC_EFORK &&
+             vmmipc_live_registrations(&n) == VMMIPC_EFORK && strstr(vmmipc_last_error(), "fork") != NULL;
+    _exit(ok ? 0 : 1);
+  }
+  int st;
+  CHECK(waitpid(pid, &st, 0) == pid, "waitpid");
+  CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0, "child status %#x", st);
+  uint64_t n;
+  CHECK_RC(vmmipc_live_registrations(&n), VMMIPC_OK); /* the parent is fine */
+  return 0;
+}
+
+/* Without a GPU driver the CUDA entry points fail cleanly, naming libcuda. */
+static int test_cuda_without_driver(void) {
+  setenv("VMMIPC_LIBCUDA", "/nonexistent/libcuda.so.1", 1);
+  vmmipc_ticket t;
+  int rc = vmmipc_register_cuda(0x10000, 2 << 20, NULL, &t);
+  CHECK(rc == VMMIPC_ECUDA, "register_cuda returned %d: %s", rc, vmmipc_last_error());
+  CHECK(strstr(vmmipc_last_error(), "libcuda.so.1") != NULL, "message: %s", vmmipc_last_error());
+  printf("  %s\n", vmmipc_last_error());
+  unsetenv("VMMIPC_LIBCUDA");
+  return 0;
+}
+
+static const struct {
+  const char *name;
+  int (*fn)(void);
+} tests[] = {
+    {"pull_4096_callback", test_pull_4096_callback},
+    {"pull_4096_file", test_pull_4096_file},
+    {"pull_300", test_pull_300},
+    {"import_4096", test_import_4096},
+    {"import_300", test_import_300},
+    {"export_fails_at_k", test_export_fails_at_k},
+    {"bad_tickets", test_bad_tickets},
+    {"ttl_expires", test_ttl_expires},
+    {"two_uses", test_two_uses},
+    {"handles_and_early_close", test_handles_and_early_close},
+    {"peer_vanishes_sigpipe_default", test_peer_vanishes_sigpipe_default},
+    {"fork_child_gets_efork", test_fork_child_gets_efork},
+    {"cuda_without_driver", test_cuda_without_driver},
+};
+
+int main(int argc, char **argv) {
+  if (argc > 1 && strcmp(argv[1], "sender") == 0) return sender_main(argc, argv);
+  const char *only = argc > 1 ? argv[1] : "all";
+  /* The Go runtime inside the library opens its poller's descriptors
+   * (epoll, eventfd) at the first socket and keeps them for the life of
+   * the process. Open them now, so every test's baseline includes them. */
+  int before = count_fds(0);
+  vmmipc_ticket none;
+  vmmipc_stream *st;
+  memset(&none, 0, sizeof none);
+  vmmipc_open(&none, NULL, &st); /* EINVAL: opens nothing */
+  child warm;
+  vmmipc_ticket wt;
+  if (sender_start(&warm, &wt, "file", 1, 4096, 1, -1, 0) == 0) {
+    vmmipc_unregister(&wt); /* ENOENT here (not ours); it only warms up */
+    int rc = vmmipc_open(&wt, NULL, &st);
+    if (rc == VMMIPC_OK) vmmipc_close(st);
+    child_end(&warm);
+  }
+  printf("library runtime holds %d descriptor(s) after first use (Go's poller)\n", count_fds(0) - before);
+  int passed = 0, failed = 0, found = 0;
+  for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++) {
+    if (strcmp(only, "all") && strcmp(only, tests[i].name)) continue;
+    found = 1;
+    printf("RUN  %s\n", tests[i].name);
+    fflush(stdout);
+    int bad = tests[i].fn();
+    printf("%s %s\n", bad ? "FAIL" : "PASS", tests[i].name);
+    fflush(stdout);
+    bad ? failed++ : passed++;
+  }
+  if (!found) {
+    fprintf(stderr, "no test named %s\n", only);
+    return 2;
+  }
+  printf("%d passed, %d failed\n", passed, failed);
+  return failed ? 1 : 0;
+}
