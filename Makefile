@@ -16,7 +16,7 @@ GOFLAGS_LIB := -buildmode=c-shared -trimpath \
 GO_SOURCES := $(shell find core cuda export -name '*.go' -o -name '*.c' -o -name '*.h' -o -name '*.map' 2>/dev/null) \
 	go.mod go.sum include/vmmipc.h
 
-.PHONY: all lib test test-go test-c test-python demo bench install deps help clean
+.PHONY: all lib test test-go test-c test-python test-cgocheck demo bench install deps help clean
 
 all: lib ## build build/libvmmipc.so and build/include/vmmipc.h
 
@@ -35,7 +35,7 @@ deps: ## check the toolchain and fetch what a fresh machine lacks (Go modules, p
 	$(GO) mod download
 	@$(PYTHON) -c 'import pytest' 2>/dev/null || $(PYTHON) -m pip install --quiet pytest
 
-test: deps lib test-go test-c test-python ## run every test: Go (race), C (ctest), Python (pytest)
+test: deps lib test-go test-c test-python test-cgocheck ## run every test: Go (race), C (ctest), Python (pytest), cgocheck2
 	@echo "make test: all suites passed"
 
 test-go: ## go vet, gofmt and go test -race
@@ -51,11 +51,23 @@ test-c: ## build the C tests with CMake (library through Go) and run them with c
 test-python: lib ## Python shim tests (pytest)
 	$(PYTHON) -m pytest -q tests/python
 
+# The C suite again, against a library built with GOEXPERIMENT=cgocheck2 (full
+# checks of pointers passed between Go and C). The C tests use RUNPATH, so
+# LD_LIBRARY_PATH picks this build. (-race is covered by go test -race: a
+# race-instrumented c-shared library cannot load into an uninstrumented host.)
+test-cgocheck: test-c ## the C tests against a GOEXPERIMENT=cgocheck2 build of the library
+	@mkdir -p $(BUILD)/cgocheck
+	GOEXPERIMENT=cgocheck2 $(GO) build $(GOFLAGS_LIB) -o $(BUILD)/cgocheck/libvmmipc.so ./export
+	LD_LIBRARY_PATH=$(BUILD)/cgocheck $(CMAKE_DIR)/test_vmmipc all
+
 $(BUILD)/vmmipc_demo: tests/c/demo.c tests/c/demo_cuda.h tests/c/testutil.h $(LIB)
 	$(CC) -O2 -Wall -o $@ tests/c/demo.c -I$(BUILD)/include -L$(BUILD) -lvmmipc -lpthread -ldl -Wl,-rpath,'$$ORIGIN'
 
 demo: deps $(BUILD)/vmmipc_demo ## share a 4096-chunk buffer between two processes (GPU if present, else host)
 	$(BUILD)/vmmipc_demo
+
+bench: lib ## driver floor vs libvmmipc vs all-at-once for N = 64..16384 (GPU if present, else host memory) into build/bench/
+	bash bench/run.sh --out $(BUILD)/bench
 
 install: ## install library, header, CMake package and vmmipc.pc under PREFIX
 	cmake -S . -B $(CMAKE_DIR) -DCMAKE_INSTALL_PREFIX=$(PREFIX) -DVMMIPC_BUILD_TESTS=OFF >/dev/null

@@ -4,6 +4,7 @@ import (
 	"context"
 	"net"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -41,6 +42,7 @@ type Stream struct {
 	err       error  // sticky: once broken, always broken
 	done      bool
 	closed    bool
+	closing   atomic.Bool // set once by Close, before it takes mu
 }
 
 // Open connects to the ticket's exporter, verifies that the socket belongs to
@@ -89,7 +91,9 @@ func dial(addr string, timeout time.Duration) (*net.UnixConn, error) {
 
 func (s *Stream) handshake() error {
 	if err := s.c.send(helloMsg{RegID: s.t.RegID, Secret: s.t.Secret}.encode(), -1); err != nil {
-		return err
+		// A server that refuses us at once (our uid) hangs up after
+		// saying why: read that rather than report a bare EPIPE.
+		return s.pendingError(err)
 	}
 	f, err := s.c.recv()
 	if err != nil {
@@ -258,12 +262,16 @@ func (s *Stream) chunkErr(err error) error {
 
 // Close ends the stream. A stream closed before End gives its use back to
 // the registration.
+//
+// Close does not wait for a Next in progress on another thread: closing the
+// socket wakes it, and it returns an error.
 func (s *Stream) Close() error {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.closed {
+	if !s.closing.CompareAndSwap(false, true) {
 		return Errorf(EBADF, "stream is already closed")
 	}
+	err := s.c.Close()
+	s.mu.Lock()
 	s.closed = true
-	return s.c.Close()
+	s.mu.Unlock()
+	return err
 }

@@ -1,3 +1,6 @@
+//go:debug containermaxprocs=0
+//go:debug updatemaxprocs=0
+
 // Command export builds libvmmipc.so (go build -buildmode=c-shared). It is the
 // only package with //export: thin functions that translate C arguments,
 // call core or cuda, and turn errors into status codes. The public vmmipc_*

@@ -1,0 +1,160 @@
+"""Exceptions raised by vmmipc: one class per libvmmipc status code.
+
+Every error carries the status (``err.status``, e.g. -4), the name of the C
+function that failed (``err.function``) and the library's own detail of what
+failed and what to do (``err.message``, from vmmipc_last_error()).
+"""
+
+from __future__ import annotations
+
+# Status codes, as in include/vmmipc.h.
+OK = 0
+END = 1
+EINVAL = -1
+EBADF = -2
+EAUTH = -3
+ENOENT = -4
+EIO = -5
+EEXPORT = -6
+ECUDA = -7
+ENFILE = -8
+EFORK = -9
+EINTERNAL = -10
+
+STATUS_NAMES = {
+    OK: "VMMIPC_OK",
+    END: "VMMIPC_END",
+    EINVAL: "VMMIPC_EINVAL",
+    EBADF: "VMMIPC_EBADF",
+    EAUTH: "VMMIPC_EAUTH",
+    ENOENT: "VMMIPC_ENOENT",
+    EIO: "VMMIPC_EIO",
+    EEXPORT: "VMMIPC_EEXPORT",
+    ECUDA: "VMMIPC_ECUDA",
+    ENFILE: "VMMIPC_ENFILE",
+    EFORK: "VMMIPC_EFORK",
+    EINTERNAL: "VMMIPC_EINTERNAL",
+}
+
+
+class VmmipcError(Exception):
+    """Base of every libvmmipc error.
+
+    Attributes: ``status`` (the negative VMMIPC_E* code, or None when the
+    library could not even be loaded), ``message`` (the library's detail),
+    ``function`` (the C function that failed, or "" if raised in Python).
+    """
+
+    status: int | None = None
+
+    def __init__(self, message: str, status: int | None = None, function: str = ""):
+        if status is not None:
+            self.status = status
+        self.message = message
+        self.function = function
+        super().__init__(message)
+
+    @property
+    def status_name(self) -> str:
+        if self.status is None:
+            return "VMMIPC_UNAVAILABLE"
+        return STATUS_NAMES.get(self.status, f"VMMIPC_UNKNOWN({self.status})")
+
+    def __str__(self) -> str:
+        where = f"{self.function}: " if self.function else ""
+        return f"{where}{self.message} [{self.status_name}]"
+
+    def __reduce__(self):
+        # Errors cross process boundaries (Pool results, Queue replies);
+        # keep status, message and function when they do.
+        return (_rebuild_error, (type(self), self.message, self.status, self.function))
+
+
+def _rebuild_error(cls, message, status, function):
+    return cls(message, status, function)
+
+
+class InvalidError(VmmipcError):
+    """VMMIPC_EINVAL: bad argument, malformed ticket or message."""
+    status = EINVAL
+
+
+class BadHandleError(VmmipcError):
+    """VMMIPC_EBADF: NULL, stale or closed handle."""
+    status = EBADF
+
+
+class AuthError(VmmipcError):
+    """VMMIPC_EAUTH: wrong secret, wrong uid or wrong peer pid."""
+    status = EAUTH
+
+
+class NotFoundError(VmmipcError):
+    """VMMIPC_ENOENT: unknown, used-up, unregistered or expired registration."""
+    status = ENOENT
+
+
+class VmmipcIOError(VmmipcError):
+    """VMMIPC_EIO: socket error, peer gone or timed out."""
+    status = EIO
+
+
+class ExportError(VmmipcError):
+    """VMMIPC_EEXPORT: the sender could not export a chunk."""
+    status = EEXPORT
+
+
+class CudaError(VmmipcError):
+    """VMMIPC_ECUDA: CUDA driver missing or a driver call failed."""
+    status = ECUDA
+
+
+class OutOfDescriptorsError(VmmipcError):
+    """VMMIPC_ENFILE: out of file descriptors."""
+    status = ENFILE
+
+
+class VmmipcForkError(VmmipcError):
+    """VMMIPC_EFORK: libvmmipc used in a child created by fork() without exec.
+
+    The Go runtime inside libvmmipc (and CUDA) do not survive fork(). Start
+    helpers with the "spawn" or "forkserver" multiprocessing start methods.
+    """
+    status = EFORK
+
+
+class InternalError(VmmipcError):
+    """VMMIPC_EINTERNAL: a bug in libvmmipc (a recovered panic)."""
+    status = EINTERNAL
+
+
+class LibraryNotFoundError(VmmipcError, OSError):
+    """libvmmipc.so could not be found or loaded (status is None)."""
+    status = None
+
+    def __init__(self, message: str, status: int | None = None, function: str = ""):
+        VmmipcError.__init__(self, message, status, function)
+
+    def __str__(self) -> str:
+        return VmmipcError.__str__(self)
+
+
+_BY_STATUS = {
+    cls.status: cls
+    for cls in (InvalidError, BadHandleError, AuthError, NotFoundError, VmmipcIOError,
+                ExportError, CudaError, OutOfDescriptorsError, VmmipcForkError, InternalError)
+}
+
+
+def error_for(status: int, message: str, function: str = "") -> VmmipcError:
+    """Return the exception for a negative status (VmmipcError if unknown)."""
+    cls = _BY_STATUS.get(status, VmmipcError)
+    return cls(message or STATUS_NAMES.get(status, f"status {status}"), status, function)
+
+
+def fork_error(function: str) -> VmmipcForkError:
+    return VmmipcForkError(
+        "called in a child after fork(): libvmmipc was loaded by the parent and its "
+        "Go runtime does not survive fork(); start this process with the 'spawn' or "
+        "'forkserver' multiprocessing start method (or exec a new program)",
+        EFORK, function)

@@ -1,0 +1,61 @@
+"""Tickets: 256 bytes of plain data naming one registration."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import ctypes
+
+from . import _errors, _lib
+from ._errors import InvalidError
+from ._lib import MEMORY_CUDA, MEMORY_HOST, TICKET_SIZE
+
+
+class TicketInfo(NamedTuple):
+    memory_kind: int       # MEMORY_HOST or MEMORY_CUDA
+    exporter_pid: int      # pid of the registering process
+    chunk_count: int
+    total_size: int        # bytes
+    device_uuid: bytes     # 16 bytes; zeros for host memory
+
+
+class Ticket(bytes):
+    """256 bytes naming one registration. Plain data: copy, pickle and send it
+    anywhere. Whoever holds it can map the memory: treat it like a password
+    (its repr never shows the bytes)."""
+
+    def __new__(cls, data) -> "Ticket":
+        b = bytes(data)
+        if len(b) != TICKET_SIZE:
+            raise InvalidError(f"a ticket is {TICKET_SIZE} bytes, got {len(b)}",
+                               _errors.EINVAL, "Ticket")
+        return super().__new__(cls, b)
+
+    def __reduce__(self):
+        return (Ticket, (bytes(self),))
+
+    def _c(self) -> _lib.vmmipc_ticket:
+        return _lib.vmmipc_ticket.from_buffer_copy(self)
+
+    def info(self) -> TicketInfo:
+        """Decode the ticket without contacting anyone (InvalidError if
+        malformed)."""
+        out = _lib.vmmipc_ticket_info()
+        _lib.call("vmmipc_ticket_decode", ctypes.byref(self._c()), ctypes.byref(out))
+        return TicketInfo(out.memory_kind, out.exporter_pid, out.chunk_count,
+                          out.total_size, bytes(out.device_uuid))
+
+    def __repr__(self) -> str:
+        try:
+            i = self.info()
+        except Exception:  # repr must not raise (bad bytes, no library, fork)
+            return f"<vmmipc.Ticket {len(self)} bytes>"
+        kind = {MEMORY_HOST: "host", MEMORY_CUDA: "cuda"}.get(i.memory_kind, i.memory_kind)
+        return (f"<vmmipc.Ticket {kind} pid={i.exporter_pid} chunks={i.chunk_count} "
+                f"size={i.total_size}>")
+
+    __str__ = __repr__
+
+
+def _as_ticket(ticket) -> Ticket:
+    return ticket if isinstance(ticket, Ticket) else Ticket(ticket)

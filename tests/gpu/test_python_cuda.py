@@ -1,0 +1,497 @@
+#!/usr/bin/env python3
+"""GPU test of the Python shim with cuda.core VirtualMemoryResource buffers.
+
+Run from the repository root on a machine with a CUDA GPU, cuda.core (1.2,
+VirtualMemoryResource), cuda.bindings and CuPy, after `make lib`:
+
+    python3 tests/gpu/test_python_cuda.py [scenario ...]
+
+Buffers: "chunked", 4096 allocations of 2 MiB (8 GiB) mapped contiguously and
+owned by a VirtualMemoryResource; "grown", a VirtualMemoryResource buffer
+grown with modify_allocation (several allocations of different sizes). Each
+crosses multiprocessing Queue, Pipe, Pool.map and Process(args=...) under
+spawn and forkserver into a child whose RLIMIT_NOFILE is 64; the child checks
+every word on the GPU (CuPy), writes a new pattern, and the parent checks it.
+Descriptor counts of both processes must stay within 8 of their baselines.
+Also: the sender frees its buffer right after pickling; the fork start method
+fails at once with VmmipcForkError.
+
+Prints one PASS/FAIL/SKIP line per check and "N passed, M failed".
+"""
+
+import multiprocessing as mp
+import os
+import resource
+import sys
+import threading
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "python"))
+os.environ.setdefault("VMMIPC_LIBRARY", os.path.join(ROOT, "build", "libvmmipc.so"))
+
+import vmmipc  # noqa: E402  (loads nothing yet)
+
+CHUNK = 2 << 20
+N_CHUNKS = 4096
+CHILD_NOFILE = 64
+FD_SLACK = 8
+TIMEOUT = 300
+BLOCK_WORDS = 64 << 20  # verify 256 MiB at a time
+
+# ---------------------------------------------------------------- helpers
+
+
+def fd_count():
+    return len(os.listdir("/proc/self/fd"))
+
+
+class FdSampler:
+    def __init__(self):
+        self.baseline = self.peak = fd_count()
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, fd_count())
+            time.sleep(0.001)
+
+    def stop(self):
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, fd_count())
+        return self
+
+
+def cuda_setup(device=0):
+    """Make the device current for cuda.core and CuPy (their descriptors are
+    opened here, before any baseline is taken)."""
+    from cuda.core import Device
+    import cupy as cp
+    Device(device).set_current()
+    cp.cuda.Device(device).use()
+    cp.zeros(1).sum()  # CuPy's own context and modules
+
+
+def limit_fds():
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (CHILD_NOFILE, hard))
+
+
+_kernel = None
+
+
+def _fill_kernel():
+    global _kernel
+    if _kernel is None:
+        import cupy as cp
+        _kernel = cp.ElementwiseKernel(
+            "uint64 base, uint32 seed", "uint32 y",
+            "unsigned long long k = base + i;"
+            "y = (unsigned int)(k * 2654435761ull) ^ (unsigned int)(k >> 32) ^ seed;",
+            "vmmipc_fill")
+    return _kernel
+
+
+def words(buf):
+    """A CuPy uint32 array over a cuda.core Buffer (no copy)."""
+    import cupy as cp
+    mem = cp.cuda.UnownedMemory(int(buf.handle), buf.size, buf, device_id=buf.device_id)
+    return cp.ndarray((buf.size // 4,), dtype=cp.uint32, memptr=cp.cuda.MemoryPointer(mem, 0))
+
+
+def fill(buf, seed):
+    import cupy as cp
+    w = words(buf)
+    _fill_kernel()(cp.uint64(0), cp.uint32(seed), w)
+    cp.cuda.runtime.deviceSynchronize()
+
+
+def count_bad(buf, seed):
+    """Words that differ from the seed pattern (checked block by block)."""
+    import cupy as cp
+    w = words(buf)
+    scratch = cp.empty(min(BLOCK_WORDS, w.size), dtype=cp.uint32)
+    bad = 0
+    for start in range(0, w.size, BLOCK_WORDS):
+        part = w[start:start + BLOCK_WORDS]
+        expect = scratch[:part.size]
+        _fill_kernel()(cp.uint64(start), cp.uint32(seed), expect)
+        bad += int(cp.count_nonzero(part != expect))
+    return bad
+
+
+# ------------------------------------------------------------ the buffers
+
+
+def vmm_resource(device=0):
+    from cuda.core import VirtualMemoryResource, VirtualMemoryResourceOptions
+    return VirtualMemoryResource(device, VirtualMemoryResourceOptions(handle_type="posix_fd"))
+
+
+def chunked_buffer(vmr, n_chunks=N_CHUNKS, chunk=CHUNK, device=0):
+    """n_chunks separate allocations mapped back to back, as one Buffer owned
+    by vmr (its deallocate unmaps the whole range; each allocation's own
+    handle is released right after mapping, so unmapping frees it)."""
+    from cuda.bindings import driver as d
+    from cuda.core import Buffer
+
+    def ok(res):
+        err = res[0]
+        if err != d.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"CUDA driver call failed: {err}")
+        return res[1] if len(res) > 1 else None
+
+    prop = d.CUmemAllocationProp()
+    prop.type = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = device
+    prop.requestedHandleTypes = d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    total = n_chunks * chunk
+    ptr = int(ok(d.cuMemAddressReserve(total, chunk, 0, 0)))
+    for i in range(n_chunks):
+        h = ok(d.cuMemCreate(chunk, prop, 0))
+        ok(d.cuMemMap(ptr + i * chunk, chunk, 0, h, 0))
+        ok(d.cuMemRelease(h))
+    desc = d.CUmemAccessDesc()
+    desc.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    desc.location.id = device
+    desc.flags = d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    ok(d.cuMemSetAccess(ptr, total, [desc], 1))
+    return Buffer.from_handle(ptr, total, mr=vmr)
+
+
+def grown_buffer(vmr):
+    """A VirtualMemoryResource buffer grown with modify_allocation: 2 MiB,
+    grown 2 MiB at a time to 256 MiB, then by 768 MiB at once."""
+    buf = vmr.allocate(CHUNK)
+    for k in range(2, 129):
+        buf = vmr.modify_allocation(buf, k * CHUNK)
+    return vmr.modify_allocation(buf, 1 << 30)
+
+
+def make_buffer(kind):
+    vmr = vmm_resource()
+    buf = chunked_buffer(vmr) if kind == "chunked" else grown_buffer(vmr)
+    return vmr, buf
+
+
+def chunk_count(buf):
+    import vmmipc.cuda_core as vc
+    t = vc.share_buffer(buf, uses=1)
+    try:
+        return t.info().chunk_count
+    finally:
+        vmmipc.unregister(t)
+
+
+# ------------------------------------------------------- child processes
+
+_sampler = None
+
+
+def child_prepare():
+    """CUDA first (its descriptors are part of the baseline), then the
+    RLIMIT_NOFILE of 64, then the sampler that watches the import."""
+    global _sampler
+    cuda_setup()
+    limit_fds()
+    _sampler = FdSampler()
+
+
+class PrepareFirst:
+    """First in Process(args=...): unpickled before the buffer after it."""
+
+    def __reduce__(self):
+        return (child_prepare, ())
+
+
+def _report(buf, seed_in, seed_out):
+    sampler = _sampler.stop()
+    from cuda.core import Buffer
+    after_import = fd_count()
+    r = {"type_ok": isinstance(buf, Buffer) and
+         type(buf.memory_resource).__name__ == "ImportedMemoryResource",
+         "size": buf.size, "bad": count_bad(buf, seed_in)}
+    fill(buf, seed_out)
+    buf.close()  # unmaps
+    r.update(baseline=sampler.baseline, peak=sampler.peak, after_import=after_import,
+             after_close=fd_count(), nofile=resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+             live=vmmipc.live_registrations())
+    return r
+
+
+def _guard(fn, *a):
+    try:
+        return fn(*a)
+    except BaseException as e:  # the parent must hear back, never wait forever
+        return {"error": "".join(traceback.format_exception(e))[-2000:]}
+
+
+def child_queue(q, results, seed_in, seed_out):
+    child_prepare()
+    results.put(_guard(lambda: _report(q.get(timeout=TIMEOUT), seed_in, seed_out)))
+
+
+def child_pipe(conn, seed_in, seed_out):
+    child_prepare()
+
+    def run():
+        if not conn.poll(TIMEOUT):
+            raise TimeoutError("nothing arrived on the pipe")
+        return _report(conn.recv(), seed_in, seed_out)
+    conn.send(_guard(run))
+
+
+def child_process_args(_prepared, buf, results, seed_in, seed_out):
+    results.put(_guard(_report, buf, seed_in, seed_out))
+
+
+def pool_task(args):
+    buf, seed_in, seed_out = args
+    return _guard(_report, buf, seed_in, seed_out)
+
+
+def child_after_free(conn, seed):
+    child_prepare()
+
+    def run():
+        from multiprocessing.reduction import ForkingPickler
+        if not conn.poll(TIMEOUT):
+            raise TimeoutError("nothing arrived on the pipe")
+        buf = ForkingPickler.loads(conn.recv_bytes())
+        sampler = _sampler.stop()
+        r = {"bad": count_bad(buf, seed), "size": buf.size, "peak": sampler.peak,
+             "baseline": sampler.baseline}
+        buf.close()
+        return r
+    conn.send(_guard(run))
+
+
+def fork_child_queue(q, results):
+    try:
+        q.get(timeout=TIMEOUT)
+        results.put("no error")
+    except vmmipc.VmmipcForkError as e:
+        results.put(f"VmmipcForkError: {e}")
+    except BaseException as e:
+        results.put(repr(e))
+
+
+def fork_pool_task(buf):
+    return "unreachable"
+
+
+# ------------------------------------------------------------ the checks
+
+results = []
+
+
+def record(name, ok, detail=""):
+    results.append(ok)
+    print(f"{'PASS' if ok else 'FAIL'} {name}{': ' + detail if detail else ''}", flush=True)
+
+
+def run_case(name, fn):
+    t0 = time.monotonic()
+    try:
+        ok, detail = fn()
+    except BaseException as e:  # noqa: BLE001
+        ok, detail = False, "".join(traceback.format_exception(e))[-1500:]
+    record(name, ok, f"{detail} ({time.monotonic() - t0:.1f} s)")
+
+
+def check_child(r, size):
+    if "error" in r:
+        return False, "child failed:\n" + r["error"]
+    problems = []
+    if not r["type_ok"]:
+        problems.append("the child did not get a cuda.core Buffer over the import")
+    if r["size"] != size:
+        problems.append(f"size {r['size']} != {size}")
+    if r["bad"]:
+        problems.append(f"{r['bad']} words differ in the child")
+    if r["nofile"] != CHILD_NOFILE:
+        problems.append(f"child RLIMIT_NOFILE {r['nofile']}")
+    if r["peak"] - r["baseline"] > FD_SLACK:
+        problems.append(f"child fds peaked at baseline+{r['peak'] - r['baseline']}")
+    if r["after_close"] - r["baseline"] > FD_SLACK:
+        problems.append(f"child kept baseline+{r['after_close'] - r['baseline']} fds")
+    return not problems, "; ".join(problems) or (
+        f"child fds {r['baseline']}->peak {r['peak']}")
+
+
+def transfer(kind, buf, mechanism, method):
+    ctx = mp.get_context(method)
+    fill(buf, 1)
+    live = vmmipc.live_registrations()
+    if mechanism == "queue":
+        q, res = ctx.Queue(), ctx.Queue()
+        p = ctx.Process(target=child_queue, args=(q, res, 1, 2))
+        p.start()
+        sampler = FdSampler()
+        q.put(buf)
+        r = res.get(timeout=TIMEOUT)
+        p.join(TIMEOUT)
+    elif mechanism == "pipe":
+        a, b = ctx.Pipe()
+        p = ctx.Process(target=child_pipe, args=(b, 1, 2))
+        p.start()
+        b.close()
+        sampler = FdSampler()
+        a.send(buf)
+        if not a.poll(TIMEOUT):
+            return False, "no answer from the child"
+        r = a.recv()
+        p.join(TIMEOUT)
+    elif mechanism == "pool":
+        with ctx.Pool(1, initializer=child_prepare) as pool:
+            pool.apply(fd_count)  # the worker is up and prepared
+            sampler = FdSampler()
+            r = pool.map_async(pool_task, [(buf, 1, 2)]).get(TIMEOUT)[0]
+    else:
+        res = ctx.Queue()
+        sampler = FdSampler()
+        p = ctx.Process(target=child_process_args, args=(PrepareFirst(), buf, res, 1, 2))
+        p.start()
+        r = res.get(timeout=TIMEOUT)
+        p.join(TIMEOUT)
+    sampler.stop()
+    ok, detail = check_child(r, buf.size)
+    problems = [] if ok else [detail]
+    if sampler.peak - sampler.baseline > FD_SLACK:
+        problems.append(f"parent fds peaked at baseline+{sampler.peak - sampler.baseline}")
+    bad = count_bad(buf, 2)
+    if bad:
+        problems.append(f"parent sees {bad} words not written by the child")
+    deadline = time.monotonic() + 10
+    while vmmipc.live_registrations() > live and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if vmmipc.live_registrations() != live:
+        problems.append("the registration was not consumed")
+    if problems:
+        return False, "; ".join(problems)
+    return True, f"{detail}; parent fds {sampler.baseline}->peak {sampler.peak}"
+
+
+def sender_frees_after_pickling(method):
+    from multiprocessing.reduction import ForkingPickler
+    ctx = mp.get_context(method)
+    vmr, buf = make_buffer("chunked")
+    fill(buf, 5)
+    size = buf.size
+    data = bytes(ForkingPickler.dumps(buf))  # registers: the library retains each allocation
+    buf.close()                              # the sender lets go at once
+    a, b = ctx.Pipe()
+    p = ctx.Process(target=child_after_free, args=(b, 5))
+    p.start()
+    b.close()
+    a.send_bytes(data)
+    if not a.poll(TIMEOUT):
+        return False, "no answer from the child"
+    r = a.recv()
+    p.join(TIMEOUT)
+    if "error" in r:
+        return False, "child failed:\n" + r["error"]
+    ok = r["bad"] == 0 and r["size"] == size and r["peak"] - r["baseline"] <= FD_SLACK
+    return ok, f"{r['bad']} bad words after the sender freed its buffer; child fds +{r['peak'] - r['baseline']}"
+
+
+def export_one_at_a_time(buf, n_chunks):
+    """The export-side generator (also warms the driver's export path in
+    this process before any fd baseline is taken)."""
+    g = vmmipc.export_fds(buf)
+    next(g)
+    g.close()
+    base, peak, count = fd_count(), 0, 0
+    for fd in vmmipc.export_fds(buf):
+        os.fstat(fd)
+        count += 1
+        peak = max(peak, fd_count())
+    time.sleep(0.2)  # the in-process server closes its end of the stream
+    ok = count == n_chunks and peak - base <= 4 and fd_count() <= base
+    return ok, f"{count} fds, peak baseline+{peak - base}, after {fd_count() - base:+d}"
+
+
+def fork_refused():
+    vmr, buf = make_buffer("grown")
+    ctx = mp.get_context("fork")
+    live = vmmipc.live_registrations()
+    q, res = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=fork_child_queue, args=(q, res))
+    p.start()
+    q.put(buf)
+    got = res.get(timeout=60)
+    p.join(60)
+    problems = []
+    if not got.startswith("VmmipcForkError"):
+        problems.append(f"queue: child got {got!r}")
+    with ctx.Pool(1) as pool:
+        try:
+            pool.map_async(fork_pool_task, [buf]).get(60)
+            problems.append("pool: no error")
+        except vmmipc.VmmipcForkError:
+            pass
+    if vmmipc.live_registrations() != live:
+        problems.append("something was registered for a forked child")
+    buf.close()
+    return not problems, "; ".join(problems) or "queue and pool refused at once"
+
+
+def main(argv):
+    try:
+        import vmmipc.cuda_core as vc
+        vc.install()
+        import cupy  # noqa: F401
+        from cuda.core import Device, VirtualMemoryResource  # noqa: F401
+    except ImportError as e:
+        print(f"SKIP all: {e}")
+        print("0 passed, 0 failed")
+        return 0
+    try:
+        cuda_setup()
+    except Exception as e:  # noqa: BLE001
+        print(f"SKIP all: no usable GPU: {e}")
+        print("0 passed, 0 failed")
+        return 0
+    vmmipc.live_registrations()  # load the library before any baseline
+    only = set(argv)
+    for method in ("spawn", "forkserver"):  # start them now: their fds predate baselines
+        p = mp.get_context(method).Process(target=fd_count)
+        p.start()
+        p.join(TIMEOUT)
+
+    for kind in ("chunked", "grown"):
+        if only and kind not in only:
+            continue
+        try:
+            vmr, buf = make_buffer(kind)
+            n = chunk_count(buf)
+            record(f"{kind}: build", True, f"{buf.size >> 20} MiB in {n} allocations")
+        except BaseException as e:  # noqa: BLE001
+            record(f"{kind}: build", False, "".join(traceback.format_exception(e))[-1500:])
+            continue
+        run_case(f"{kind}: export_fds yields one CUDA fd at a time",
+                 lambda: export_one_at_a_time(buf, n))
+        for method in ("spawn", "forkserver"):
+            for mech in ("queue", "pipe", "pool", "process"):
+                run_case(f"{kind}: {mech} under {method}",
+                         lambda: transfer(kind, buf, mech, method))
+        buf.close()
+    if not only or "free" in only:
+        run_case("sender frees its buffer right after pickling (spawn)",
+                 lambda: sender_frees_after_pickling("spawn"))
+    if not only or "fork" in only:
+        run_case("fork start method fails at once with VmmipcForkError", fork_refused)
+
+    passed = sum(results)
+    failed = len(results) - passed
+    print(f"{passed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,182 @@
+"""Code that runs in the child processes of test_multiprocessing.py (kept
+apart from the test module so children import only this and vmmipc)."""
+
+import os
+import resource
+import struct
+import threading
+import time
+
+import vmmipc
+
+CHILD_NOFILE = 64
+
+
+def fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def pattern(n_chunks: int, chunk_size: int, seed: int) -> bytes:
+    """Different in every chunk and for every seed (8-byte words: chunk index,
+    seed), so a chunk mapped at the wrong offset is caught."""
+    return b"".join(struct.pack("<II", i, seed) * (chunk_size // 8) for i in range(n_chunks))
+
+
+class FdSampler:
+    """Samples this process's descriptor count in a thread; peak is the
+    highest count seen (the library works with the GIL released)."""
+
+    def __init__(self):
+        self.baseline = fd_count()
+        self.peak = self.baseline
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, fd_count())
+            time.sleep(0.0005)
+
+    def stop(self) -> "FdSampler":
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, fd_count())
+        return self
+
+
+def limit_fds(n: int = CHILD_NOFILE) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (n, hard))
+
+
+# -- Pool: the initializer runs before the worker unpickles any task --------
+
+_sampler = None
+
+
+def pool_init():
+    global _sampler
+    limit_fds()
+    _sampler = FdSampler()
+
+
+class LimitFdsFirst:
+    """Put first in Process(args=...): unpickling it (before the buffer that
+    follows it) lowers RLIMIT_NOFILE and starts the fd sampler, so the limit
+    already holds while the HostBuffer is imported."""
+
+    def __reduce__(self):
+        return (_limit_and_sample, ())
+
+
+def _limit_and_sample():
+    pool_init()
+    return None
+
+
+def take_sampler() -> FdSampler:
+    global _sampler
+    s, _sampler = _sampler, None
+    return s.stop()
+
+
+# -- the work every child does ------------------------------------------------
+
+def verify_and_write(hb, seed_in: int, seed_out: int) -> dict:
+    """Check every byte against the parent's pattern, then overwrite the
+    whole buffer with the seed_out pattern for the parent to check."""
+    n, cs = hb.n_chunks, hb.chunk_size
+    view = hb.view
+    ok = view == pattern(n, cs, seed_in)
+    bad = -1
+    if not ok:
+        want = pattern(n, cs, seed_in)
+        bad = next(i for i in range(n) if view[i * cs:(i + 1) * cs] != want[i * cs:(i + 1) * cs])
+    view[:] = pattern(n, cs, seed_out)
+    return {"ok": ok, "first_bad_chunk": bad, "size": hb.size, "n_chunks": n,
+            "nofile": resource.getrlimit(resource.RLIMIT_NOFILE)[0]}
+
+
+def _report(hb, sampler, seed_in, seed_out):
+    after_import = fd_count()
+    r = verify_and_write(hb, seed_in, seed_out)
+    hb.close()
+    r.update(baseline=sampler.baseline, peak=sampler.peak, after_import=after_import,
+             after_close=fd_count(), pid=os.getpid())
+    return r
+
+
+def child_queue(q, results, seed_in, seed_out):
+    limit_fds()
+    sampler = FdSampler()
+    try:
+        hb = q.get(timeout=60)  # unpickling (the import) happens here
+        sampler.stop()
+        results.put(_report(hb, sampler, seed_in, seed_out))
+    except BaseException as e:  # report, never leave the parent waiting
+        results.put({"error": repr(e)})
+
+
+def child_pipe(conn, seed_in, seed_out):
+    limit_fds()
+    sampler = FdSampler()
+    try:
+        if not conn.poll(60):
+            raise TimeoutError("nothing arrived on the pipe")
+        hb = conn.recv()
+        sampler.stop()
+        conn.send(_report(hb, sampler, seed_in, seed_out))
+    except BaseException as e:
+        conn.send({"error": repr(e)})
+
+
+def child_process_args(_limit, hb, results, seed_in, seed_out):
+    try:
+        sampler = take_sampler()  # started while unpickling _limit, before hb
+        results.put(_report(hb, sampler, seed_in, seed_out))
+    except BaseException as e:
+        results.put({"error": repr(e)})
+
+
+def pool_task(args):
+    hb, seed_in, seed_out = args
+    return _report(hb, take_sampler(), seed_in, seed_out)
+
+
+# -- fork: every use must fail at once ---------------------------------------
+
+def _fork_outcome(fn):
+    try:
+        fn()
+        return {"error": None}
+    except vmmipc.VmmipcForkError as e:
+        return {"error": "VmmipcForkError", "status": e.status, "message": str(e)}
+    except BaseException as e:
+        return {"error": repr(e)}
+
+
+def fork_child_queue(q, results):
+    results.put(_fork_outcome(lambda: q.get(timeout=30)))
+
+
+def fork_child_pipe(conn, results):
+    def get():
+        if not conn.poll(30):
+            raise TimeoutError("nothing arrived on the pipe")
+        conn.recv()
+    results.put(_fork_outcome(get))
+
+
+def fork_child_process_args(hb, results):
+    import ctypes
+    import pickle
+    out = _fork_outcome(lambda: pickle.dumps(hb))
+    # The C library refuses on its own too (bypassing the Python check).
+    n = ctypes.c_uint64()
+    out["c_status"] = vmmipc._lib._lib.vmmipc_live_registrations(ctypes.byref(n))
+    results.put(out)
+
+
+def fork_pool_task(hb):
+    return "unreachable: the parent must refuse to send this"

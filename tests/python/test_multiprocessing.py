@@ -1,0 +1,246 @@
+"""A HostBuffer of 4096 chunks crosses multiprocessing Queue, Pipe, Pool.map
+and Process(args=...) under spawn and forkserver into a child whose
+RLIMIT_NOFILE is 64; every byte is checked both ways and the descriptor
+counts of both processes stay within 8 of their baselines. Under fork every
+use fails at once with VmmipcForkError."""
+
+import multiprocessing as mp
+import pickle
+import time
+from multiprocessing.reduction import ForkingPickler
+
+import pytest
+
+import _mp_helpers as h
+import vmmipc
+
+N_CHUNKS = 4096
+CHUNK = 4096              # 16 MiB in all: 4096 descriptors cross, one at a time
+FD_SLACK = 8
+TIMEOUT = 60
+
+
+@pytest.fixture(scope="module", autouse=True)
+def warm_contexts():
+    # Load the library, start the forkserver and the resource tracker once,
+    # so per-test baselines do not count their long-lived descriptors.
+    vmmipc.live_registrations()
+    for method in ("spawn", "forkserver"):
+        ctx = mp.get_context(method)
+        p = ctx.Process(target=h.fd_count)
+        p.start()
+        p.join(TIMEOUT)
+
+
+@pytest.fixture
+def hb():
+    b = vmmipc.HostBuffer(N_CHUNKS * CHUNK, chunk_size=CHUNK)
+    b.view[:] = h.pattern(N_CHUNKS, CHUNK, seed=1)
+    yield b
+    b.unregister_all()
+    b.close()
+
+
+def check_child(r):
+    assert r.get("error") is None, r.get("error")
+    assert r["ok"], f"child saw wrong bytes, first bad chunk {r['first_bad_chunk']}"
+    assert (r["size"], r["n_chunks"], r["nofile"]) == (N_CHUNKS * CHUNK, N_CHUNKS, h.CHILD_NOFILE)
+    assert r["peak"] - r["baseline"] <= FD_SLACK, r
+    assert r["after_close"] - r["baseline"] <= FD_SLACK, r
+
+
+def check_parent(hb, sampler, live_before):
+    sampler.stop()
+    assert sampler.peak - sampler.baseline <= FD_SLACK, vars(sampler)
+    assert hb.view == h.pattern(N_CHUNKS, CHUNK, seed=2), "the child's write is not visible"
+    deadline = time.monotonic() + 5
+    while vmmipc.live_registrations() > live_before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert vmmipc.live_registrations() == live_before, "the registration was not consumed"
+
+
+METHODS = ["spawn", "forkserver"]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_queue(method, hb):
+    ctx = mp.get_context(method)
+    q, results = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=h.child_queue, args=(q, results, 1, 2))
+    p.start()
+    live = vmmipc.live_registrations()
+    sampler = h.FdSampler()
+    q.put(hb)
+    r = results.get(timeout=TIMEOUT)
+    p.join(TIMEOUT)
+    check_child(r)
+    check_parent(hb, sampler, live)
+    assert p.exitcode == 0
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_pipe(method, hb):
+    ctx = mp.get_context(method)
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=h.child_pipe, args=(child, 1, 2))
+    p.start()
+    child.close()
+    live = vmmipc.live_registrations()
+    sampler = h.FdSampler()
+    parent.send(hb)
+    assert parent.poll(TIMEOUT), "no answer from the child"
+    r = parent.recv()
+    p.join(TIMEOUT)
+    check_child(r)
+    check_parent(hb, sampler, live)
+    parent.close()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_pool_map(method, hb):
+    ctx = mp.get_context(method)
+    with ctx.Pool(1, initializer=h.pool_init) as pool:
+        live = vmmipc.live_registrations()
+        sampler = h.FdSampler()
+        [r] = pool.map_async(h.pool_task, [(hb, 1, 2)]).get(TIMEOUT)
+        check_child(r)
+        check_parent(hb, sampler, live)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_process_args(method, hb):
+    ctx = mp.get_context(method)
+    results = ctx.Queue()
+    live = vmmipc.live_registrations()
+    sampler = h.FdSampler()
+    p = ctx.Process(target=h.child_process_args, args=(h.LimitFdsFirst(), hb, results, 1, 2))
+    p.start()
+    r = results.get(timeout=TIMEOUT)
+    p.join(TIMEOUT)
+    check_child(r)
+    check_parent(hb, sampler, live)
+    assert p.exitcode == 0
+
+
+# -- pickled and never unpickled ----------------------------------------------
+
+def _wait_live(n, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while vmmipc.live_registrations() != n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return vmmipc.live_registrations()
+
+
+@pytest.mark.parametrize("how", ["ttl", "unregister"])
+def test_never_unpickled_is_released(how):
+    live, fds = vmmipc.live_registrations(), h.fd_count()
+    hb = vmmipc.HostBuffer(N_CHUNKS * CHUNK, chunk_size=CHUNK)
+    if how == "ttl":
+        hb.pickle_ttl = 0.3
+    data = ForkingPickler.dumps(hb)  # registers; opens nothing
+    assert vmmipc.live_registrations() == live + 1
+    [ticket] = hb.pending_tickets()
+    hb.close()
+    # The pending registration still holds the memfd, and only that.
+    assert h.fd_count() == fds + 1
+    if how == "unregister":
+        vmmipc.unregister(ticket)
+    assert _wait_live(live) == live
+    assert h.fd_count() == fds, "the memfd was not closed when the registration ended"
+    with pytest.raises(vmmipc.NotFoundError) as e:
+        pickle.loads(data)
+    assert ("expired" if how == "ttl" else "unregistered") in e.value.message
+
+
+# -- fork: fail at once, never hang ------------------------------------------
+
+@pytest.fixture
+def fork_ctx():
+    vmmipc.live_registrations()  # the library is loaded before the fork
+    return mp.get_context("fork")
+
+
+def check_fork_error(r):
+    assert r["error"] == "VmmipcForkError", r
+    assert r["status"] == vmmipc.EFORK
+    assert "spawn" in r["message"] and "fork" in r["message"]
+
+
+def test_fork_queue_refused(fork_ctx, hb):
+    live = vmmipc.live_registrations()
+    q, results = fork_ctx.Queue(), fork_ctx.Queue()
+    p = fork_ctx.Process(target=h.fork_child_queue, args=(q, results))
+    p.start()
+    q.put(hb)
+    check_fork_error(results.get(timeout=TIMEOUT))
+    p.join(TIMEOUT)
+    assert vmmipc.live_registrations() == live, "a pickle bound for a forked child registered"
+
+
+def test_fork_pool_refused(fork_ctx, hb):
+    live = vmmipc.live_registrations()
+    with fork_ctx.Pool(1) as pool:
+        with pytest.raises(vmmipc.VmmipcForkError, match="fork-context pool"):
+            pool.map_async(h.fork_pool_task, [hb]).get(TIMEOUT)
+    assert vmmipc.live_registrations() == live
+
+
+def test_fork_pipe_child_fails(fork_ctx, hb):
+    results = fork_ctx.Queue()
+    parent, child = fork_ctx.Pipe()
+    p = fork_ctx.Process(target=h.fork_child_pipe, args=(child, results))
+    p.start()
+    parent.send(hb)  # a Pipe has no context: this registers, the child refuses
+    check_fork_error(results.get(timeout=TIMEOUT))
+    p.join(TIMEOUT)
+    assert hb.unregister_all() == 1
+
+
+def test_fork_process_args(fork_ctx, hb):
+    results = fork_ctx.Queue()
+    p = fork_ctx.Process(target=h.fork_child_process_args, args=(hb, results))
+    p.start()
+    r = results.get(timeout=TIMEOUT)
+    p.join(TIMEOUT)
+    check_fork_error(r)
+    assert r["c_status"] == vmmipc.EFORK
+
+
+# -- a forkserver that preloads vmmipc stays free of the Go runtime ----------
+
+PRELOAD_SCRIPT = """
+import multiprocessing as mp, os, sys
+import vmmipc, _mp_helpers as h
+from multiprocessing import forkserver
+
+if __name__ == "__main__":
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["vmmipc", "_mp_helpers"])
+    hb = vmmipc.HostBuffer(64 * 4096, chunk_size=4096)
+    hb.view[:] = h.pattern(64, 4096, seed=1)
+    q, results = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=h.child_queue, args=(q, results, 1, 2))
+    p.start()
+    q.put(hb)
+    r = results.get(timeout=60)
+    p.join(60)
+    assert r.get("error") is None and r["ok"], r
+    assert hb.view == h.pattern(64, 4096, seed=2)
+    maps = open(f"/proc/{forkserver._forkserver._forkserver_pid}/maps").read()
+    assert "libvmmipc" not in maps, "the forkserver loaded libvmmipc"
+    print("ok")
+"""
+
+
+def test_forkserver_preloading_vmmipc_does_not_load_the_library(tmp_path):
+    import os
+    import subprocess
+    import sys
+    import conftest
+    script = tmp_path / "preload.py"
+    script.write_text(PRELOAD_SCRIPT)
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([conftest.PYTHON_DIR, here]))
+    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
