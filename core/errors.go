@@ -56,7 +56,9 @@ func (c Code) String() string {
 type Error struct {
 	Code Code
 	Msg  string // what failed and, where useful, what to do
-	Err  error  // the underlying cause, if any
+	Err  error  // the underlying cause, if any; Error() appends its text
+
+	inMsg error // a cause whose text Msg already holds (Errorf's %w)
 }
 
 func (e *Error) Error() string {
@@ -66,13 +68,19 @@ func (e *Error) Error() string {
 	return e.Msg
 }
 
-func (e *Error) Unwrap() error { return e.Err }
+func (e *Error) Unwrap() error {
+	if e.Err != nil {
+		return e.Err
+	}
+	return e.inMsg
+}
 
 // Errorf returns an *Error with the given code and formatted message. A %w
-// verb wraps its operand as the cause.
+// verb wraps its operand as the cause (reachable with errors.Is/As; its text
+// appears once, where the verb put it).
 func Errorf(code Code, format string, args ...any) error {
 	err := fmt.Errorf(format, args...)
-	return &Error{Code: code, Msg: err.Error(), Err: errors.Unwrap(err)}
+	return &Error{Code: code, Msg: err.Error(), inMsg: errors.Unwrap(err)}
 }
 
 // wrapErr tags err with code unless it already carries one, prefixing msg.
@@ -80,7 +88,7 @@ func wrapErr(code Code, err error, format string, args ...any) error {
 	msg := fmt.Sprintf(format, args...)
 	var e *Error
 	if errors.As(err, &e) {
-		return &Error{Code: e.Code, Msg: msg + ": " + e.Msg, Err: e.Err}
+		return &Error{Code: e.Code, Msg: msg + ": " + e.Msg, Err: e.Err, inMsg: e.inMsg}
 	}
 	return &Error{Code: code, Msg: msg, Err: err}
 }

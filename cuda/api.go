@@ -1,4 +1,10 @@
-// Package cuda is the only package that knows the CUDA driver.
+// Package cuda is the only package that knows the CUDA driver. It opens
+// libcuda.so.1 at run time (VMMIPC_LIBCUDA overrides the path), so building
+// and unit testing need neither the CUDA toolkit nor a GPU; without a driver
+// every function returns a core.ECUDA error that names the library.
+//
+// Driver calls run with the device's primary context pushed on the calling
+// OS thread and popped afterwards, so callers may hold any context, or none.
 package cuda
 
 import "github.com/libvmmipc/libvmmipc/core"
@@ -8,22 +14,4 @@ type Registered struct {
 	Sizes      []uint64
 	Exporter   core.Exporter
 	DeviceUUID [16]byte
-}
-
-// Importer is a core.Importer onto one GPU.
-type Importer interface {
-	core.Importer
-	Device() int32 // the ordinal actually used
-}
-
-func RegisterRange(dptr, size uint64) (*Registered, error) {
-	return nil, core.Errorf(core.ECUDA, "cuda: not built yet")
-}
-
-func RegisterHandles(handles, sizes []uint64, release func()) (*Registered, error) {
-	return nil, core.Errorf(core.ECUDA, "cuda: not built yet")
-}
-
-func NewImporter(device int32, uuid [16]byte, access []int32) (Importer, error) {
-	return nil, core.Errorf(core.ECUDA, "cuda: not built yet")
 }

@@ -1,0 +1,105 @@
+package cuda
+
+/*
+#include "driver.h"
+*/
+import "C"
+
+import (
+	"fmt"
+	"runtime"
+	"sync"
+
+	"github.com/libvmmipc/libvmmipc/core"
+)
+
+// gpu is one CUDA device of this process with its primary context.
+type gpu struct {
+	ordinal int32
+	dev     C.CUdevice
+	ctx     C.uintptr_t // primary context, retained for the process's life
+}
+
+// Primary contexts are retained once per device and never released: the
+// driver destroys a primary context when its last reference goes, and
+// creating one costs far more than any call here. This matches what the
+// CUDA runtime does. Mappings and handles do not depend on a context.
+var primaries struct {
+	mu  sync.Mutex
+	gpu map[int32]*gpu
+}
+
+// deviceCount returns the number of devices this process sees.
+func deviceCount() (int32, error) {
+	var n C.int
+	if err := check("cuDeviceGetCount", C.vcu_device_get_count(&n)); err != nil {
+		return 0, err
+	}
+	return int32(n), nil
+}
+
+// gpuOf returns device ordinal's handle and retained primary context.
+func gpuOf(ordinal int32) (*gpu, error) {
+	primaries.mu.Lock()
+	defer primaries.mu.Unlock()
+	if g := primaries.gpu[ordinal]; g != nil {
+		return g, nil
+	}
+	n, err := deviceCount()
+	if err != nil {
+		return nil, err
+	}
+	if ordinal < 0 || ordinal >= n {
+		return nil, core.Errorf(core.EINVAL, "CUDA device %d does not exist: this process sees %d device(s) (check CUDA_VISIBLE_DEVICES)", ordinal, n)
+	}
+	g := &gpu{ordinal: ordinal}
+	if err := check("cuDeviceGet", C.vcu_device_get(&g.dev, C.int(ordinal))); err != nil {
+		return nil, err
+	}
+	if err := check(fmt.Sprintf("cuDevicePrimaryCtxRetain (device %d)", ordinal), C.vcu_primary_ctx_retain(&g.ctx, g.dev)); err != nil {
+		return nil, err
+	}
+	if primaries.gpu == nil {
+		primaries.gpu = map[int32]*gpu{}
+	}
+	primaries.gpu[ordinal] = g
+	return g, nil
+}
+
+// uuid returns the device's UUID.
+func (g *gpu) uuid() ([16]byte, error) {
+	var u C.CUuuid
+	var out [16]byte
+	if err := check("cuDeviceGetUuid", C.vcu_device_get_uuid(&u, g.dev)); err != nil {
+		return out, err
+	}
+	for i := range out {
+		out[i] = byte(u.bytes[i])
+	}
+	return out, nil
+}
+
+// run calls fn with g's primary context current on this OS thread and
+// leaves the thread's context stack exactly as it found it: if the primary
+// context is already current nothing changes, otherwise it is pushed before
+// and popped after. Works on threads with no context, or another one.
+func (g *gpu) run(fn func() error) error {
+	runtime.LockOSThread() // push, fn and pop must share one OS thread
+	defer runtime.UnlockOSThread()
+	var cur C.uintptr_t
+	if err := check("cuCtxGetCurrent", C.vcu_ctx_get_current(&cur)); err != nil {
+		return err
+	}
+	if cur == g.ctx {
+		return fn()
+	}
+	if err := check("cuCtxPushCurrent", C.vcu_ctx_push(g.ctx)); err != nil {
+		return err
+	}
+	err := fn()
+	var popped C.uintptr_t
+	if perr := check("cuCtxPopCurrent", C.vcu_ctx_pop(&popped)); perr != nil && err == nil {
+		err = perr
+	}
+	return err
+}
