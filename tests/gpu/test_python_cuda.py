@@ -132,50 +132,83 @@ def vmm_resource(device=0):
     return VirtualMemoryResource(device, VirtualMemoryResourceOptions(handle_type="posix_fd"))
 
 
-def chunked_buffer(vmr, n_chunks=N_CHUNKS, chunk=CHUNK, device=0):
-    """n_chunks separate allocations mapped back to back, as one Buffer owned
-    by vmr (its deallocate unmaps the whole range; each allocation's own
-    handle is released right after mapping, so unmapping frees it)."""
+def _ok(res):
+    from cuda.bindings import driver as d
+    err = res[0]
+    if err != d.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"CUDA driver call failed: {err}")
+    return res[1] if len(res) > 1 else None
+
+
+def _owning_vmr(device=0):
+    """A VirtualMemoryResource whose deallocate frees ranges this test built
+    itself (unmap every chunk in one call, free the reservation), so buffers
+    made outside VirtualMemoryResource.allocate are still VMR buffers to
+    vmmipc and are freed for real when closed."""
+    from cuda.bindings import driver as d
+    from cuda.core import VirtualMemoryResource, VirtualMemoryResourceOptions
+
+    class OwningVMR(VirtualMemoryResource):
+        def deallocate(self, ptr, size, stream=None):
+            _ok(d.cuMemUnmap(int(ptr), size))
+            _ok(d.cuMemAddressFree(int(ptr), size))
+
+    return OwningVMR(device, VirtualMemoryResourceOptions(handle_type="posix_fd"))
+
+
+def chunked_buffer(vmr, n_chunks=N_CHUNKS, chunk=CHUNK, device=0, sizes=None):
+    """Separate allocations (n_chunks of chunk bytes, or the given sizes)
+    mapped back to back, as one Buffer owned by vmr; each allocation's own
+    handle is released right after mapping, so unmapping frees it."""
     from cuda.bindings import driver as d
     from cuda.core import Buffer
 
-    def ok(res):
-        err = res[0]
-        if err != d.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"CUDA driver call failed: {err}")
-        return res[1] if len(res) > 1 else None
-
+    sizes = sizes or [chunk] * n_chunks
     prop = d.CUmemAllocationProp()
     prop.type = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
     prop.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
     prop.location.id = device
     prop.requestedHandleTypes = d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-    total = n_chunks * chunk
-    ptr = int(ok(d.cuMemAddressReserve(total, chunk, 0, 0)))
-    for i in range(n_chunks):
-        h = ok(d.cuMemCreate(chunk, prop, 0))
-        ok(d.cuMemMap(ptr + i * chunk, chunk, 0, h, 0))
-        ok(d.cuMemRelease(h))
+    total = sum(sizes)
+    ptr = int(_ok(d.cuMemAddressReserve(total, CHUNK, 0, 0)))
+    off = 0
+    for size in sizes:
+        h = _ok(d.cuMemCreate(size, prop, 0))
+        _ok(d.cuMemMap(ptr + off, size, 0, h, 0))
+        _ok(d.cuMemRelease(h))
+        off += size
     desc = d.CUmemAccessDesc()
     desc.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
     desc.location.id = device
     desc.flags = d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-    ok(d.cuMemSetAccess(ptr, total, [desc], 1))
+    _ok(d.cuMemSetAccess(ptr, total, [desc], 1))
     return Buffer.from_handle(ptr, total, mr=vmr)
+
+
+GROWN_NOTE = []
 
 
 def grown_buffer(vmr):
     """A VirtualMemoryResource buffer grown with modify_allocation: 2 MiB,
-    grown 2 MiB at a time to 256 MiB, then by 768 MiB at once."""
-    buf = vmr.allocate(CHUNK)
-    for k in range(2, 129):
-        buf = vmr.modify_allocation(buf, k * CHUNK)
-    return vmr.modify_allocation(buf, 1 << 30)
+    grown 2 MiB at a time to 256 MiB, then by 768 MiB at once. cuda.core 1.2
+    has refused to grow (CUDA_ERROR_NOT_SUPPORTED in its slow path) on the
+    H200 here; then the test builds a buffer of the same mixed shape itself
+    (allocations of 2, 4 and 6 MiB) and says so."""
+    try:
+        buf = vmr.allocate(CHUNK)
+        for k in range(2, 129):
+            buf = vmr.modify_allocation(buf, k * CHUNK)
+        return vmr.modify_allocation(buf, 1 << 30)
+    except Exception as e:  # noqa: BLE001 - cuda.core's own limitation, reported
+        GROWN_NOTE.append(f"cuda.core modify_allocation failed ({e.__class__.__name__}: {str(e)[:80]}); "
+                          "using a mixed-size buffer of 2/4/6 MiB allocations instead")
+        sizes = [CHUNK * (1 + i % 3) for i in range(128)]
+        return chunked_buffer(_owning_vmr(), sizes=sizes)
 
 
 def make_buffer(kind):
     vmr = vmm_resource()
-    buf = chunked_buffer(vmr) if kind == "chunked" else grown_buffer(vmr)
+    buf = chunked_buffer(_owning_vmr()) if kind == "chunked" else grown_buffer(vmr)
     return vmr, buf
 
 
@@ -471,6 +504,8 @@ def main(argv):
             vmr, buf = make_buffer(kind)
             n = chunk_count(buf)
             record(f"{kind}: build", True, f"{buf.size >> 20} MiB in {n} allocations")
+            if kind == "grown" and GROWN_NOTE:
+                print(f"NOTE {GROWN_NOTE[-1]}", flush=True)
         except BaseException as e:  # noqa: BLE001
             record(f"{kind}: build", False, "".join(traceback.format_exception(e))[-1500:])
             continue
