@@ -51,6 +51,8 @@ static int sender_main(int argc, char **argv) {
   scfg.fail_at = strtoll(argv[6], 0, 0);
   scfg.ttl_ms = strtoull(argv[7], 0, 0);
 
+  const char *nofile = getenv("VMMIPC_TEST_SENDER_NOFILE");
+  if (nofile) set_nofile((rlim_t)strtoul(nofile, 0, 10));
   vmmipc_options o;
   vmmipc_options_init(&o);
   o.uses = scfg.uses;

@@ -123,14 +123,21 @@ typedef struct child {
   FILE *out; /* we read its stdout */
 } child;
 
+static inline int child_spawn_path(child *c, const char *path, char *const argv[]);
+
 static inline int child_spawn(child *c, char *const argv[]) {
+  return child_spawn_path(c, "/proc/self/exe", argv);
+}
+
+/* child_spawn_path starts path (argv) with pipes to its stdin/stdout. */
+static inline int child_spawn_path(child *c, const char *path, char *const argv[]) {
   int to[2], from[2];
   if (pipe2(to, O_CLOEXEC) || pipe2(from, O_CLOEXEC)) return -1;
   posix_spawn_file_actions_t fa;
   posix_spawn_file_actions_init(&fa);
   posix_spawn_file_actions_adddup2(&fa, to[0], 0);
   posix_spawn_file_actions_adddup2(&fa, from[1], 1);
-  int rc = posix_spawn(&c->pid, "/proc/self/exe", &fa, NULL, argv, environ);
+  int rc = posix_spawn(&c->pid, path, &fa, NULL, argv, environ);
   posix_spawn_file_actions_destroy(&fa);
   close(to[0]);
   close(from[1]);
