@@ -60,7 +60,7 @@ test-cgocheck: test-c ## the C tests against a GOEXPERIMENT=cgocheck2 build of t
 	GOEXPERIMENT=cgocheck2 $(GO) build $(GOFLAGS_LIB) -o $(BUILD)/cgocheck/libvmmipc.so ./export
 	LD_LIBRARY_PATH=$(BUILD)/cgocheck $(CMAKE_DIR)/test_vmmipc all
 
-$(BUILD)/vmmipc_demo: tests/c/demo.c tests/c/demo_cuda.h tests/c/testutil.h $(LIB)
+$(BUILD)/vmmipc_demo: tests/c/demo.c tests/c/cuda_dlopen.h tests/c/testutil.h $(LIB)
 	$(CC) -O2 -Wall -o $@ tests/c/demo.c -I$(BUILD)/include -L$(BUILD) -lvmmipc -lpthread -ldl -Wl,-rpath,'$$ORIGIN'
 
 demo: deps $(BUILD)/vmmipc_demo ## share a 4096-chunk buffer between two processes (GPU if present, else host)

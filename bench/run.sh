@@ -36,7 +36,7 @@ RAW=$OUT_DIR/raw.jsonl LOG=$OUT_DIR/log.txt
 
 [ -f "$BUILD/libvmmipc.so" ] || { echo "bench: $BUILD/libvmmipc.so is missing: run make lib first" >&2; exit 1; }
 BENCH=$BUILD/vmmipc_bench
-if [ ! -x "$BENCH" ] || [ bench/vmmipc_bench.c -nt "$BENCH" ] || [ bench/bench_cuda.h -nt "$BENCH" ]; then
+if [ ! -x "$BENCH" ] || [ bench/vmmipc_bench.c -nt "$BENCH" ] || [ tests/c/cuda_dlopen.h -nt "$BENCH" ]; then
   $CC -O2 -Wall -o "$BENCH" bench/vmmipc_bench.c -I"$BUILD/include" -L"$BUILD" -lvmmipc -lpthread -ldl \
     -Wl,-rpath,'$ORIGIN'
 fi

@@ -29,7 +29,7 @@
 #include <sys/socket.h>
 
 #include "../tests/c/testutil.h"
-#include "bench_cuda.h"
+#include "../tests/c/cuda_dlopen.h"
 
 static int use_cuda = -1;
 /* "" for the measurements; "profiled" when libvmmipc calls the driver

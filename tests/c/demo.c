@@ -12,7 +12,7 @@
 #define _GNU_SOURCE
 #include <sys/mman.h>
 
-#include "demo_cuda.h"
+#include "cuda_dlopen.h"
 #include "testutil.h"
 
 static int use_cuda = -1;

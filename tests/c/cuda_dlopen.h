@@ -1,10 +1,12 @@
-/* The few CUDA driver declarations the demo needs, loaded with dlopen so
- * that the demo builds without the CUDA toolkit and runs on host memory when
- * no GPU is present. Layouts follow cuda.h (CUDA 12/13). */
-#ifndef VMMIPC_DEMO_CUDA_H
-#define VMMIPC_DEMO_CUDA_H
+/* The CUDA driver entry points the demo (tests/c/demo.c) and the benchmark
+ * (bench/vmmipc_bench.c) call, loaded with dlopen so that they build without
+ * the CUDA toolkit and fall back to host memory on machines without a GPU.
+ * Layouts follow cuda.h (CUDA 12 and 13). */
+#ifndef VMMIPC_BENCH_CUDA_H
+#define VMMIPC_BENCH_CUDA_H
 #include <dlfcn.h>
 #include <stddef.h>
+#include <stdint.h>
 
 typedef int CUresult;
 typedef int CUdevice;
@@ -25,12 +27,16 @@ typedef struct {
 } CUmemAllocationProp;
 typedef struct { CUmemLocation location; int flags; } CUmemAccessDesc;
 
+#define BCU_POSIX_FD 1
+#define BCU_PROT_READWRITE 3
+
 static struct {
   CUresult (*Init)(unsigned);
   CUresult (*DeviceGetCount)(int *);
   CUresult (*DeviceGet)(CUdevice *, int);
   CUresult (*PrimaryCtxRetain)(CUcontext *, CUdevice);
   CUresult (*CtxSetCurrent)(CUcontext);
+  CUresult (*CtxSynchronize)(void);
   CUresult (*Granularity)(size_t *, const CUmemAllocationProp *, int);
   CUresult (*MemCreate)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long);
   CUresult (*AddressReserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
@@ -39,8 +45,11 @@ static struct {
   CUresult (*MemUnmap)(CUdeviceptr, size_t);
   CUresult (*MemRelease)(CUmemGenericAllocationHandle);
   CUresult (*SetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
-  CUresult (*HtoD)(CUdeviceptr, const void *, size_t);
+  CUresult (*Export)(void *, CUmemGenericAllocationHandle, int, unsigned long long);
+  CUresult (*Import)(CUmemGenericAllocationHandle *, void *, int);
+  CUresult (*MemsetD8)(CUdeviceptr, unsigned char, size_t);
   CUresult (*DtoH)(void *, CUdeviceptr, size_t);
+  CUresult (*HtoD)(CUdeviceptr, const void *, size_t);
   CUresult (*GetErrorName)(CUresult, const char **);
 } cu;
 
@@ -54,6 +63,7 @@ static int cuda_load(void) {
   SYM(DeviceGet, "cuDeviceGet");
   SYM(PrimaryCtxRetain, "cuDevicePrimaryCtxRetain");
   SYM(CtxSetCurrent, "cuCtxSetCurrent");
+  SYM(CtxSynchronize, "cuCtxSynchronize");
   SYM(Granularity, "cuMemGetAllocationGranularity");
   SYM(MemCreate, "cuMemCreate");
   SYM(AddressReserve, "cuMemAddressReserve");
@@ -62,8 +72,11 @@ static int cuda_load(void) {
   SYM(MemUnmap, "cuMemUnmap");
   SYM(MemRelease, "cuMemRelease");
   SYM(SetAccess, "cuMemSetAccess");
-  SYM(HtoD, "cuMemcpyHtoD_v2");
+  SYM(Export, "cuMemExportToShareableHandle");
+  SYM(Import, "cuMemImportFromShareableHandle");
+  SYM(MemsetD8, "cuMemsetD8_v2");
   SYM(DtoH, "cuMemcpyDtoH_v2");
+  SYM(HtoD, "cuMemcpyHtoD_v2");
   SYM(GetErrorName, "cuGetErrorName");
 #undef SYM
   int n = 0;
@@ -76,7 +89,7 @@ static const char *cu_err(CUresult r) {
   return s;
 }
 
-/* cuda_use_device makes device 0's primary context current. */
+/* cuda_use_device makes the device's primary context current. */
 static int cuda_use_device(int ordinal) {
   CUdevice d;
   CUcontext c;
