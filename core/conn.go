@@ -45,30 +45,41 @@ func (c *conn) send(msg []byte, fd int) error {
 	if fd >= 0 {
 		oob = unix.UnixRights(fd)
 	}
-	var opErr error
-	err := c.raw.Write(func(s uintptr) bool {
-		for len(msg) > 0 {
-			n, err := unix.SendmsgN(int(s), msg, oob, nil, unix.MSG_NOSIGNAL)
-			switch {
-			case err == unix.EINTR:
-				continue
-			case err == unix.EAGAIN:
-				return false // wait until writable
-			case err != nil:
-				opErr = err
-				return true
+	deadline := time.Now().Add(c.timeout)
+	for backoff := 50 * time.Microsecond; ; backoff = min(2*backoff, 5*time.Millisecond) {
+		var opErr error
+		err := c.raw.Write(func(s uintptr) bool {
+			for len(msg) > 0 {
+				n, err := unix.SendmsgN(int(s), msg, oob, nil, unix.MSG_NOSIGNAL)
+				switch {
+				case err == unix.EINTR:
+					continue
+				case err == unix.EAGAIN:
+					return false // wait until writable
+				case err != nil:
+					opErr = err
+					return true
+				}
+				msg, oob = msg[n:], nil // the descriptor went with the first byte
 			}
-			msg, oob = msg[n:], nil // the descriptor went with the first byte
+			return true
+		})
+		if err == nil {
+			err = opErr
 		}
-		return true
-	})
-	if err == nil {
-		err = opErr
+		// ETOOMANYREFS: the kernel counts descriptors in flight in unix
+		// sockets against the sending user's RLIMIT_NOFILE, so many
+		// receivers with windows of descriptors queued can hit it. They
+		// drain as receivers read: wait and retry rather than fail.
+		if err == unix.ETOOMANYREFS && (c.timeout == 0 || time.Now().Before(deadline)) {
+			time.Sleep(backoff)
+			continue
+		}
+		if err != nil {
+			return c.ioError("sending to", err)
+		}
+		return nil
 	}
-	if err != nil {
-		return c.ioError("sending to", err)
-	}
-	return nil
 }
 
 // frame is one received message. fd is -1 unless a descriptor came with it;
@@ -130,6 +141,12 @@ func (c *conn) readFull(b []byte, fd *int, fdAllowed bool) error {
 			return c.ioError("receiving from", err)
 		}
 		fds, cerr := parseRights(oob[:oobn])
+		if flags&unix.MSG_CTRUNC != 0 && len(fds) > 0 {
+			// Some descriptors arrived and the rest did not fit: the peer
+			// sent more than one (out of descriptors, none would arrive).
+			closeAll(fds)
+			return Errorf(EINVAL, "protocol: the %s sent more than one descriptor with a message (exactly one per chunk message allowed)", c.peer())
+		}
 		if flags&unix.MSG_CTRUNC != 0 {
 			closeAll(fds)
 			return Errorf(ENFILE, "%s: a descriptor was dropped by the kernel (MSG_CTRUNC): out of file descriptors? raise RLIMIT_NOFILE or close some", c.what)

@@ -203,6 +203,13 @@ func (s *Server) acceptLoop() {
 			time.Sleep(10 * time.Millisecond)
 			continue
 		}
+		// Check the uid before counting the connection: abstract sockets
+		// have no permissions, so a process of any uid can connect, and its
+		// connections must not use up the slots of admitted receivers.
+		if err := s.checkPeer(uc); err != nil {
+			go s.refuseConn(uc, err)
+			continue
+		}
 		s.mu.Lock()
 		full := s.conns >= maxConns
 		if !full {
@@ -235,12 +242,16 @@ func (s *Server) serve(uc *net.UnixConn) {
 	defer c.Close()
 	defer func() { _ = recover() }() // a bug here must not take the host down
 
-	if err := s.checkPeer(uc); err != nil {
-		s.refuse(c, err, noIndex)
-		return
-	}
 	f, err := c.recv()
 	if err != nil {
+		if CodeOf(err) == EINVAL { // a malformed message: say why we hang up
+			s.refuse(c, err, noIndex)
+		}
+		return
+	}
+	if f.FD >= 0 { // receivers never send descriptors
+		closeFD(&f.FD)
+		s.refuse(c, Errorf(EINVAL, "protocol: receivers must not send descriptors"), noIndex)
 		return
 	}
 	if f.Type != msgHello {
@@ -283,6 +294,9 @@ func (s *Server) stream(c *conn, g *registration) bool {
 		f, err := c.recv()
 		if err != nil {
 			closeFD(&f.FD)
+			if CodeOf(err) == EINVAL {
+				s.refuse(c, err, noIndex)
+			}
 			return false
 		}
 		if f.FD >= 0 { // receivers never send descriptors
@@ -300,11 +314,9 @@ func (s *Server) stream(c *conn, g *registration) bool {
 				s.refuse(c, err, noIndex)
 				return false
 			}
-			for i := p.First; i < p.First+p.Count; i++ {
-				if err := s.sendChunk(c, g, i); err != nil {
-					s.refuse(c, err, i)
-					return false
-				}
+			if i, err := s.sendEach(c, g, p.First, p.Count); err != nil {
+				s.refuse(c, err, i)
+				return false
 			}
 			next += p.Count
 		case msgDone:
@@ -320,25 +332,58 @@ func (s *Server) stream(c *conn, g *registration) bool {
 	}
 }
 
-// sendChunk exports chunk i, sends its descriptor with the chunk header in
-// one message, and closes the descriptor whatever happens.
-func (s *Server) sendChunk(c *conn, g *registration, i uint64) error {
+// exported is one chunk's descriptor and header, ready to send.
+type exported struct {
+	fd  int
+	msg chunkMsg
+}
+
+// exportChunk exports chunk i and checks what the exporter returned.
+func exportChunk(g *registration, i uint64) (exported, error) {
 	fd, fileOff, err := g.export(i)
 	if err != nil {
 		if CodeOf(err) == ENOENT {
-			return err
+			return exported{fd: -1}, err
 		}
-		return wrapErr(EEXPORT, err, "chunk %d of %d: export failed", i, len(g.sizes))
+		return exported{fd: -1}, wrapErr(EEXPORT, err, "chunk %d of %d: export failed", i, len(g.sizes))
 	}
 	if fd < 0 {
-		return Errorf(EEXPORT, "chunk %d of %d: exporter returned no descriptor", i, len(g.sizes))
+		return exported{fd: -1}, Errorf(EEXPORT, "chunk %d of %d: exporter returned no descriptor", i, len(g.sizes))
 	}
-	defer unix.Close(fd)
 	if _, err := unix.FcntlInt(uintptr(fd), unix.F_GETFD, 0); err != nil {
-		return Errorf(EEXPORT, "chunk %d of %d: exporter returned %d, which is not an open descriptor", i, len(g.sizes), fd)
+		return exported{fd: -1}, Errorf(EEXPORT, "chunk %d of %d: exporter returned %d, which is not an open descriptor", i, len(g.sizes), fd)
 	}
-	msg := chunkMsg{Index: i, Offset: g.offsets[i], Size: g.sizes[i], FileOffset: fileOff}
-	return c.send(msg.encode(), fd)
+	return exported{fd: fd, msg: chunkMsg{Index: i, Offset: g.offsets[i], Size: g.sizes[i], FileOffset: fileOff}}, nil
+}
+
+// sendEach exports and sends chunks [first, first+n) one at a time, holding
+// one descriptor at a time. It returns the failing index with the error.
+func (s *Server) sendEach(c *conn, g *registration, first, n uint64) (uint64, error) {
+	for i := first; i < first+n; i++ {
+		e, err := exportChunk(g, i)
+		if err == nil {
+			err = c.send(e.msg.encode(), e.fd)
+			closeFD(&e.fd)
+		}
+		if err != nil {
+			return i, err
+		}
+	}
+	return noIndex, nil
+}
+
+// refuseConn tells a peer that may not connect why, and hangs up. It does
+// not wait for the peer: the message fits in the socket buffer.
+func (s *Server) refuseConn(uc *net.UnixConn, err error) {
+	defer func() { _ = recover() }()
+	c, cerr := newConn(uc, 0, "server")
+	if cerr != nil {
+		_ = uc.Close()
+		return
+	}
+	defer c.Close()
+	_ = uc.SetWriteDeadline(time.Now().Add(100 * time.Millisecond))
+	_ = c.send(errorMsg{Code: CodeOf(err), Index: noIndex, Text: err.Error()}.encode(), -1)
 }
 
 // refuse tells the receiver why it gets nothing (best effort) and lets the

@@ -131,6 +131,11 @@ func (t *Ticket) validate() error {
 	if addr == "" || len(addr) > maxAddrLen || strings.IndexByte(addr, 0) >= 0 {
 		return Errorf(EINVAL, "ticket: socket address %q is empty, longer than %d bytes or contains NUL", t.Address, maxAddrLen)
 	}
+	// DecodeTicket refuses relative paths, so Marshal must too: a ticket
+	// that encodes must decode.
+	if !strings.HasPrefix(t.Address, "@") && !strings.HasPrefix(t.Address, "/") {
+		return Errorf(EINVAL, "ticket: socket path %q is not absolute", t.Address)
+	}
 	return nil
 }
 
