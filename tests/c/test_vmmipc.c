@@ -3,7 +3,9 @@
  * "sender" role, see sender.h). Run with a test name, or "all".
  * Prints PASS/FAIL per test and "N passed, M failed". */
 #define _GNU_SOURCE
+#include <dlfcn.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 
 #include "sender.h"
 #include "testutil.h"
@@ -352,6 +354,19 @@ static int test_cuda_without_driver(void) {
   return 0;
 }
 
+/* copy_file copies src to dst, mode 0755. */
+static int copy_file(const char *src, const char *dst) {
+  int in = open(src, O_RDONLY | O_CLOEXEC), out = open(dst, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0755);
+  char buf[65536];
+  ssize_t n = 0;
+  while (in >= 0 && out >= 0 && (n = read(in, buf, sizeof buf)) > 0)
+    if (write(out, buf, (size_t)n) != n) n = -1;
+  int ok = in >= 0 && out >= 0 && n == 0 && fchmod(out, 0755) == 0;
+  if (in >= 0) close(in);
+  if (out >= 0) close(out);
+  return ok ? 0 : -1;
+}
+
 /* One receiver thread of test_sender_inflight_limit. */
 typedef struct inflight_receiver {
   const vmmipc_ticket *ticket;
@@ -392,16 +407,24 @@ static int test_sender_inflight_limit(void) {
     printf("  SKIP: needs root (to start the sender as uid 65534) and /usr/bin/setpriv\n");
     return 77;
   }
-  char self[4096];
-  ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
-  CHECK(n > 0, "readlink");
-  self[n] = 0;
+  /* uid 65534 may not be able to reach our build directory (a checkout
+   * under /root, say): run copies of this binary and the library from a
+   * world-readable temporary directory. */
+  char dir[] = "/tmp/vmmipc-test-XXXXXX", self[4096], lib[4096];
+  CHECK(mkdtemp(dir) && chmod(dir, 0755) == 0, "mkdtemp");
+  Dl_info info;
+  CHECK(dladdr((void *)vmmipc_version, &info) && info.dli_fname, "dladdr");
+  snprintf(self, sizeof self, "%s/test_vmmipc", dir);
+  snprintf(lib, sizeof lib, "%s/libvmmipc.so", dir);
+  CHECK(copy_file("/proc/self/exe", self) == 0 && copy_file(info.dli_fname, lib) == 0, "copying to %s", dir);
+  setenv("LD_LIBRARY_PATH", dir, 1);
   setenv("VMMIPC_TEST_SENDER_NOFILE", "32", 1);
   char *argv[] = {"setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", self, "sender", "file",
                   "256", "4096", "8", "-1", "0", NULL};
   child s;
   int rc = child_spawn_path(&s, "/usr/bin/setpriv", argv);
   unsetenv("VMMIPC_TEST_SENDER_NOFILE");
+  unsetenv("LD_LIBRARY_PATH");
   CHECK(rc == 0, "spawn setpriv");
   char line[2 * VMMIPC_TICKET_SIZE + 64];
   CHECK(fgets(line, sizeof line, s.out) && strncmp(line, "ticket ", 7) == 0, "sender did not start: %s", line);
@@ -424,6 +447,9 @@ static int test_sender_inflight_limit(void) {
   }
   CHECK(bad == 0, "%llu chunks differ", (unsigned long long)bad);
   child_end(&s);
+  unlink(self);
+  unlink(lib);
+  rmdir(dir);
   printf("  8 receivers x 256 chunks, window 16, from a sender at RLIMIT_NOFILE 32 (uid 65534): all verified\n");
   return 0;
 }
