@@ -1,6 +1,6 @@
 module github.com/libvmmipc/libvmmipc
 
-go 1.25.0
+go 1.26.0
 
 require (
 	github.com/mattn/go-pointer v0.0.1
