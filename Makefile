@@ -16,7 +16,7 @@ GOFLAGS_LIB := -buildmode=c-shared -trimpath \
 GO_SOURCES := $(shell find core cuda export -name '*.go' -o -name '*.c' -o -name '*.h' -o -name '*.map' 2>/dev/null) \
 	go.mod go.sum include/vmmipc.h
 
-.PHONY: all lib test test-go test-c test-python test-cgocheck demo bench install deps help clean
+.PHONY: all lib test test-go test-c test-python test-cgocheck test-install demo bench install deps help clean
 
 all: lib ## build build/libvmmipc.so and build/include/vmmipc.h
 
@@ -32,10 +32,11 @@ $(LIB): $(GO_SOURCES)
 
 deps: ## check the toolchain and fetch what a fresh machine lacks (Go modules, pytest)
 	@for t in $(GO) $(CC) cmake $(PYTHON); do command -v $$t >/dev/null || { echo "missing: $$t"; exit 1; }; done
+	@command -v pkg-config >/dev/null || { apt-get update -qq && apt-get install -y -qq pkg-config; } || { echo "missing: pkg-config"; exit 1; }
 	$(GO) mod download
 	@$(PYTHON) -c 'import pytest' 2>/dev/null || $(PYTHON) -m pip install --quiet pytest
 
-test: deps lib test-go test-c test-python test-cgocheck ## run every test: Go (race), C (ctest), Python (pytest), cgocheck2
+test: deps lib test-go test-c test-python test-cgocheck test-install ## run every test: Go (race), C (ctest), Python (pytest), cgocheck2, install
 	@echo "make test: all suites passed"
 
 test-go: ## go vet, gofmt and go test -race
@@ -59,6 +60,20 @@ test-cgocheck: test-c ## the C tests against a GOEXPERIMENT=cgocheck2 build of t
 	@mkdir -p $(BUILD)/cgocheck
 	GOEXPERIMENT=cgocheck2 $(GO) build $(GOFLAGS_LIB) -o $(BUILD)/cgocheck/libvmmipc.so ./export
 	LD_LIBRARY_PATH=$(BUILD)/cgocheck $(CMAKE_DIR)/test_vmmipc all
+
+# Install into a scratch prefix, then build and run a consumer through
+# find_package(vmmipc CONFIG) and through pkg-config.
+test-install: ## install to a scratch prefix and link a program against it (CMake and pkg-config)
+	rm -rf $(BUILD)/install-test
+	cmake -S . -B $(BUILD)/install-test/build -DCMAKE_INSTALL_PREFIX=$(CURDIR)/$(BUILD)/install-test/prefix -DVMMIPC_BUILD_TESTS=OFF >/dev/null
+	cmake --build $(BUILD)/install-test/build -j2 >/dev/null
+	cmake --install $(BUILD)/install-test/build >/dev/null
+	cmake -S tests/install -B $(BUILD)/install-test/consumer -DCMAKE_PREFIX_PATH=$(CURDIR)/$(BUILD)/install-test/prefix >/dev/null
+	cmake --build $(BUILD)/install-test/consumer >/dev/null
+	LD_LIBRARY_PATH=$(BUILD)/install-test/prefix/lib $(BUILD)/install-test/consumer/consumer
+	$(CC) tests/install/main.c -o $(BUILD)/install-test/consumer-pc \
+	  $$(PKG_CONFIG_PATH=$(BUILD)/install-test/prefix/lib/pkgconfig pkg-config --cflags --libs vmmipc)
+	LD_LIBRARY_PATH=$(BUILD)/install-test/prefix/lib $(BUILD)/install-test/consumer-pc
 
 $(BUILD)/vmmipc_demo: tests/c/demo.c tests/c/cuda_dlopen.h tests/c/testutil.h $(LIB)
 	$(CC) -O2 -Wall -o $@ tests/c/demo.c -I$(BUILD)/include -L$(BUILD) -lvmmipc -lpthread -ldl -Wl,-rpath,'$$ORIGIN'
