@@ -19,12 +19,15 @@ func BenchmarkHostImport(b *testing.B) {
 	const chunks = 4096
 	const chunkSize = 64 << 10
 	size := chunks * chunkSize
-	fd, err := unix.MemfdCreate("vmmipc-bench", unix.MFD_CLOEXEC)
+	fd, err := unix.MemfdCreate("vmmipc-bench", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
 	if err != nil {
 		b.Fatal(err)
 	}
 	defer unix.Close(fd)
 	if err := unix.Ftruncate(fd, int64(size)); err != nil {
+		b.Fatal(err)
+	}
+	if _, err := unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK); err != nil {
 		b.Fatal(err)
 	}
 	sizes, err := FileChunks(fd, uint64(size), chunkSize)

@@ -71,7 +71,7 @@ func (c *conn) send(msg []byte, fd int) error {
 		// sockets against the sending user's RLIMIT_NOFILE, so many
 		// receivers with windows of descriptors queued can hit it. They
 		// drain as receivers read: wait and retry rather than fail.
-		if err == unix.ETOOMANYREFS && (c.timeout == 0 || time.Now().Before(deadline)) {
+		if err == unix.ETOOMANYREFS && c.timeout > 0 && time.Now().Before(deadline) {
 			time.Sleep(backoff)
 			continue
 		}

@@ -15,7 +15,7 @@ import (
 // newMemfd makes a memfd of n bytes where byte i is pattern(i).
 func newMemfd(t testing.TB, n int, seed byte) int {
 	t.Helper()
-	fd, err := unix.MemfdCreate("vmmipc-test", unix.MFD_CLOEXEC)
+	fd, err := unix.MemfdCreate("vmmipc-test", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -24,6 +24,9 @@ func newMemfd(t testing.TB, n int, seed byte) int {
 		buf[i] = byte(i/4096) ^ byte(i) ^ seed
 	}
 	if _, err := unix.Pwrite(fd, buf, 0); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK); err != nil {
 		t.Fatal(err)
 	}
 	return fd
@@ -193,5 +196,52 @@ func TestTTLExpires(t *testing.T) {
 	}
 	if _, err := Open(tk, OpenOptions{}); CodeOf(err) != ENOENT || !strings.Contains(err.Error(), "expired") {
 		t.Fatalf("after ttl: %v", err)
+	}
+}
+
+// TestUseSpentWhenAllSent: a receiver that pulls every chunk and hangs up
+// without saying done has still used the registration up; one that hangs up
+// earlier gives its use back.
+func TestUseSpentWhenAllSent(t *testing.T) {
+	s := newTestServer(t)
+	fd := newMemfd(t, 8*int(pageSize), 3)
+	defer unix.Close(fd)
+	sizes, _ := FileChunks(fd, 8*pageSize, pageSize)
+	released := make(chan struct{})
+	tk, err := s.Register(sizes, &FileExporter{FD: fd, ChunkSize: pageSize, OnRelease: func() { close(released) }}, RegisterOptions{Uses: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Early hang-up, window 1: only the first chunk was sent. Use given back.
+	st, err := Open(tk, OpenOptions{Window: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ch, err := st.Next()
+	if err != nil {
+		t.Fatal(err)
+	}
+	unix.Close(ch.FD)
+	st.Close()
+	// Every chunk pulled, then a hang-up without done: the use is spent.
+	st, err = Open(tk, OpenOptions{Window: 1})
+	if err != nil {
+		t.Fatalf("early hang-up did not give the use back: %v", err)
+	}
+	for range sizes {
+		ch, err := st.Next()
+		if err != nil {
+			t.Fatal(err)
+		}
+		unix.Close(ch.FD)
+	}
+	st.Close()
+	select {
+	case <-released:
+	case <-time.After(5 * time.Second):
+		t.Fatal("registration not released after every chunk was sent")
+	}
+	if _, err := Open(tk, OpenOptions{}); CodeOf(err) != ENOENT {
+		t.Fatalf("third receiver: %v, want ENOENT", err)
 	}
 }

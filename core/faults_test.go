@@ -110,7 +110,10 @@ func TestReceiverKilledMidStream(t *testing.T) {
 	n := trials(50, 10)
 	sender := startHelper(t, roleSender, nil, nil, "")
 	for trial := 0; trial < n; trial++ {
-		k := randIndex(faultChunks) // chunks pulled before the kill
+		// Chunks pulled before the kill: the exporter runs up to a window
+		// ahead, and once it has sent every chunk the use is spent, so
+		// "mid-stream" means before the last window.
+		k := randIndex(faultChunks - DefaultWindow)
 		seed := byte(trial + 1)
 		tk := sender.register(faultChunks, faultChunkSize, 1, -1, seed)
 		base := procFDs(t, sender.pid()) // after register: its memfd is open

@@ -394,9 +394,12 @@ func fuzzServer(t testing.TB) (*Server, *Ticket) {
 			fuzzSrv.err = err
 			return
 		}
-		fd, err := unix.MemfdCreate("vmmipc-fuzz", unix.MFD_CLOEXEC)
+		fd, err := unix.MemfdCreate("vmmipc-fuzz", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
 		if err == nil {
 			err = unix.Ftruncate(fd, fuzzChunks*int64(pageSize))
+		}
+		if err == nil {
+			_, err = unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK)
 		}
 		if err != nil {
 			fuzzSrv.err = err

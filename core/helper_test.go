@@ -81,11 +81,15 @@ func (l *lineWriter) printf(format string, args ...any) {
 
 // patternMemfd makes a named memfd of n bytes holding pattern(seed).
 func patternMemfd(n int, seed byte) (int, error) {
-	fd, err := unix.MemfdCreate(faultMemfdName, unix.MFD_CLOEXEC)
+	fd, err := unix.MemfdCreate(faultMemfdName, unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
 	if err != nil {
 		return -1, err
 	}
 	if _, err := unix.Pwrite(fd, pattern(n, seed), 0); err != nil {
+		unix.Close(fd)
+		return -1, err
+	}
+	if _, err := unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK); err != nil {
 		unix.Close(fd)
 		return -1, err
 	}

@@ -31,6 +31,9 @@ func FileChunks(fd int, size, chunkSize uint64) ([]uint64, error) {
 	if uint64(st.Size) < size {
 		return nil, Errorf(EINVAL, "register: fd %d holds %d bytes, fewer than the %d to share", fd, st.Size, size)
 	}
+	if err := checkShrinkSeal(fd); err != nil {
+		return nil, wrapErr(EINVAL, err, "register: fd %d", fd)
+	}
 	n := (size + chunkSize - 1) / chunkSize
 	if n > MaxChunks {
 		return nil, Errorf(EINVAL, "register: %d chunks exceed the limit of %d; use larger chunks", n, MaxChunks)

@@ -31,8 +31,10 @@ func (h *HostImporter) Reserve(total uint64) (uint64, error) {
 	return uint64(uintptr(p)), nil
 }
 
-// Map checks that the descriptor is a file big enough for the chunk (so no
-// access can fault with SIGBUS) and maps it in place.
+// Map checks that the descriptor is a memfd big enough for the chunk and
+// sealed against shrinking, so that no access can ever fault with SIGBUS
+// (a size check alone would not do: the sender could truncate it later),
+// and maps it in place.
 func (h *HostImporter) Map(c Chunk) error {
 	if c.Offset%pageSize != 0 || c.FileOffset%pageSize != 0 {
 		return Errorf(EINVAL, "offset %d / file offset %d not page aligned (host chunks must be multiples of %d bytes)", c.Offset, c.FileOffset, pageSize)
@@ -49,6 +51,9 @@ func (h *HostImporter) Map(c Chunk) error {
 	}
 	if end := c.FileOffset + c.Size; end < c.FileOffset || uint64(st.Size) < end {
 		return Errorf(EINVAL, "the file holds %d bytes but the chunk needs [%d, %d): refusing to map what would fault", st.Size, c.FileOffset, end)
+	}
+	if err := checkShrinkSeal(c.FD); err != nil {
+		return err
 	}
 	at := unsafe.Add(h.base, c.Offset)
 	if _, err := unix.MmapPtr(c.FD, int64(c.FileOffset), at, uintptr(c.Size),
@@ -70,6 +75,19 @@ func (h *HostImporter) Unmap() error {
 	h.base = nil
 	if err != nil {
 		return Errorf(EIO, "munmap: %w", err)
+	}
+	return nil
+}
+
+// checkShrinkSeal insists on F_SEAL_SHRINK: without it whoever holds the file
+// can truncate it under our mapping and kill this process with SIGBUS.
+func checkShrinkSeal(fd int) error {
+	seals, err := unix.FcntlInt(uintptr(fd), unix.F_GET_SEALS, 0)
+	if err != nil {
+		return Errorf(EINVAL, "the file cannot be sealed (not a memfd: %v); host chunks must be memfds sealed with F_SEAL_SHRINK so that they can never be truncated under a mapping", err)
+	}
+	if seals&unix.F_SEAL_SHRINK == 0 {
+		return Errorf(EINVAL, "the memfd is not sealed against shrinking; the sender must seal it (memfd_create with MFD_ALLOW_SEALING, then fcntl F_ADD_SEALS F_SEAL_SHRINK) so that it can never be truncated under a mapping")
 	}
 	return nil
 }

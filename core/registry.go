@@ -129,7 +129,7 @@ func (r *Registry) lookup(id uint64, secret Secret) (*registration, error) {
 	return reg, nil
 }
 
-// Live returns the number of registrations that have not been released.
+// Live returns the number of registrations that have not ended.
 func (r *Registry) Live() int {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -188,10 +188,11 @@ func (g *registration) notifySettled() {
 	g.settled = make(chan struct{})
 }
 
-// finish releases a receiver's claim; completed says whether it pulled every
-// chunk (then the use is consumed, else given back for a retry). When that
-// used the registration up, it is ended but not yet released: the caller
-// acknowledges the receiver first, then calls maybeRelease.
+// finish releases a receiver's claim; completed says whether every chunk
+// was sent to it (then the use is consumed, else given back for a retry).
+// Only the first call for a stream counts. When that used the registration
+// up, it is ended but not yet released: the caller calls maybeRelease once
+// the receiver no longer needs an answer.
 func (g *registration) finish(c *conn, completed bool) {
 	g.mu.Lock()
 	if _, ok := g.streams[c]; !ok {

@@ -15,14 +15,25 @@ import (
 )
 
 // Server limits. A receiver that connects and never speaks is dropped after
-// helloTimeout; one that stops pulling after idleTimeout. Beyond maxConns
-// concurrent connections new ones are refused at once, so a flood cannot
-// exhaust the exporter's descriptors.
+// helloTimeout; one that stops pulling after idleTimeout. Admitted
+// connections are capped at a quarter of the host's soft RLIMIT_NOFILE
+// (between 16 and maxConns), and refusals of foreign uids at maxRefusing,
+// so that a flood of connections cannot take the host's descriptors.
 var (
 	helloTimeout = 10 * time.Second
 	idleTimeout  = 2 * time.Minute
 	maxConns     = 1024
+	maxRefusing  = 64
 )
+
+// connLimit is how many admitted connections the server keeps open at once.
+func connLimit() int {
+	var lim unix.Rlimit
+	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &lim); err != nil {
+		return 16
+	}
+	return int(max(16, min(uint64(maxConns), lim.Cur/4)))
+}
 
 // SocketDirEnv names the environment variable that, when set, makes the
 // server listen on a filesystem socket in that directory (mode 0600) instead
@@ -39,9 +50,10 @@ type Server struct {
 	pid  uint32
 	uid  int
 
-	mu     sync.Mutex
-	conns  int
-	closed bool
+	mu       sync.Mutex
+	conns    int // admitted connections being served
+	refusing int // foreign-uid connections being told no
+	closed   bool
 }
 
 var (
@@ -207,11 +219,27 @@ func (s *Server) acceptLoop() {
 		// have no permissions, so a process of any uid can connect, and its
 		// connections must not use up the slots of admitted receivers.
 		if err := s.checkPeer(uc); err != nil {
-			go s.refuseConn(uc, err)
+			s.mu.Lock()
+			busy := s.refusing >= maxRefusing
+			if !busy {
+				s.refusing++
+			}
+			s.mu.Unlock()
+			if busy {
+				_ = uc.Close()
+				continue
+			}
+			go func() {
+				s.refuseConn(uc, err)
+				s.mu.Lock()
+				s.refusing--
+				s.mu.Unlock()
+			}()
 			continue
 		}
+		limit := connLimit()
 		s.mu.Lock()
-		full := s.conns >= maxConns
+		full := s.conns >= limit
 		if !full {
 			s.conns++
 		}
@@ -272,17 +300,17 @@ func (s *Server) serve(uc *net.UnixConn) {
 		s.refuse(c, err, noIndex)
 		return
 	}
-	defer g.finish(c, false) // gives the use back unless done consumed it
+	// The use is consumed in stream() once the last chunk has been sent;
+	// a stream cut before that gives it back. Release (possibly slow) runs
+	// only after the receiver has its acknowledgement, or has gone.
+	defer g.maybeRelease()
+	defer g.finish(c, false)
 	c.timeout = idleTimeout
 	if err := c.send(welcomeMsg{Count: uint64(len(g.sizes)), Total: g.total, Kind: g.kind}.encode(), -1); err != nil {
 		return
 	}
 	if s.stream(c, g) {
-		// Consume the use before acknowledging, so that the receiver's
-		// next call already sees it; release (possibly slow) after.
-		g.finish(c, true)
 		_ = c.send(encodeMsg(msgDoneAck, nil), -1)
-		g.maybeRelease()
 	}
 }
 
@@ -319,6 +347,12 @@ func (s *Server) stream(c *conn, g *registration) bool {
 				return false
 			}
 			next += p.Count
+			if next == count {
+				// Every chunk is on its way: the use is spent, whether or
+				// not the receiver says done. (Counting only done would
+				// let a receiver pull everything, hang up, and pull again.)
+				g.finish(c, true)
+			}
 		case msgDone:
 			if next != count {
 				s.refuse(c, Errorf(EINVAL, "protocol: done after %d of %d chunks", next, count), noIndex)
@@ -404,7 +438,7 @@ func (s *Server) checkPeer(uc *net.UnixConn) error {
 		return Errorf(EAUTH, "cannot read the receiver's credentials (SO_PEERCRED): %v", err)
 	}
 	if int(cred.Uid) != s.uid && cred.Uid != 0 {
-		return Errorf(EAUTH, "receiver uid %d is not allowed: the exporter runs as uid %d (only the same uid or root may import)", cred.Uid, s.uid)
+		return Errorf(EAUTH, "receiver uid %d is not allowed: only the exporter's own uid or root may import", cred.Uid)
 	}
 	return nil
 }

@@ -3,6 +3,7 @@ package core
 import (
 	"context"
 	"net"
+	"os"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -63,6 +64,10 @@ func Open(t *Ticket, opts OpenOptions) (*Stream, error) {
 		_ = uc.Close()
 		return nil, Errorf(EAUTH, "open: cannot read the exporter's credentials (SO_PEERCRED): %v", err)
 	}
+	if me := uint32(os.Getuid()); cred.Uid != me && cred.Uid != 0 && me != 0 {
+		_ = uc.Close()
+		return nil, Errorf(EAUTH, "open: the socket %s belongs to uid %d; only our own uid or root may export to us", t.Address, cred.Uid)
+	}
 	if uint32(cred.Pid) != t.Pid {
 		_ = uc.Close()
 		return nil, Errorf(EAUTH, "open: the socket %s belongs to pid %d, but the ticket was issued by pid %d; refusing to trust it (the exporter exited and another process took its address, or the ticket is forged)", t.Address, cred.Pid, t.Pid)
@@ -105,7 +110,7 @@ func (s *Stream) handshake() error {
 	}
 	switch f.Type {
 	case msgError:
-		return remoteError(f.Body, "open")
+		return remoteError(f.Body)
 	case msgWelcome:
 	default:
 		return Errorf(EINVAL, "protocol: expected welcome, got %s", msgName(f.Type))
@@ -121,7 +126,7 @@ func (s *Stream) handshake() error {
 }
 
 // remoteError turns the server's error message into a local error.
-func remoteError(body []byte, op string) error {
+func remoteError(body []byte) error {
 	m, err := parseError(body)
 	if err != nil {
 		return err
@@ -175,7 +180,7 @@ func (s *Stream) next() (Chunk, error) {
 		switch f.Type {
 		case msgDoneAck:
 		case msgError:
-			return Chunk{FD: -1}, remoteError(f.Body, "done")
+			return Chunk{FD: -1}, remoteError(f.Body)
 		default:
 			return Chunk{FD: -1}, Errorf(EINVAL, "protocol: expected done-ack, got %s", msgName(f.Type))
 		}
@@ -204,7 +209,7 @@ func (s *Stream) next() (Chunk, error) {
 	case msgChunk:
 	case msgError:
 		closeFD(&f.FD)
-		return Chunk{FD: -1}, remoteError(f.Body, "pull")
+		return Chunk{FD: -1}, remoteError(f.Body)
 	default:
 		closeFD(&f.FD)
 		return Chunk{FD: -1}, Errorf(EINVAL, "protocol: expected chunk %d, got %s", s.received, msgName(f.Type))
@@ -231,7 +236,7 @@ func (s *Stream) pendingError(fallback error) error {
 	}
 	closeFD(&f.FD)
 	if f.Type == msgError {
-		return remoteError(f.Body, "pull")
+		return remoteError(f.Body)
 	}
 	return fallback
 }

@@ -62,6 +62,9 @@ func NewImporter(device int32, uuid [16]byte, access []int32) (Importer, error) 
 		owner = findUUID(uuids, uuid)
 	}
 	if device == DeviceSame {
+		if uuid == ([16]byte{}) {
+			return nil, core.Errorf(core.EINVAL, "import: this ticket names no GPU (it was made with vmmipc_register, not vmmipc_register_cuda*): pass a device ordinal instead of VMMIPC_DEVICE_SAME")
+		}
 		if owner < 0 {
 			return nil, core.Errorf(core.ECUDA, "import: the exporter's GPU %s is not among the %d CUDA device(s) this process sees (check CUDA_VISIBLE_DEVICES), or pass a device ordinal instead of VMMIPC_DEVICE_SAME", formatUUID(uuid), count)
 		}

@@ -241,8 +241,9 @@ func (e *exporter) ExportChunk(index uint64) (int, uint64, error) {
 		}
 		return -1, 0, err
 	}
-	// The driver's descriptor may lack close-on-exec; it lives only until
-	// the core has sent it, but must not leak into a concurrent exec.
+	// The driver's descriptor may lack close-on-exec, and the driver has no
+	// flag to ask for it: setting it at once narrows, but cannot close, the
+	// window in which a concurrent exec in the host could inherit it.
 	unix.CloseOnExec(int(fd))
 	return int(fd), 0, nil
 }

@@ -27,7 +27,8 @@
  * signals back right after it (our plain constructor follows go.o's in
  * .init_array: check with `objdump -s -j .init_array` after a Go upgrade),
  * and wait, bounded, for Go's package init to finish so that the limit is
- * back before dlopen() returns. The cost: a fault inside Go code is no
+ * back before dlopen() returns. Handlers the host had keep SA_ONSTACK, the
+ * one flag Go adds and must (see restore_signals). The cost: a fault inside Go code is no
  * longer a recoverable panic, and Go cannot preempt a goroutine that loops
  * without calls (we have none). Rule: no Go init may use the dynamic loader
  * (dlopen, dlsym, NSS): dlopen holds its lock while we wait. */
@@ -79,7 +80,14 @@ static void restore_signals(void) {
       struct kernel_sigaction now;
       if (raw_sigaction(sig, NULL, &now) || now.handler != saved_actions[sig].handler) continue;
     }
-    raw_sigaction(sig, &saved_actions[sig], NULL);
+    struct kernel_sigaction act = saved_actions[sig];
+    /* Keep the one change Go must make: SA_ONSTACK on the host's own
+     * handlers. A process-wide signal (SIGPROF, SIGINT, ...) may be
+     * delivered to a thread that Go created, whose goroutine stack is far
+     * too small for a C handler's frame; SA_ONSTACK runs it on the thread's
+     * signal stack instead. SIG_DFL and SIG_IGN stay exactly as they were. */
+    if (act.handler != (void *)SIG_DFL && act.handler != (void *)SIG_IGN) act.flags |= SA_ONSTACK;
+    raw_sigaction(sig, &act, NULL);
   }
 }
 
@@ -165,9 +173,9 @@ void vmmipc_abi_call_release(vmmipc_release_fn fn, void *user) { fn(user); }
 
 /* ---- public API ---- */
 
-int vmmipc_options_init(vmmipc_options *opts) {
+int vmmipc_options_init(vmmipc_options *opts, size_t size) {
   FORK_GUARD("vmmipc_options_init");
-  return vmmipcgo_options_init(opts);
+  return vmmipcgo_options_init(opts, size);
 }
 
 int vmmipc_register(const uint64_t *sizes, uint64_t count, vmmipc_export_fn export_fn,

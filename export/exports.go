@@ -39,16 +39,16 @@ func init() {
 }
 
 //export vmmipcgo_options_init
-func vmmipcgo_options_init(opts *C.vmmipc_options) (rc C.int) {
+func vmmipcgo_options_init(opts *C.vmmipc_options, size C.size_t) (rc C.int) {
 	defer guard(&rc, "vmmipc_options_init")
-	if opts == nil {
-		return status(core.Errorf(core.EINVAL, "vmmipc_options_init: opts is NULL"))
+	if opts == nil || uintptr(size) < unsafe.Offsetof(opts.ttl_ms) {
+		return status(core.Errorf(core.EINVAL, "vmmipc_options_init: opts is NULL or size %d is too small; pass sizeof *opts", uint64(size)))
 	}
-	*opts = C.vmmipc_options{}
-	opts.struct_size = C.uint32_t(unsafe.Sizeof(*opts))
-	opts.uses = 1
-	opts.timeout_ms = C.uint32_t(core.DefaultTimeout.Milliseconds())
-	opts.memory_kind = C.VMMIPC_MEMORY_HOST
+	// Fill a full struct of ours, then copy only what the caller's holds.
+	d := C.vmmipc_options{uses: 1, timeout_ms: C.uint32_t(core.DefaultTimeout.Milliseconds()), memory_kind: C.VMMIPC_MEMORY_HOST}
+	n := min(uintptr(size), unsafe.Sizeof(d))
+	d.struct_size = C.uint32_t(n)
+	copy(unsafe.Slice((*byte)(unsafe.Pointer(opts)), n), unsafe.Slice((*byte)(unsafe.Pointer(&d)), n))
 	return C.VMMIPC_OK
 }
 

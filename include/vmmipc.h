@@ -27,8 +27,11 @@
  *   - All functions are thread-safe. No function blocks forever: receivers
  *     give up after vmmipc_options.timeout_ms.
  *   - Loading the library changes nothing in the host process: RLIMIT_NOFILE
- *     and every signal disposition stay as they were. The library must not
- *     be unloaded (dlclose) once loaded.
+ *     and every signal disposition stay as they were, except that handlers
+ *     the host installed gain SA_ONSTACK (Go requires it: such a handler may
+ *     run on a thread the library created). No handler of the library's
+ *     stays installed, so a fault inside the library is a crash rather than
+ *     a recovered panic. The library must not be unloaded (dlclose).
  *   - After fork(), every function returns VMMIPC_EFORK in the child (the Go
  *     runtime inside does not survive fork). Start helpers with exec or
  *     posix_spawn, or with Python's "spawn"/"forkserver" start methods.
@@ -54,7 +57,9 @@ extern "C" {
 /* Device arguments of vmmipc_import_stream. Values >= 0 are CUDA device
  * ordinals as the receiving process sees them. */
 #define VMMIPC_DEVICE_HOST (-1) /* host memory (memfd chunks) */
-#define VMMIPC_DEVICE_SAME (-2) /* the exporter's GPU, found by UUID */
+#define VMMIPC_DEVICE_SAME (-2) /* the exporter's GPU, found by UUID (tickets
+                                   from vmmipc_register_cuda*; those of
+                                   vmmipc_register name no GPU) */
 
 /* Status codes. */
 #define VMMIPC_OK 0
@@ -83,8 +88,9 @@ typedef struct vmmipc_ticket {
   unsigned char bytes[VMMIPC_TICKET_SIZE];
 } vmmipc_ticket;
 
-/* Options. Always fill with vmmipc_options_init() first, then change fields:
- * a zeroed struct means uses = 0, "unlimited". Pass NULL for all defaults.
+/* Options. Always fill with vmmipc_options_init() first, then change fields
+ * (a struct with only struct_size set would mean uses = 0, "unlimited").
+ * Pass NULL for all defaults.
  * struct_size lets the struct grow: the library reads only the fields that
  * fit in struct_size. Fields marked "sender" matter to register calls,
  * "receiver" to open and import calls; the others are ignored. */
@@ -125,11 +131,14 @@ typedef int (*vmmipc_export_fn)(void *user, uint64_t index, int *fd_out);
  * back into libvmmipc. */
 typedef void (*vmmipc_release_fn)(void *user);
 
-/* vmmipc_options_init fills *opts with the defaults and sets struct_size.
+/* vmmipc_options_init fills the first `size` bytes of *opts with the
+ * defaults and sets struct_size; pass sizeof *opts, so that a program built
+ * against this header keeps working with a later library whose struct is
+ * larger (the library never writes past `size`).
  * Returns:
  *   VMMIPC_OK
- *   VMMIPC_EINVAL  opts is NULL */
-int vmmipc_options_init(vmmipc_options *opts);
+ *   VMMIPC_EINVAL  opts is NULL, or size is smaller than struct_size and uses */
+int vmmipc_options_init(vmmipc_options *opts, size_t size);
 
 /* vmmipc_register records a buffer of `count` chunks of sizes[0..count) with
  * this process's server (started on first use) and fills *ticket_out. Opens
@@ -143,6 +152,7 @@ int vmmipc_options_init(vmmipc_options *opts);
  *   VMMIPC_EINVAL  NULL argument, count 0, a zero size, sizes that overflow
  *                  or host sizes not page aligned (release_fn is not called)
  *   VMMIPC_EIO     the server could not start (socket, bind, listen)
+ *   VMMIPC_ENFILE  no descriptor free to start the server
  *   VMMIPC_EFORK   called after fork() */
 int vmmipc_register(const uint64_t *sizes, uint64_t count,
                     vmmipc_export_fn export_fn, vmmipc_release_fn release_fn,
@@ -209,6 +219,7 @@ int vmmipc_register_cuda_handles(const uint64_t *handles,
  * Returns:
  *   VMMIPC_OK
  *   VMMIPC_EINVAL  NULL or malformed ticket
+ *   VMMIPC_EAUTH   the ticket's secret does not match (forged or corrupted)
  *   VMMIPC_ENOENT  not registered in this process, or already ended
  *   VMMIPC_EFORK   called after fork() */
 int vmmipc_unregister(const vmmipc_ticket *ticket);
@@ -255,8 +266,9 @@ typedef struct vmmipc_chunk {
 
 /* vmmipc_open connects to the ticket's server, checks that the socket
  * belongs to the ticket's pid (SO_PEERCRED), presents the secret and claims
- * one use of the registration. The use is consumed only when every chunk has
- * been pulled; closing the stream earlier gives it back.
+ * one use of the registration. The use is spent once the exporter has sent
+ * every chunk to this stream; a stream that is closed, or whose process
+ * dies, before that gives it back.
  * *stream_out belongs to the caller: release it with vmmipc_close.
  * Returns:
  *   VMMIPC_OK      *stream_out is a new stream
@@ -278,7 +290,7 @@ int vmmipc_stream_info(const vmmipc_stream *stream, uint64_t *count_out,
 
 /* vmmipc_pull_next receives the next chunk. On VMMIPC_OK chunk_out->fd is a
  * new O_CLOEXEC descriptor that the caller must close. After the last chunk
- * it returns VMMIPC_END (and the use is consumed). After an error the stream
+ * it returns VMMIPC_END (the exporter confirms the use). After an error the stream
  * is broken: every later call returns the same error; close it.
  * Returns:
  *   VMMIPC_OK      *chunk_out filled, chunk_out->fd is yours
@@ -339,7 +351,8 @@ int vmmipc_import_stream(const vmmipc_ticket *ticket, int device,
  *   VMMIPC_OK
  *   VMMIPC_EINVAL  NULL, or not a live mapping of this process (already
  *                  unmapped, or never mapped); nothing is touched
- *   VMMIPC_ECUDA   a driver call failed while unmapping
+ *   VMMIPC_ECUDA   a driver call failed while unmapping; the mapping is
+ *                  forgotten all the same (a retry gives VMMIPC_EINVAL)
  *   VMMIPC_EFORK   called after fork() */
 int vmmipc_unmap(vmmipc_mapping *mapping);
 

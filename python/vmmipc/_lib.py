@@ -88,7 +88,7 @@ _STREAM = c_void_p  # vmmipc_stream *, opaque
 
 # name: (restype, argtypes) for every symbol of vmmipc.h.
 SIGNATURES = {
-    "vmmipc_options_init": (c_int, [_O]),
+    "vmmipc_options_init": (c_int, [_O, ctypes.c_size_t]),
     "vmmipc_register": (c_int, [POINTER(c_uint64), c_uint64, EXPORT_FN, RELEASE_FN,
                                 c_void_p, _O, _T]),
     "vmmipc_register_host_file": (c_int, [c_int, c_uint64, c_uint64, RELEASE_FN,
@@ -217,7 +217,7 @@ def options(*, uses: int | None = None, ttl: float | None = None, timeout: float
     fields. ttl and timeout are seconds. access_devices is kept alive by the
     returned struct (``_keep``)."""
     o = vmmipc_options()
-    call("vmmipc_options_init", ctypes.byref(o))
+    call("vmmipc_options_init", ctypes.byref(o), ctypes.sizeof(o))
     if uses is not None:
         if not 0 <= uses < 2**32:
             raise _errors.InvalidError(f"uses={uses} must be in [0, 2**32) (0 = unlimited)",

@@ -23,13 +23,13 @@ static volatile int released;
 static int export_memfd(void *user, uint64_t index, int *fd_out) {
   (void)user;
   if ((int64_t)index == scfg.fail_at) return -5;
-  int fd = memfd_create("vmmipc-test-chunk", MFD_CLOEXEC);
+  int fd = memfd_create("vmmipc-test-chunk", MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (fd < 0) return -1;
   unsigned char *buf = malloc(scfg.chunk_size);
   for (uint64_t i = 0; i < scfg.chunk_size; i++) buf[i] = pattern(index * scfg.chunk_size + i, 1);
   ssize_t w = pwrite(fd, buf, scfg.chunk_size, 0);
   free(buf);
-  if (w != (ssize_t)scfg.chunk_size) {
+  if (w != (ssize_t)scfg.chunk_size || fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK) != 0) {
     close(fd);
     return -1;
   }
@@ -54,7 +54,7 @@ static int sender_main(int argc, char **argv) {
   const char *nofile = getenv("VMMIPC_TEST_SENDER_NOFILE");
   if (nofile) set_nofile((rlim_t)strtoul(nofile, 0, 10));
   vmmipc_options o;
-  vmmipc_options_init(&o);
+  vmmipc_options_init(&o, sizeof o);
   o.uses = scfg.uses;
   o.ttl_ms = scfg.ttl_ms;
   vmmipc_ticket t;

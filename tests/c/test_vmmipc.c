@@ -58,7 +58,7 @@ static int pull_all(const char *mode, uint64_t chunks, uint64_t chunk_size) {
   fd_sampler fs;
   fd_sampler_start(&fs, 0);
   vmmipc_options o;
-  vmmipc_options_init(&o);
+  vmmipc_options_init(&o, sizeof o);
   vmmipc_stream *st = NULL;
   double t0 = now_ms();
   CHECK_RC(vmmipc_open(&t, &o, &st), VMMIPC_OK);
@@ -281,9 +281,23 @@ static int test_handles_and_early_close(void) {
   CHECK_RC(vmmipc_open(&t, NULL, NULL), VMMIPC_EINVAL);
   CHECK_RC(vmmipc_register(NULL, 3, NULL, NULL, NULL, NULL, NULL), VMMIPC_EINVAL);
   vmmipc_options o;
-  vmmipc_options_init(&o);
+  vmmipc_options_init(&o, sizeof o);
   o.struct_size = 2;
   CHECK_RC(vmmipc_open(&t, &o, &st), VMMIPC_EINVAL);
+  /* A caller built against an older, smaller vmmipc_options: the library
+   * writes no byte past the size it is given, and reads no field past it. */
+  struct {
+    vmmipc_options o;
+    unsigned char after[64];
+  } old;
+  memset(&old, 0xAB, sizeof old);
+  size_t old_size = offsetof(vmmipc_options, window);
+  CHECK_RC(vmmipc_options_init(&old.o, old_size), VMMIPC_OK);
+  unsigned char *tail = (unsigned char *)&old.o + old_size;
+  for (size_t i = 0; i < sizeof old - old_size; i++) CHECK(tail[i] == 0xAB, "byte %zu past the size was written", i);
+  CHECK(old.o.struct_size == old_size && old.o.uses == 1, "struct_size %u uses %u", old.o.struct_size, old.o.uses);
+  CHECK_RC(vmmipc_options_init(NULL, sizeof o), VMMIPC_EINVAL);
+  CHECK_RC(vmmipc_options_init(&o, 3), VMMIPC_EINVAL);
   /* The early close gave the use back: a full import still works. */
   vmmipc_mapping m;
   CHECK_RC(vmmipc_import_stream(&t, VMMIPC_DEVICE_HOST, NULL, &m), VMMIPC_OK);
@@ -301,7 +315,7 @@ static int test_peer_vanishes_sigpipe_default(void) {
   CHECK(sender_start(&s, &t, "callback", 2048, 4096, 1, -1, 0) == 0, "sender did not start");
   int base = count_fds(0);
   vmmipc_options o;
-  vmmipc_options_init(&o);
+  vmmipc_options_init(&o, sizeof o);
   o.window = 1;
   o.timeout_ms = 5000;
   vmmipc_stream *st;
@@ -330,7 +344,7 @@ static int test_fork_child_gets_efork(void) {
     vmmipc_ticket t = {{0}};
     vmmipc_options o;
     uint64_t n;
-    int ok = vmmipc_options_init(&o) == VMMIPC_EFORK && vmmipc_open(&t, NULL, NULL) == VMMIPC_EFORK &&
+    int ok = vmmipc_options_init(&o, sizeof o) == VMMIPC_EFORK && vmmipc_open(&t, NULL, NULL) == VMMIPC_EFORK &&
              vmmipc_live_registrations(&n) == VMMIPC_EFORK && strstr(vmmipc_last_error(), "fork") != NULL;
     _exit(ok ? 0 : 1);
   }
@@ -378,7 +392,7 @@ typedef struct inflight_receiver {
 static void *inflight_receive(void *arg) {
   inflight_receiver *r = arg;
   vmmipc_options o;
-  vmmipc_options_init(&o);
+  vmmipc_options_init(&o, sizeof o);
   o.window = 16;
   o.timeout_ms = 20000;
   vmmipc_stream *st;

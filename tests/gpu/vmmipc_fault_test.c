@@ -126,7 +126,7 @@ static vmmipc_ticket register_chunks(uint32_t uses) {
   uint64_t sizes[CHUNKS];
   for (int i = 0; i < CHUNKS; i++) sizes[i] = 2 * MIB;
   vmmipc_options o;
-  vmmipc_options_init(&o);
+  vmmipc_options_init(&o, sizeof o);
   o.uses = uses;
   o.memory_kind = VMMIPC_MEMORY_CUDA;
   vmmipc_ticket t;
@@ -220,7 +220,7 @@ static void sender_dies(void) {
     vmmipc_ticket t;
     unhex(line, &t);
     vmmipc_options o;
-    vmmipc_options_init(&o);
+    vmmipc_options_init(&o, sizeof o);
     o.timeout_ms = 10000;
     vmmipc_mapping m = {0};
     double t0 = now_ms();

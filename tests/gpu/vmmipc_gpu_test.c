@@ -601,7 +601,7 @@ static child spawn_recv(const char *mode, const vmmipc_ticket *t, const char *co
 
 static vmmipc_options options(uint32_t uses) {
   vmmipc_options o;
-  vmmipc_options_init(&o);
+  vmmipc_options_init(&o, sizeof o);
   o.uses = uses;
   return o;
 }

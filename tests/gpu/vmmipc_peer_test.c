@@ -88,7 +88,7 @@ static int receiver(char **argv) {
     for (char *p = strtok(argv[4], ","); p && n_access < 8; p = strtok(NULL, ",")) access[n_access++] = atoi(p);
   int expect_ok = !strcmp(argv[5], "ok");
   vmmipc_options o;
-  vmmipc_options_init(&o);
+  vmmipc_options_init(&o, sizeof o);
   o.access_devices = access;
   o.access_device_count = n_access;
   vmmipc_mapping m = {0};
@@ -185,7 +185,7 @@ int main(int argc, char **argv) {
   CUdeviceptr base = make_buffer(n);
   fill(base, n * 2 * MIB, 1);
   vmmipc_options o;
-  vmmipc_options_init(&o);
+  vmmipc_options_init(&o, sizeof o);
   o.uses = 0; /* every receiver below */
   vmmipc_ticket t;
   if (vmmipc_register_cuda(base, n * 2 * MIB, &o, &t)) {

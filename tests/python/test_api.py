@@ -261,7 +261,7 @@ def test_detach_transfers_the_fd(hb):
 def test_closing_a_stream_early_gives_the_use_back(hb):
     t = hb.share()
     base = fd_count()
-    s = vmmipc.open(t)
+    s = vmmipc.open(t, window=1)  # the use is spent once all 16 chunks were sent
     next(s), next(s)
     s.close()
     # The server (in this same process) closes its end when it sees ours go.
@@ -275,8 +275,11 @@ def test_closing_a_stream_early_gives_the_use_back(hb):
 # -- register with an export function ----------------------------------------
 
 def memfd_with(data):
-    fd = os.memfd_create("test-chunk", os.MFD_CLOEXEC)
+    """A memfd holding data, sealed against shrinking (host chunks must be)."""
+    import fcntl
+    fd = os.memfd_create("test-chunk", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.write(fd, data)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
     return fd
 
 
@@ -352,7 +355,7 @@ def test_export_fds_yields_one_fd_at_a_time(hb):
 
 def test_export_generator_closed_early_unregisters(hb):
     live, base = vmmipc.live_registrations(), fd_count()
-    g = vmmipc.export_fds(hb)
+    g = vmmipc.export_fds(hb, window=1)  # with a wider window all 16 chunks go at once
     next(g)
     assert vmmipc.live_registrations() == live + 1
     g.close()
