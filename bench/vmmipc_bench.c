@@ -315,7 +315,7 @@ static int recv_vmmipc(const char *hex, uint32_t window, rlim_t nofile) {
   vmmipc_ticket t;
   if (hex_decode(hex, t.bytes, sizeof t.bytes)) die("receiver: bad ticket");
   vmmipc_options o;
-  vmmipc_options_init(&o);
+  vmmipc_options_init(&o, sizeof o);
   o.window = window;
   int base_fds = count_fds(0);
   fd_sampler fs;
@@ -454,7 +454,7 @@ static void run_floor(void) {
 
 static void run_vmmipc(uint32_t window) {
   vmmipc_options o;
-  vmmipc_options_init(&o);
+  vmmipc_options_init(&o, sizeof o);
   o.uses = 1;
   vmmipc_ticket t;
   int rc = use_cuda ? vmmipc_register_cuda(dbase, nchunks * chunk_size, &o, &t)
