@@ -78,6 +78,8 @@ static CUcontext ctx;
 static CUmemGenericAllocationHandle handles[CHUNKS];
 static int kill_at = -1;        /* export_fn kills this pid at chunk kill_at */
 static volatile pid_t kill_pid;
+static volatile int reaped;     /* export_fn has waited for the killed child */
+static int reaped_status;
 
 /* make_chunks creates CHUNKS allocations filled with the pattern. */
 static CUdeviceptr make_chunks(void) {
@@ -102,7 +104,13 @@ static CUdeviceptr make_chunks(void) {
 
 static int export_fn(void *user, uint64_t index, int *fd_out) {
   (void)user;
-  if ((int)index == kill_at && kill_pid > 0) kill(kill_pid, SIGKILL);
+  if ((int)index == kill_at && kill_pid > 0) {
+    kill(kill_pid, SIGKILL);
+    if (kill_pid != getpid()) { /* our child, the receiver: wait until its socket is gone */
+      waitpid(kill_pid, &reaped_status, 0);
+      reaped = 1;
+    }
+  }
   CUcontext prev;
   cuCtxGetCurrent(&prev);
   cuCtxSetCurrent(ctx);
@@ -259,13 +267,23 @@ static void receiver_dies(void) {
     char h[2 * VMMIPC_TICKET_SIZE + 1];
     hex(&t, h);
     if (fds0 < 0) fds0 = count_fds();
-    kill_at = rand() % CHUNKS;
+    /* Never at the last chunk: once every chunk has been sent the use is
+     * spent, and a receiver killed then has had the whole buffer. */
+    kill_at = rand() % (CHUNKS - 1);
     kill_pid = 0; /* set once we know it; the receiver needs far longer to start */
+    reaped = 0;
     char *argv[] = {"vmmipc_fault_test", "receiver", h, NULL};
     pid_t pid = spawn(argv, NULL);
     kill_pid = pid;
-    int st;
-    waitpid(pid, &st, 0);
+    int st = 0;
+    /* Either export_fn killed and reaped it, or it exited by itself. */
+    for (double until = now_ms() + 30000; now_ms() < until; usleep(1000)) {
+      if (reaped) {
+        st = reaped_status;
+        break;
+      }
+      if (waitpid(pid, &st, WNOHANG) == pid) break;
+    }
     if (WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL) ok++;
     /* The sender's descriptors come back once the server sees the EOF. */
     double until = now_ms() + 2000;
