@@ -218,45 +218,38 @@ func (s *Server) acceptLoop() {
 		// Check the uid before counting the connection: abstract sockets
 		// have no permissions, so a process of any uid can connect, and its
 		// connections must not use up the slots of admitted receivers.
+		handle, count, limit := s.serve, &s.conns, connLimit()
 		if err := s.checkPeer(uc); err != nil {
-			s.mu.Lock()
-			busy := s.refusing >= maxRefusing
-			if !busy {
-				s.refusing++
-			}
-			s.mu.Unlock()
-			if busy {
-				_ = uc.Close()
-				continue
-			}
-			go func() {
-				s.refuseConn(uc, err)
-				s.mu.Lock()
-				s.refusing--
-				s.mu.Unlock()
-			}()
-			continue
+			handle = func(uc *net.UnixConn) { s.refuseConn(uc, err) }
+			count, limit = &s.refusing, maxRefusing
 		}
-		limit := connLimit()
-		s.mu.Lock()
-		full := s.conns >= limit
-		if !full {
-			s.conns++
-		}
-		s.mu.Unlock()
-		if full {
-			_ = uc.Close()
+		if !s.take(count, limit) {
+			_ = uc.Close() // over the limit: hang up at once
 			continue
 		}
 		go func() {
-			defer func() {
-				s.mu.Lock()
-				s.conns--
-				s.mu.Unlock()
-			}()
-			s.serve(uc)
+			defer s.give(count)
+			handle(uc)
 		}()
 	}
+}
+
+// take counts one more connection in *n unless it has reached limit.
+func (s *Server) take(n *int, limit int) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if *n >= limit {
+		return false
+	}
+	*n++
+	return true
+}
+
+// give uncounts a connection that take counted.
+func (s *Server) give(n *int) {
+	s.mu.Lock()
+	*n--
+	s.mu.Unlock()
 }
 
 // serve runs one receiver's session: authenticate, claim a use, stream the
