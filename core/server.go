@@ -335,9 +335,11 @@ func (s *Server) stream(c *conn, g *registration) bool {
 				s.refuse(c, err, noIndex)
 				return false
 			}
-			if i, err := s.sendEach(c, g, p.First, p.Count); err != nil {
-				s.refuse(c, err, i)
-				return false
+			for i := p.First; i < p.First+p.Count; i++ {
+				if err := s.sendChunk(c, g, i); err != nil {
+					s.refuse(c, err, i)
+					return false
+				}
 			}
 			next += p.Count
 			if next == count {
@@ -359,44 +361,25 @@ func (s *Server) stream(c *conn, g *registration) bool {
 	}
 }
 
-// exported is one chunk's descriptor and header, ready to send.
-type exported struct {
-	fd  int
-	msg chunkMsg
-}
-
-// exportChunk exports chunk i and checks what the exporter returned.
-func exportChunk(g *registration, i uint64) (exported, error) {
+// sendChunk exports chunk i, sends its descriptor with the chunk header in
+// one message, and closes the descriptor whatever happens.
+func (s *Server) sendChunk(c *conn, g *registration, i uint64) error {
 	fd, fileOff, err := g.export(i)
 	if err != nil {
 		if CodeOf(err) == ENOENT {
-			return exported{fd: -1}, err
+			return err
 		}
-		return exported{fd: -1}, wrapErr(EEXPORT, err, "chunk %d of %d: export failed", i, len(g.sizes))
+		return wrapErr(EEXPORT, err, "chunk %d of %d: export failed", i, len(g.sizes))
 	}
 	if fd < 0 {
-		return exported{fd: -1}, Errorf(EEXPORT, "chunk %d of %d: exporter returned no descriptor", i, len(g.sizes))
+		return Errorf(EEXPORT, "chunk %d of %d: exporter returned no descriptor", i, len(g.sizes))
 	}
+	defer unix.Close(fd)
 	if _, err := unix.FcntlInt(uintptr(fd), unix.F_GETFD, 0); err != nil {
-		return exported{fd: -1}, Errorf(EEXPORT, "chunk %d of %d: exporter returned %d, which is not an open descriptor", i, len(g.sizes), fd)
+		return Errorf(EEXPORT, "chunk %d of %d: exporter returned %d, which is not an open descriptor", i, len(g.sizes), fd)
 	}
-	return exported{fd: fd, msg: chunkMsg{Index: i, Offset: g.offsets[i], Size: g.sizes[i], FileOffset: fileOff}}, nil
-}
-
-// sendEach exports and sends chunks [first, first+n) one at a time, holding
-// one descriptor at a time. It returns the failing index with the error.
-func (s *Server) sendEach(c *conn, g *registration, first, n uint64) (uint64, error) {
-	for i := first; i < first+n; i++ {
-		e, err := exportChunk(g, i)
-		if err == nil {
-			err = c.send(e.msg.encode(), e.fd)
-			closeFD(&e.fd)
-		}
-		if err != nil {
-			return i, err
-		}
-	}
-	return noIndex, nil
+	msg := chunkMsg{Index: i, Offset: g.offsets[i], Size: g.sizes[i], FileOffset: fileOff}
+	return c.send(msg.encode(), fd)
 }
 
 // refuseConn tells a peer that may not connect why, and hangs up. It does
