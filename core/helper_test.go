@@ -426,13 +426,43 @@ func (h *helper) goroutines(want int) int {
 }
 
 // procFDs counts the open descriptors of process pid.
+// samplePeakFDs samples pid's descriptor count every 200 µs until the
+// returned function is called, which returns the highest count seen.
+func samplePeakFDs(pid int) (stop func() int) {
+	done := make(chan struct{})
+	peak := make(chan int)
+	go func() {
+		most := 0
+		for {
+			if n, err := countProcFDs(pid); err == nil { // no t.Fatal off the test goroutine
+				most = max(most, n)
+			}
+			select {
+			case <-done:
+				peak <- most
+				return
+			case <-time.After(200 * time.Microsecond):
+			}
+		}
+	}()
+	return func() int {
+		close(done)
+		return <-peak
+	}
+}
+
 func procFDs(t testing.TB, pid int) int {
 	t.Helper()
-	ents, err := os.ReadDir(fmt.Sprintf("/proc/%d/fd", pid))
+	n, err := countProcFDs(pid)
 	if err != nil {
 		t.Fatal(err)
 	}
-	return len(ents)
+	return n
+}
+
+func countProcFDs(pid int) (int, error) {
+	ents, err := os.ReadDir(fmt.Sprintf("/proc/%d/fd", pid))
+	return len(ents), err
 }
 
 // waitProcFDs waits up to 3 s for process pid to hold at most want

@@ -319,20 +319,7 @@ func TestHostileConnectionFlood(t *testing.T) {
 	bound := base + maxConns + 8
 	fdsBefore := settledFDs(t)
 
-	stop := make(chan struct{})
-	peak := make(chan int)
-	go func() { // sample the sender's descriptors while the flood runs
-		most := 0
-		for {
-			most = max(most, procFDs(t, sender.pid()))
-			select {
-			case <-stop:
-				peak <- most
-				return
-			case <-time.After(time.Millisecond):
-			}
-		}
-	}()
+	stopSampling := samplePeakFDs(sender.pid())
 	var conns []int
 	for i := 0; i < flood; i++ {
 		fd, err := rawDial(tk.Address)
@@ -342,8 +329,7 @@ func TestHostileConnectionFlood(t *testing.T) {
 		conns = append(conns, fd)
 	}
 	time.Sleep(100 * time.Millisecond) // let the server accept what it will
-	close(stop)
-	most := <-peak
+	most := stopSampling()
 	if most > bound {
 		t.Fatalf("the sender held %d descriptors during the flood, bound %d", most, bound)
 	}

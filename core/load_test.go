@@ -23,21 +23,7 @@ func TestLoad64Receivers(t *testing.T) {
 	bound := receivers*(window+1) + 16
 	fdsBefore := settledFDs(t)
 
-	stop := make(chan struct{})
-	peak := make(chan int)
-	go func() {
-		most := 0
-		for {
-			most = max(most, procFDs(t, sender.pid()))
-			select {
-			case <-stop:
-				peak <- most
-				return
-			default:
-				time.Sleep(200 * time.Microsecond)
-			}
-		}
-	}()
+	stopSampling := samplePeakFDs(sender.pid())
 	start := time.Now()
 	errs := make(chan error, receivers)
 	var wg sync.WaitGroup
@@ -59,8 +45,7 @@ func TestLoad64Receivers(t *testing.T) {
 	}
 	wg.Wait()
 	took := time.Since(start)
-	close(stop)
-	most := <-peak
+	most := stopSampling()
 	close(errs)
 	for err := range errs {
 		if err != nil {
