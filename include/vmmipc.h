@@ -6,15 +6,17 @@
  *
  * How it works
  *   The sender registers a buffer made of N chunks. Registering opens no file
- *   descriptor: it records the chunk sizes with a per-process server and
- *   fills in a ticket, 256 bytes of plain data that can be copied, pickled and
- *   sent anywhere. A receiver that holds the ticket connects to the server and
+ *   descriptor for the chunks: it records their sizes with a per-process
+ *   server and fills in a ticket, 256 bytes of plain data that can be copied,
+ *   pickled and sent anywhere. A receiver that holds the ticket connects to
+ *   the server, and the two prove to each other that they know the ticket's
+ *   secret (the secret itself never crosses the socket). The receiver then
  *   pulls the chunks in order; for each one the server exports exactly that
- *   chunk, sends its single descriptor together with a header in one message,
- *   and closes it. The high-level importer reserves the whole address range
- *   first, then maps the chunks one at a time and closes each descriptor as
- *   soon as it is mapped. Either side holds about one descriptor at a time,
- *   for any number of chunks.
+ *   chunk, sends its single descriptor together with a header in one
+ *   message, and closes it. The high-level importer reserves the whole
+ *   address range first, then maps the chunks one at a time and closes each
+ *   descriptor as soon as it is mapped. Either side holds about one
+ *   descriptor at a time, for any number of chunks.
  *
  * Conventions
  *   - Every function returns an int status: VMMIPC_OK (0), VMMIPC_END (1, a
@@ -25,16 +27,50 @@
  *     caller; every descriptor the caller hands in stays the caller's unless
  *     the function says otherwise.
  *   - All functions are thread-safe. No function blocks forever: receivers
- *     give up after vmmipc_options.timeout_ms.
+ *     give up after vmmipc_options.timeout_ms, vmmipc_wait after its own
+ *     timeout.
  *   - Loading the library changes nothing in the host process: RLIMIT_NOFILE
  *     and every signal disposition stay as they were, except that handlers
  *     the host installed gain SA_ONSTACK (Go requires it: such a handler may
  *     run on a thread the library created). No handler of the library's
  *     stays installed, so a fault inside the library is a crash rather than
  *     a recovered panic. The library must not be unloaded (dlclose).
+ *   - The library runs the Go runtime, which cannot survive running out of
+ *     address space or memory for itself: such a failure ends the process
+ *     ("fatal error: runtime: cannot allocate memory"), it is not a status.
+ *     Imports check their own address-space needs against RLIMIT_AS first
+ *     and fail cleanly with VMMIPC_ENOMEM; keep a few hundred MiB of
+ *     headroom above what you map.
  *   - After fork(), every function returns VMMIPC_EFORK in the child (the Go
  *     runtime inside does not survive fork). Start helpers with exec or
  *     posix_spawn, or with Python's "spawn"/"forkserver" start methods.
+ *
+ * Trust
+ *   Tickets hold a 256-bit secret: whoever holds a ticket can map the memory,
+ *   so treat it like a password. A receiver accepts a descriptor only from a
+ *   server that proved, over fresh random nonces from both sides, that it
+ *   knows the ticket's secret (HMAC-SHA256, bound to the registration, both
+ *   pids and a digest of the whole ticket); a server exports nothing before
+ *   the receiver proved the same. A process that takes the exporter's
+ *   address after it exited or exec'd, that reuses its pid, or that
+ *   inherited its listening socket, learns nothing and is refused
+ *   (VMMIPC_EAUTH). Before that, both sides filter peers by uid
+ *   (SO_PEERCRED): only the same uid, or root, is served. Any single-byte
+ *   change of a ticket is refused. The exporter's pid check assumes sender
+ *   and receiver share one PID namespace.
+ *
+ * Limits of a sender
+ *   A sender serves at most C receivers at once, C = its soft RLIMIT_NOFILE
+ *   / 4 (read at each connection), clamped to [16, 1024]. Receivers beyond C
+ *   wait in the listen backlog (the system's maximum, net.core.somaxconn)
+ *   and are served in turn as others finish; a receiver whose connect finds
+ *   the backlog full retries with back-off until its timeout_ms. Connections
+ *   that have not yet authenticated have a bound of their own, max(4, C/4),
+ *   and must authenticate within 2 seconds; when that bound is full, the
+ *   oldest of them (if older than 100 ms) is told "busy" and dropped, and a
+ *   libvmmipc receiver told so retries. So idle connections cannot lock
+ *   authenticated receivers out. Peers of a foreign uid are told why and
+ *   dropped at once (at most 64 at a time; beyond that, without a word).
  */
 #ifndef VMMIPC_H
 #define VMMIPC_H
@@ -47,11 +83,12 @@ extern "C" {
 #endif
 
 #define VMMIPC_VERSION_MAJOR 0
-#define VMMIPC_VERSION_MINOR 1
+#define VMMIPC_VERSION_MINOR 2
 #define VMMIPC_VERSION_PATCH 0
 
-/* Size of a ticket in bytes. The layout is versioned; tickets are only
- * meaningful to the same library major version. */
+/* Size of a ticket in bytes. The layout carries a format version (2 since
+ * libvmmipc 0.2); a ticket of another version is refused with VMMIPC_EINVAL
+ * naming both versions. */
 #define VMMIPC_TICKET_SIZE 256
 
 /* Device arguments of vmmipc_import_stream. Values >= 0 are CUDA device
@@ -66,24 +103,39 @@ extern "C" {
 #define VMMIPC_END 1           /* stream finished: every chunk was pulled */
 #define VMMIPC_EINVAL (-1)     /* bad argument, malformed ticket or message */
 #define VMMIPC_EBADF (-2)      /* NULL, stale or closed handle */
-#define VMMIPC_EAUTH (-3)      /* wrong secret, wrong uid or wrong peer pid */
-#define VMMIPC_ENOENT (-4)     /* unknown, used-up, unregistered or expired */
+#define VMMIPC_EAUTH (-3)      /* a peer failed to prove it knows the secret,
+                                  or has the wrong uid or pid */
+#define VMMIPC_ENOENT (-4)     /* unknown, used-up, unregistered or expired;
+                                  or not what was asked for (see each call) */
 #define VMMIPC_EIO (-5)        /* socket error, peer gone or timed out */
 #define VMMIPC_EEXPORT (-6)    /* the sender could not export a chunk */
 #define VMMIPC_ECUDA (-7)      /* CUDA driver missing or a driver call failed */
 #define VMMIPC_ENFILE (-8)     /* out of file descriptors */
 #define VMMIPC_EFORK (-9)      /* called in a child after fork() */
 #define VMMIPC_EINTERNAL (-10) /* a bug in libvmmipc (a recovered panic) */
+#define VMMIPC_ENOMEM (-11)    /* no address space for a reservation
+                                  (RLIMIT_AS, or the driver's VA space) */
+#define VMMIPC_ETIMEDOUT (-12) /* vmmipc_wait: the registration is still live */
 
 /* Memory kinds recorded in a ticket. */
-#define VMMIPC_MEMORY_HOST 1 /* descriptors are mmap-able files (memfd) */
+#define VMMIPC_MEMORY_HOST 1 /* descriptors are sealed memfds (mmap-able) */
 #define VMMIPC_MEMORY_CUDA 2 /* descriptors are CUDA POSIX-fd shareable handles */
 
+/* Bounds of vmmipc_options fields (larger values give VMMIPC_EINVAL). */
+#define VMMIPC_MAX_WINDOW 1024u             /* window */
+#define VMMIPC_MAX_ACCESS_DEVICES 64u       /* access_device_count */
+#define VMMIPC_MAX_TTL_MS (1ull << 40)      /* ttl_ms (about 35 years) */
+#define VMMIPC_MAX_CHUNKS (1ull << 26)      /* chunks in one registration */
+
+/* vmmipc_options.import_flags */
+#define VMMIPC_IMPORT_NO_CACHE 0x1u /* neither reuse nor keep a cached mapping */
+
 /* A ticket: plain data naming one registration. Copy it freely. It holds the
- * server's socket address, the exporter's pid, the registration id, a 256-bit
- * secret, the chunk count, the total size, the memory kind and (CUDA) the
- * exporting GPU's UUID. Whoever holds a ticket can map the memory: treat it
- * like a password. */
+ * server's socket address, the exporter's pid and process start time, the
+ * registration id, the buffer id (the identity of the memory, shared by
+ * registrations of the same memory), a 256-bit secret, the chunk count, the
+ * total size, the memory kind and (CUDA) the exporting GPU's UUID. Whoever
+ * holds a ticket can map the memory: treat it like a password. */
 typedef struct vmmipc_ticket {
   unsigned char bytes[VMMIPC_TICKET_SIZE];
 } vmmipc_ticket;
@@ -99,36 +151,66 @@ typedef struct vmmipc_options {
   uint32_t uses;        /* sender: receivers allowed to finish (default 1;
                            0 = until unregistered or expired) */
   uint64_t ttl_ms;      /* sender: the registration ends after this many
-                           milliseconds (default 0 = never) */
+                           milliseconds (default 0 = never; at most
+                           VMMIPC_MAX_TTL_MS) */
   uint32_t timeout_ms;  /* receiver: give up when the peer is silent this long
-                           (default 30000) */
+                           (default 30000; 0 = the default) */
   uint32_t window;      /* receiver: chunk requests kept in flight
-                           (default 0 = the library's choice; 1 = lockstep) */
+                           (default 0 = the library's choice, 16; 1 =
+                           lockstep; at most VMMIPC_MAX_WINDOW) */
   uint32_t memory_kind; /* sender, vmmipc_register only: VMMIPC_MEMORY_HOST
                            (default) or VMMIPC_MEMORY_CUDA */
-  uint32_t access_device_count; /* receiver, CUDA: entries in access_devices */
+  uint32_t access_device_count; /* receiver, CUDA: entries in access_devices
+                           (at most VMMIPC_MAX_ACCESS_DEVICES) */
   const int32_t *access_devices; /* receiver, CUDA: extra device ordinals that
                            get read-write access to the mapping (borrowed for
                            the duration of the call) */
+  uint32_t import_flags; /* receiver, vmmipc_import_stream: VMMIPC_IMPORT_*
+                            bits (default 0: use the import cache) */
+  uint32_t reserved_;    /* zero */
 } vmmipc_options;
 
 /* ------------------------------------------------------------------ */
 /* Sender                                                             */
 /* ------------------------------------------------------------------ */
 
+/* Lifetime, for every register call:
+ *   - A registration ends when its uses are consumed (a use is consumed
+ *     once every chunk has been sent to a receiver, or once a receiver with
+ *     a cached mapping has been confirmed: see vmmipc_import_stream), when
+ *     its ttl expires, or at vmmipc_unregister. Receivers that had started
+ *     keep what they already imported: their mappings hold their own
+ *     references to the memory, so the memory stays valid for them after
+ *     the registration ends and after the sender frees its buffer.
+ *   - "Sent" is not "done": release_fn runs when the library needs nothing
+ *     lent to it any more, which can be before a receiver has finished
+ *     reading or writing the memory. Use your own signal for "the receiver
+ *     is done with the contents".
+ *   - The sender's process must stay alive until every receiver has
+ *     imported: the server lives in it. vmmipc_wait blocks until a
+ *     registration has ended and its release_fn has returned.
+ *   - Registrations of the same memory share one buffer identity (the
+ *     ticket's buffer id); the library keeps what it exports from until the
+ *     last of them has ended. */
+
 /* Called by the library's server thread when a receiver asks for chunk
  * `index`. Store a NEW descriptor for that chunk in *fd_out and return 0; the
  * library sends it and closes it. The chunk's bytes must start at offset 0
- * of the descriptor. Return non-zero to fail this chunk: the receiver gets
- * VMMIPC_EEXPORT naming the chunk and the value returned. Called from any
- * thread, one call at a time per receiver (several receivers may call
- * concurrently). Never called after release_fn has started. */
+ * of the descriptor. For VMMIPC_MEMORY_HOST the descriptor must be a memfd
+ * sealed with F_SEAL_SHRINK: receivers refuse any other (VMMIPC_EINVAL),
+ * because a file that can shrink could kill them with SIGBUS. Return
+ * non-zero to fail this chunk: the receiver gets VMMIPC_EEXPORT naming the
+ * chunk and the value returned. Called from any thread, one call at a time
+ * per receiver (several receivers may call concurrently). Never called after
+ * release_fn has started. */
 typedef int (*vmmipc_export_fn)(void *user, uint64_t index, int *fd_out);
 
-/* Called exactly once when a registration ends (uses consumed, ttl expired,
- * vmmipc_unregister), after the last export_fn call has returned, from any
- * thread. Use it to drop whatever the registration pinned. Must not call
- * back into libvmmipc. */
+/* Called exactly once, from any thread, when the library will use nothing
+ * lent by this registration again: after the registration ended, after the
+ * last export_fn call for it has returned, and (vmmipc_register and
+ * vmmipc_register_cuda_handles) once every registration made from it with
+ * vmmipc_register_again has ended too. Use it to drop whatever the
+ * registration pinned. Must not call back into libvmmipc. */
 typedef void (*vmmipc_release_fn)(void *user);
 
 /* vmmipc_options_init fills the first `size` bytes of *opts with the
@@ -137,7 +219,8 @@ typedef void (*vmmipc_release_fn)(void *user);
  * larger (the library never writes past `size`).
  * Returns:
  *   VMMIPC_OK
- *   VMMIPC_EINVAL  opts is NULL, or size is smaller than struct_size and uses */
+ *   VMMIPC_EINVAL  opts is NULL, or size is smaller than struct_size and uses
+ *   VMMIPC_EFORK   called after fork() */
 int vmmipc_options_init(vmmipc_options *opts, size_t size);
 
 /* vmmipc_register records a buffer of `count` chunks of sizes[0..count) with
@@ -146,11 +229,16 @@ int vmmipc_options_init(vmmipc_options *opts, size_t size);
  * calling export_fn(user, index, &fd). `sizes` is copied; `user` is borrowed
  * until release_fn(user) runs (release_fn may be NULL). The ticket's memory
  * kind is opts->memory_kind. For VMMIPC_MEMORY_HOST every size except the
- * last must be a multiple of the page size.
+ * last must be a multiple of the page size, and each descriptor must be a
+ * sealed memfd (see vmmipc_export_fn). Every call makes a new buffer
+ * identity (the library cannot tell that two export_fns serve the same
+ * memory); use vmmipc_register_again for another ticket of the same one.
  * Returns:
  *   VMMIPC_OK      *ticket_out is filled; release_fn will run exactly once
- *   VMMIPC_EINVAL  NULL argument, count 0, a zero size, sizes that overflow
- *                  or host sizes not page aligned (release_fn is not called)
+ *   VMMIPC_EINVAL  NULL export_fn, sizes or ticket_out, count 0 or above
+ *                  VMMIPC_MAX_CHUNKS, a zero size, sizes that overflow, host
+ *                  sizes not page aligned, an unknown memory_kind or an
+ *                  option out of bounds (release_fn is not called)
  *   VMMIPC_EIO     the server could not start (socket, bind, listen)
  *   VMMIPC_ENFILE  no descriptor free to start the server
  *   VMMIPC_EFORK   called after fork() */
@@ -159,18 +247,30 @@ int vmmipc_register(const uint64_t *sizes, uint64_t count,
                     void *user, const vmmipc_options *opts,
                     vmmipc_ticket *ticket_out);
 
-/* vmmipc_register_host_file registers bytes [0, size) of an mmap-able file
- * (a memfd, a /dev/shm file) as ceil(size / chunk_size) chunks of
- * host memory. `fd` is borrowed: keep it open until release_fn(user) runs.
- * For each chunk a receiver asks for, the library sends a new descriptor of
- * the same file (F_DUPFD_CLOEXEC) with the chunk's file offset, and closes
- * it. chunk_size must be a multiple of the page size. Seal the file against
- * shrinking (F_SEAL_SHRINK) if receivers must never see SIGBUS.
+/* vmmipc_register_host_file registers bytes [0, size) of a memfd as
+ * ceil(size / chunk_size) chunks of host memory. The memfd must be sealed
+ * against shrinking (memfd_create with MFD_ALLOW_SEALING, then fcntl
+ * F_ADD_SEALS F_SEAL_SHRINK), so that no receiver can ever see SIGBUS; a
+ * file that cannot be sealed (a /dev/shm or disk file) is refused with a
+ * message that says so. chunk_size must be a multiple of the page size.
+ * Descriptors: the library keeps ONE duplicate of fd (F_DUPFD_CLOEXEC) per
+ * registered file, whatever the chunk count, until the last registration of
+ * that file has ended; the caller's fd stays the caller's and may be closed
+ * right after this returns. For each chunk a receiver asks for, the library
+ * sends a new duplicate of its own with the chunk's file offset, and closes
+ * it. Registering the same file (same inode) with the same size and
+ * chunk_size as a live registration of this process gives a ticket of the
+ * same buffer identity and takes no new descriptor. release_fn(user), if not
+ * NULL, runs exactly once when this registration has ended.
  * Returns:
  *   VMMIPC_OK      *ticket_out is filled; release_fn will run exactly once
- *   VMMIPC_EINVAL  bad fd, size 0, size larger than the file, chunk_size 0
- *                  or not page aligned
+ *   VMMIPC_EINVAL  NULL ticket_out, fd not open or not a regular file, size
+ *                  0, size larger than the file, chunk_size 0 or not page
+ *                  aligned, more than VMMIPC_MAX_CHUNKS chunks, a file that
+ *                  is not sealed against shrinking or cannot be sealed, or an
+ *                  option out of bounds (release_fn is not called)
  *   VMMIPC_EIO     the server could not start
+ *   VMMIPC_ENFILE  no descriptor free for the duplicate or the server
  *   VMMIPC_EFORK   called after fork() */
 int vmmipc_register_host_file(int fd, uint64_t size, uint64_t chunk_size,
                               vmmipc_release_fn release_fn, void *user,
@@ -180,18 +280,26 @@ int vmmipc_register_host_file(int fd, uint64_t size, uint64_t chunk_size,
 /* vmmipc_register_cuda registers the CUDA VMM range [dptr, dptr + size).
  * The range must be mapped with cuMemMap from allocations created with
  * CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR among their requested handle
- * types, and must start and end on allocation boundaries. The library takes
- * its own reference to every allocation (cuMemRetainAllocationHandle): the
- * caller may unmap and release its buffer right after this returns; the
- * memory stays valid for receivers and is released when the registration
- * ends. Opens no descriptor. Needs no current context.
+ * types, and must start and end on allocation boundaries (see
+ * vmmipc_cuda_query_range). The library takes its own reference to every
+ * allocation (cuMemRetainAllocationHandle): the caller may unmap and release
+ * its buffer right after this returns; the memory stays valid for receivers
+ * and is released when the last registration of it ends. Registering
+ * exactly the allocations of a live registration of this process (the same
+ * ones, in the same order; compared while the library holds its references,
+ * so a freed and reused handle can never match) gives a ticket of the same
+ * buffer identity. Opens no descriptor. Needs no current context.
  * Returns:
  *   VMMIPC_OK      *ticket_out is filled
  *   VMMIPC_EINVAL  NULL ticket_out, size 0, range not on allocation
- *                  boundaries, or an allocation not exportable as a POSIX fd
- *                  (the message names the handle types it allows)
- *   VMMIPC_ECUDA   libcuda.so.1 not found or a driver call failed
+ *                  boundaries, allocations on more than one GPU, an
+ *                  allocation not exportable as a POSIX fd (the message
+ *                  names the handle types it allows), or an option out of
+ *                  bounds
+ *   VMMIPC_ECUDA   libcuda.so.1 not found, dptr is not VMM memory, or a
+ *                  driver call failed
  *   VMMIPC_EIO     the server could not start
+ *   VMMIPC_ENFILE  no descriptor free to start the server
  *   VMMIPC_EFORK   called after fork() */
 int vmmipc_register_cuda(uint64_t dptr, uint64_t size,
                          const vmmipc_options *opts,
@@ -201,21 +309,44 @@ int vmmipc_register_cuda(uint64_t dptr, uint64_t size,
  * values handles[i] of sizes[i] bytes, in that order, as one buffer. The
  * handles are BORROWED: they must stay valid (not cuMemRelease'd) until
  * release_fn(user) runs. All must live on one GPU and allow POSIX-fd export.
- * `handles` and `sizes` are copied.
+ * `handles` and `sizes` are copied. Every call makes a new buffer identity
+ * (the library holds no reference of its own to compare by); use
+ * vmmipc_register_again for another ticket of the same one.
  * Returns: as vmmipc_register_cuda, and VMMIPC_EINVAL for NULL arrays,
- * count 0 or a size that does not match the handle's allocation. */
+ * count 0 or above VMMIPC_MAX_CHUNKS, or a size that does not match the
+ * handle's allocation (release_fn is not called on any error). */
 int vmmipc_register_cuda_handles(const uint64_t *handles,
                                  const uint64_t *sizes, uint64_t count,
                                  vmmipc_release_fn release_fn, void *user,
                                  const vmmipc_options *opts,
                                  vmmipc_ticket *ticket_out);
 
+/* vmmipc_register_again makes a new registration of the memory named by
+ * `ticket`, a live registration of this process: a new ticket with its own
+ * uses, ttl (from opts) and secret, and the same buffer identity, so that a
+ * receiver holding a cached mapping of it imports the new ticket in one
+ * connection (see vmmipc_import_stream). Opens no descriptor and makes no
+ * driver call. release_fn(user), if not NULL, runs exactly once when the new
+ * registration has ended. The original registration's memory stays
+ * exported for as long as any registration made from it lives.
+ * Returns:
+ *   VMMIPC_OK      *ticket_out is filled; release_fn will run exactly once
+ *   VMMIPC_EINVAL  NULL ticket or ticket_out, malformed ticket, or an option
+ *                  out of bounds (release_fn is not called)
+ *   VMMIPC_EAUTH   the ticket's secret does not match (forged or corrupted)
+ *   VMMIPC_ENOENT  not a registration of this process, or it has ended
+ *   VMMIPC_EFORK   called after fork() */
+int vmmipc_register_again(const vmmipc_ticket *ticket,
+                          vmmipc_release_fn release_fn, void *user,
+                          const vmmipc_options *opts,
+                          vmmipc_ticket *ticket_out);
+
 /* vmmipc_unregister ends a registration early. Receivers that have not
  * started are refused with VMMIPC_ENOENT; streams in progress are cut and
  * their receivers get VMMIPC_ENOENT or VMMIPC_EIO. Memory already imported
  * by receivers stays valid. release_fn runs once the last in-flight
  * export_fn has returned: before this returns if none is in flight,
- * otherwise shortly after, on a library thread.
+ * otherwise shortly after, on a library thread (vmmipc_wait tells when).
  * Returns:
  *   VMMIPC_OK
  *   VMMIPC_EINVAL  NULL or malformed ticket
@@ -224,10 +355,52 @@ int vmmipc_register_cuda_handles(const uint64_t *handles,
  *   VMMIPC_EFORK   called after fork() */
 int vmmipc_unregister(const vmmipc_ticket *ticket);
 
+/* vmmipc_wait blocks until the registration named by `ticket` (one of this
+ * process's) has ended and its release_fn, if any, has returned, or until
+ * timeout_ms milliseconds have passed (0: just check). After VMMIPC_OK the
+ * library holds nothing that registration lent it.
+ * Returns:
+ *   VMMIPC_OK        it has ended (now or earlier) and been released
+ *   VMMIPC_ETIMEDOUT it is still live (or its release_fn still running)
+ *   VMMIPC_EINVAL    NULL or malformed ticket
+ *   VMMIPC_EAUTH     the ticket's secret does not match a live registration
+ *   VMMIPC_ENOENT    the ticket was not issued by this process
+ *   VMMIPC_EFORK     called after fork() */
+int vmmipc_wait(const vmmipc_ticket *ticket, uint32_t timeout_ms);
+
 /* vmmipc_live_registrations stores the number of registrations of this
  * process that have not ended yet.
  * Returns: VMMIPC_OK, VMMIPC_EINVAL (NULL), VMMIPC_EFORK */
 int vmmipc_live_registrations(uint64_t *count_out);
+
+/* ------------------------------------------------------------------ */
+/* CUDA ranges                                                        */
+/* ------------------------------------------------------------------ */
+
+typedef struct vmmipc_cuda_range_info {
+  uint64_t base;         /* start of the allocation that holds dptr */
+  uint64_t size;         /* from base to the end of the allocation that holds
+                            dptr + size - 1: the smallest range on allocation
+                            boundaries that covers [dptr, dptr + size) */
+  uint32_t handle_types; /* CU_MEM_HANDLE_TYPE_* bits the allocation holding
+                            dptr allows (1 = POSIX file descriptor) */
+  int32_t device;        /* ordinal of the GPU it lives on */
+} vmmipc_cuda_range_info;
+
+/* vmmipc_cuda_query_range tells whether dptr lies in CUDA VMM memory and,
+ * if so, which range on allocation boundaries covers [dptr, dptr + size):
+ * what vmmipc_register_cuda needs for a buffer that starts or ends inside
+ * an allocation (a framework's tensor, say). Opens no descriptor, takes no
+ * reference; needs no current context.
+ * Returns:
+ *   VMMIPC_OK      *info_out is filled
+ *   VMMIPC_EINVAL  NULL info_out, size 0, or a range that overflows
+ *   VMMIPC_ENOENT  dptr (or dptr + size - 1) is not mapped VMM memory, e.g.
+ *                  cudaMalloc or host memory (the message says which)
+ *   VMMIPC_ECUDA   libcuda.so.1 not found or a driver call failed
+ *   VMMIPC_EFORK   called after fork() */
+int vmmipc_cuda_query_range(uint64_t dptr, uint64_t size,
+                            vmmipc_cuda_range_info *info_out);
 
 /* ------------------------------------------------------------------ */
 /* Tickets                                                            */
@@ -245,7 +418,8 @@ typedef struct vmmipc_ticket_info {
  * Returns:
  *   VMMIPC_OK
  *   VMMIPC_EINVAL  NULL argument, or a malformed ticket (wrong magic, another
- *                  format version, bad field); the message says which */
+ *                  format version, bad field); the message says which
+ *   VMMIPC_EFORK   called after fork() */
 int vmmipc_ticket_decode(const vmmipc_ticket *ticket, vmmipc_ticket_info *info_out);
 
 /* ------------------------------------------------------------------ */
@@ -264,19 +438,28 @@ typedef struct vmmipc_chunk {
                            0 for CUDA handles) */
 } vmmipc_chunk;
 
-/* vmmipc_open connects to the ticket's server, checks that the socket
- * belongs to the ticket's pid (SO_PEERCRED), presents the secret and claims
- * one use of the registration. The use is spent once the exporter has sent
- * every chunk to this stream; a stream that is closed, or whose process
- * dies, before that gives it back.
+/* vmmipc_open checks that the ticket's exporter is still the process that
+ * issued it (its pid exists and started at the ticket's time), connects to
+ * its server (retrying a full listen backlog within timeout_ms), checks
+ * that the socket belongs to that pid and to our uid or root
+ * (SO_PEERCRED), runs the mutual proof of the secret described under
+ * "Trust", and claims one use of the registration. The use is spent once
+ * the exporter has sent every chunk to this stream; a stream that is
+ * closed, or whose process dies, before that gives it back.
  * *stream_out belongs to the caller: release it with vmmipc_close.
  * Returns:
  *   VMMIPC_OK      *stream_out is a new stream
- *   VMMIPC_EINVAL  NULL argument or malformed ticket
- *   VMMIPC_EAUTH   wrong secret, our uid refused, or the socket belongs to
- *                  another process than the ticket's pid
+ *   VMMIPC_EINVAL  NULL argument, malformed ticket, option out of bounds, or
+ *                  the peer broke the protocol
+ *   VMMIPC_EAUTH   the server could not prove it knows the secret (another
+ *                  process at the exporter's address, or a corrupted
+ *                  ticket), our proof was refused, our uid was refused, or
+ *                  the socket belongs to another pid or uid
  *   VMMIPC_ENOENT  unknown, unregistered, used-up or expired registration
- *   VMMIPC_EIO     cannot connect (exporter gone?), or timed out
+ *   VMMIPC_EIO     the exporter has exited (its pid is gone or was reused:
+ *                  at once), cannot connect, or timed out (the message says
+ *                  whether the exporter never answered, e.g. at its
+ *                  connection cap, or went silent)
  *   VMMIPC_ENFILE  out of descriptors
  *   VMMIPC_EFORK   called after fork() */
 int vmmipc_open(const vmmipc_ticket *ticket, const vmmipc_options *opts,
@@ -284,7 +467,8 @@ int vmmipc_open(const vmmipc_ticket *ticket, const vmmipc_options *opts,
 
 /* vmmipc_stream_info stores the chunk count and total size (either pointer
  * may be NULL).
- * Returns: VMMIPC_OK, VMMIPC_EBADF (NULL, stale or closed stream) */
+ * Returns: VMMIPC_OK, VMMIPC_EBADF (NULL, stale or closed stream),
+ * VMMIPC_EFORK */
 int vmmipc_stream_info(const vmmipc_stream *stream, uint64_t *count_out,
                        uint64_t *total_size_out);
 
@@ -305,7 +489,8 @@ int vmmipc_stream_info(const vmmipc_stream *stream, uint64_t *count_out,
 int vmmipc_pull_next(vmmipc_stream *stream, vmmipc_chunk *chunk_out);
 
 /* vmmipc_close closes a stream and frees it; the handle becomes stale.
- * Returns: VMMIPC_OK, VMMIPC_EBADF (NULL, stale or already closed) */
+ * Returns: VMMIPC_OK, VMMIPC_EBADF (NULL, stale or already closed),
+ * VMMIPC_EFORK */
 int vmmipc_close(vmmipc_stream *stream);
 
 /* ------------------------------------------------------------------ */
@@ -322,22 +507,55 @@ typedef struct vmmipc_mapping {
 } vmmipc_mapping;
 
 /* vmmipc_import_stream maps the whole buffer named by the ticket into this
- * process. It reserves the full address range first, then for each chunk:
- * receives its descriptor, imports and maps it at its offset, closes the
- * descriptor. All or nothing: on any failure everything mapped so far is
- * unmapped, the reservation is released, the descriptor in hand is closed,
- * and the message names the chunk and the call that failed.
- *   device = VMMIPC_DEVICE_HOST for host tickets (read-write shared mapping);
+ * process and gives the caller one reference to the mapping.
+ *
+ * A first import reserves the full address range (after checking that
+ * RLIMIT_AS leaves room for it), then for each chunk: receives its
+ * descriptor, imports and maps it at its offset, closes the descriptor.
+ * All or nothing: on any failure everything mapped so far is unmapped, the
+ * reservation is released, the descriptor in hand is closed, and the
+ * message names the chunk and the call that failed.
+ *   device = VMMIPC_DEVICE_HOST for host tickets (read-write shared mapping;
+ *   each chunk must be a memfd sealed with F_SEAL_SHRINK);
  *   device >= 0 or VMMIPC_DEVICE_SAME for CUDA tickets: the mapping gets
  *   read-write access for that device (and opts->access_devices). Works with
  *   or without a current context on the calling thread and leaves it as it
  *   was.
- * *mapping_out belongs to the caller; undo it with vmmipc_unmap.
+ *
+ * The import cache. A process keeps the mappings it imported, keyed by the
+ * exporter (address, pid, start time), the buffer identity, the device and
+ * the access devices, while the exporter says the buffer lives on after
+ * this use. Importing a ticket of a buffer that is mapped here already (a
+ * hit: the same ticket again, vmmipc_register_again, or the sender
+ * registering the same memory again) still connects, proves the secret both
+ * ways, spends one use and has the exporter confirm that the registration
+ * lives; then it returns another reference to the same mapping, at the same
+ * address, with no descriptor and no driver call. A stale hit cannot
+ * happen: a buffer id names one set of allocations (or one memfd) that the
+ * exporter holds references to for as long as any registration of it
+ * lives, ids are never reused within the exporter's life, the exporter's
+ * identity includes its start time, the hit is confirmed by an
+ * authenticated answer for this very ticket, and the cached mapping holds
+ * its own references to that same memory, so it is the memory the exporter
+ * would send again. The sender's in-place writes are seen through it.
+ * Mappings no longer referenced stay mapped, least recently used first out,
+ * within a byte bound (VMMIPC_CACHE_BYTES, or vmmipc_cache_set_limit;
+ * default 32 GiB; 0 turns the cache off) and are unmapped when the exporter
+ * says the buffer ended (checked every 250 ms while any exist) or the
+ * exporter exits. opts->import_flags VMMIPC_IMPORT_NO_CACHE bypasses it.
+ *
+ * *mapping_out belongs to the caller; drop the reference with vmmipc_unmap.
  * Returns:
- *   VMMIPC_OK      *mapping_out describes the new mapping
+ *   VMMIPC_OK      *mapping_out describes the mapping (a new one, or a
+ *                  cached one)
  *   VMMIPC_EINVAL  NULL argument, malformed ticket, device that does not fit
- *                  the ticket's memory kind, or a protocol violation
+ *                  the ticket's memory kind, option out of bounds, a host
+ *                  chunk that is not a sealed memfd, a bad VMMIPC_CACHE_BYTES
+ *                  value, or a protocol violation
  *   VMMIPC_EAUTH, VMMIPC_ENOENT, VMMIPC_EIO, VMMIPC_ENFILE  as vmmipc_open
+ *   VMMIPC_ENOMEM  the range cannot be reserved: RLIMIT_AS leaves too little
+ *                  room (the message gives the figures), or the driver has
+ *                  no virtual address space left
  *   VMMIPC_EEXPORT the sender failed to export chunk k (named)
  *   VMMIPC_ECUDA   a driver call failed for chunk k (named), or no driver
  *   VMMIPC_EFORK   called after fork() */
@@ -345,16 +563,45 @@ int vmmipc_import_stream(const vmmipc_ticket *ticket, int device,
                          const vmmipc_options *opts,
                          vmmipc_mapping *mapping_out);
 
-/* vmmipc_unmap undoes a mapping made by vmmipc_import_stream completely
- * (unmap, release, free the address range) and zeroes *mapping.
+/* vmmipc_unmap drops the reference *mapping holds and zeroes *mapping. When
+ * it was the last reference, the mapping is kept in the import cache (if
+ * the cache has room and the exporter's buffer lives on) or undone
+ * completely (unmap, release, free the address range).
  * Returns:
  *   VMMIPC_OK
- *   VMMIPC_EINVAL  NULL, or not a live mapping of this process (already
+ *   VMMIPC_EINVAL  NULL, or not a live reference of this process (already
  *                  unmapped, or never mapped); nothing is touched
- *   VMMIPC_ECUDA   a driver call failed while unmapping; the mapping is
- *                  forgotten all the same (a retry gives VMMIPC_EINVAL)
+ *   VMMIPC_ECUDA   a driver call failed while unmapping CUDA memory; the
+ *                  mapping is forgotten all the same (a retry gives
+ *                  VMMIPC_EINVAL)
+ *   VMMIPC_EIO     munmap failed while unmapping host memory; forgotten all
+ *                  the same
  *   VMMIPC_EFORK   called after fork() */
 int vmmipc_unmap(vmmipc_mapping *mapping);
+
+typedef struct vmmipc_cache_info {
+  uint64_t limit_bytes;        /* bound on unreferenced bytes; 0 = off */
+  uint64_t entries;            /* mappings the cache knows, referenced or not */
+  uint64_t referenced_bytes;   /* bytes of mappings with references */
+  uint64_t unreferenced_bytes; /* bytes kept mapped with no reference */
+  uint64_t hits;               /* imports answered from the cache */
+  uint64_t misses;             /* imports that mapped anew */
+  uint64_t evictions;          /* unreferenced mappings undone for room */
+  uint64_t invalidations;      /* mappings undone because the buffer ended
+                                  or the exporter exited */
+} vmmipc_cache_info;
+
+/* vmmipc_cache_set_limit sets this process's bound on the bytes of
+ * unreferenced cached mappings (0 turns the cache off). Unreferenced
+ * mappings beyond the new bound are undone before this returns.
+ * Returns: VMMIPC_OK, VMMIPC_ECUDA or VMMIPC_EIO (undoing a mapping failed;
+ * it is forgotten all the same), VMMIPC_EFORK */
+int vmmipc_cache_set_limit(uint64_t max_unreferenced_bytes);
+
+/* vmmipc_cache_get_info fills the first `size` bytes of *info_out (pass
+ * sizeof *info_out; a later library never writes past it).
+ * Returns: VMMIPC_OK, VMMIPC_EINVAL (NULL), VMMIPC_EFORK */
+int vmmipc_cache_get_info(vmmipc_cache_info *info_out, size_t size);
 
 /* ------------------------------------------------------------------ */
 /* Errors and version                                                 */
@@ -370,7 +617,7 @@ const char *vmmipc_strerror(int status);
  * Returns: a thread-local string, "" if nothing failed yet; never free it. */
 const char *vmmipc_last_error(void);
 
-/* vmmipc_version returns the library version, e.g. "0.1.0".
+/* vmmipc_version returns the library version, e.g. "0.2.0".
  * Returns: a static string; never free it. */
 const char *vmmipc_version(void);
 
