@@ -1,0 +1,756 @@
+#!/usr/bin/env python3
+"""GPU test of vmmipc.torch: CUDA tensors in expandable segments (VMM
+memory) through multiprocessing, with no pidfd_getfd.
+
+Run from the repository root on a machine with a CUDA GPU and PyTorch,
+after `make lib` (tests/gpu/run_torch.sh runs it twice: plainly and under a
+seccomp filter that refuses pidfd_getfd):
+
+    python3 tests/gpu/test_torch.py [scenario ...]
+
+Scenarios (default: all): dtypes, tied, writes, transformer, ordering,
+lifetime, repeat, legacy, mechanisms, fork, native. Every tensor is built
+with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set here for this
+process and its children) and checked to be VMM memory first. Data is
+checked exactly: the receiver regenerates the sender's pattern and compares
+every element. Prints one PASS/FAIL line per check and "N passed, M
+failed"; exits non-zero if anything failed.
+"""
+
+import ctypes
+import errno
+import gc
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "python"))
+os.environ.setdefault("VMMIPC_LIBRARY", os.path.join(ROOT, "build", "libvmmipc.so"))
+# Read when CUDA starts, in this process and in every child (they inherit it).
+os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+os.environ.setdefault("PYTHONUNBUFFERED", "1")
+
+try:
+    import torch
+except ImportError as _e:  # reported by main(): SKIP
+    torch = None
+    TORCH_MISSING = str(_e)
+
+import vmmipc  # noqa: E402  (loads nothing yet; vmmipc.torch is imported in main())
+
+TIMEOUT = 120
+MiB = 1 << 20
+SLEEP_CYCLES = int(2.5e9)  # torch.cuda._sleep: about 1.5 s on the H200 (1e8 took 59 ms)
+
+# --------------------------------------------------------------- helpers
+
+
+def pattern(numel, dtype, seed, device="cuda"):
+    """Values in [-125, 125], exact in float32, bfloat16 and int8, different
+    for every seed and (mod 251) every index."""
+    i = torch.arange(numel, device=device, dtype=torch.int64)
+    v = (i * 2654435761 + seed * 40503) % 251 - 125
+    return v.to(torch.float32).to(dtype) if dtype.is_floating_point else v.to(dtype)
+
+
+VIEWS = {  # how the sent views are cut from a (rows, cols) base
+    "contiguous": lambda b: b,
+    "transposed": lambda b: b.t(),
+    "strided columns": lambda b: b[:, 3:200:2],
+    "storage offset": lambda b: b[5:],
+    "flat slice": lambda b: b.reshape(-1)[1000:5000],
+}
+ROWS, COLS = 600, 700  # float32: 1.6 MiB (large pool); bfloat16, int8: small pool
+DTYPES = ("float32", "bfloat16", "int8")
+
+
+def base(dtype_name, seed):
+    return pattern(ROWS * COLS, getattr(torch, dtype_name), seed).reshape(ROWS, COLS)
+
+
+def make_model():
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(d_model=64, nhead=4, dim_feedforward=128,
+                                             dropout=0.0, batch_first=True)
+    return torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+
+
+def guard(fn, *args):
+    """Run fn in a child; the parent must always hear back."""
+    try:
+        return fn(*args)
+    except BaseException as e:  # noqa: BLE001
+        return {"error": "".join(traceback.format_exception(e))[-2500:]}
+
+
+def problems_of(r):
+    if "error" in r:
+        return ["child failed:\n" + r["error"]]
+    return r.get("problems", [])
+
+
+def check_pattern(t, dtype_name, seed, view=None):
+    """Problems (a list) of t against the sender's pattern: a contiguous
+    tensor of t's shape, or that view of a (ROWS, COLS) base."""
+    if view is None:
+        want = pattern(t.numel(), getattr(torch, dtype_name), seed).reshape(t.shape)
+    else:
+        want = VIEWS[view](base(dtype_name, seed))
+    problems = []
+    if t.device.type != "cuda":
+        problems.append(f"on {t.device}")
+    for what, got, exp in (("dtype", t.dtype, want.dtype), ("shape", t.shape, want.shape),
+                           ("stride", t.stride(), want.stride()),
+                           ("storage offset", t.storage_offset(), want.storage_offset())):
+        if got != exp:
+            problems.append(f"{what} {got} != {exp}")
+    if not problems and not torch.equal(t, want):
+        problems.append(f"{int((t != want).sum())} of {t.numel()} elements differ")
+    return problems
+
+
+def driver_range(ptr):
+    """cuMemGetAddressRange(ptr): (base, size), or the error's name."""
+    from cuda.bindings import driver
+    err, base_, size = driver.cuMemGetAddressRange(ptr)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        return err.name
+    return int(base_), int(size)
+
+
+def set_expandable(on):
+    setting = f"expandable_segments:{'True' if on else 'False'}"
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is not None:
+        setter(setting)
+    else:
+        torch.cuda.memory._set_allocator_settings(setting)
+
+
+def pidfd_getfd_refused():
+    """Whether this process runs under a filter refusing pidfd_getfd."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall(438, -1, 0, 0)  # x86-64 pidfd_getfd on a bad pidfd
+    return ctypes.get_errno() == errno.EPERM
+
+
+def settled_live():
+    """This process's live registrations once the tensors of earlier checks
+    are freed and their anchors have ended (the reaper thread ends them)."""
+    gc.collect()
+    n, deadline = vmmipc.live_registrations(), time.monotonic() + 5
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        m = vmmipc.live_registrations()
+        if m == n:
+            return n
+        n = m
+    return n
+
+
+def wait_live(n, timeout=15.0):
+    """Wait until this process has n live registrations; the count."""
+    deadline = time.monotonic() + timeout
+    while vmmipc.live_registrations() != n and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return vmmipc.live_registrations()
+
+
+# ------------------------------------------------------- the worker child
+
+KEPT = {}
+
+
+def w_dtypes(sent, nbytes):
+    problems = []
+    for dtype_name in DTYPES:
+        storages = set()
+        for view in VIEWS:
+            t = sent[f"{dtype_name}/{view}"]
+            problems += [f"{dtype_name} {view}: {p}" for p in check_pattern(t, dtype_name, 1, view)]
+            storages.add(id(t.untyped_storage()))
+        s = sent[f"{dtype_name}/storage"]
+        if not isinstance(s, torch.UntypedStorage) or s.nbytes() != nbytes[dtype_name]:
+            problems.append(f"{dtype_name}: the storage sent alone arrived as {type(s).__name__} "
+                            f"of {s.nbytes()} bytes, not {nbytes[dtype_name]}")
+        storages.add(id(s))
+        if len(storages) != 1:
+            problems.append(f"{dtype_name}: its views arrived over {len(storages)} storages, not 1")
+    return {"problems": problems}
+
+
+def w_tied_first(sent):
+    KEPT["tied"] = sent
+    w, head, row = sent["embed"], sent["head"], sent["row"]
+    problems = []
+    if not (w.untyped_storage() is head.untyped_storage() is row.untyped_storage()):
+        problems.append("embed, head and row do not share one storage")
+    if not torch.equal(head, w.t()) or not torch.equal(row, w[7]):
+        problems.append("the views do not show the base's values")
+    head[3, 7] = 1234.0  # w[7, 3] through the transposed view
+    if float(w[7, 3]) != 1234.0 or float(row[3]) != 1234.0:
+        problems.append("a write through one view is not seen through the others")
+    sd = sent["module"]
+    if sd["0.weight"].untyped_storage() is not sd["1.weight"].untyped_storage():
+        problems.append("the state_dict's tied weights arrived as two storages")
+    return {"problems": problems}
+
+
+def w_tied_second(later):
+    first = KEPT.pop("tied")
+    problems = []
+    if later.untyped_storage() is not first["embed"].untyped_storage():
+        problems.append("a view sent in a second pickle arrived over another storage")
+    if not torch.equal(later, first["embed"][10:]):
+        problems.append("the second pickle's view shows other values")
+    return {"problems": problems}
+
+
+def w_keep(name, t, dtype_name, seed, fill=None):
+    """Check t against the pattern, keep it, then (if fill) write fill and
+    synchronize, for the sender to see."""
+    KEPT[name] = t
+    problems = check_pattern(t, dtype_name, seed)
+    if fill is not None:
+        t.fill_(fill)
+        torch.cuda.synchronize()
+    return {"problems": problems}
+
+
+def w_check_kept(name, dtype_name=None, seed=None, value=None):
+    t = KEPT.pop(name)
+    if value is not None:
+        bad = int((t != value).sum())
+        return {"problems": [f"{bad} elements are not {value}"] if bad else []}
+    return {"problems": check_pattern(t, dtype_name, seed)}
+
+
+def w_transformer(sd, x):
+    problems = []
+    with torch.device("meta"):
+        model = make_model()
+    model.load_state_dict(sd, assign=True)  # the received tensors become the parameters
+    model.eval()
+    for name, p in model.named_parameters():
+        if p.device.type != "cuda" or p.data_ptr() != sd[name].data_ptr():
+            problems.append(f"parameter {name} is not the received tensor")
+    with torch.no_grad():
+        out = model(x)
+    return {"problems": problems, "out": out.cpu()}
+
+
+def w_ordering(t, value):
+    t0 = time.monotonic()
+    waiting = not torch.cuda.current_stream().query()  # the event is not done yet
+    bad = int((t != value).sum())
+    return {"problems": [f"{bad} of {t.numel()} elements were read before the sender's "
+                         f"kernel wrote them"] if bad else [],
+            "waiting": waiting, "waited_s": time.monotonic() - t0}
+
+
+def w_repeat(name, t):
+    info = vmmipc.cache_info()
+    if name not in KEPT:
+        KEPT[name] = (t, info)
+        return {"problems": check_pattern(t, "float32", 4)}
+    first, before = KEPT.pop(name)
+    problems = []
+    if t.untyped_storage() is not first.untyped_storage():
+        problems.append("the second send arrived over another storage")
+    if info.hits <= before.hits or info.misses != before.misses:
+        problems.append(f"the second send was not an import-cache hit (hits {before.hits}->"
+                        f"{info.hits}, misses {before.misses}->{info.misses})")
+    return {"problems": problems}
+
+
+def w_native(t):
+    return {"problems": check_pattern(t, "float32", 9)}
+
+
+def worker(inbox, outbox):
+    """Runs (function name, args) messages; tensors arrive in the args."""
+    torch.zeros(1, device="cuda")
+    vmmipc.cache_info()  # the library is loaded before the first message
+    outbox.put("ready")
+    while True:
+        try:
+            msg = inbox.get(timeout=TIMEOUT)
+        except BaseException as e:  # noqa: BLE001 - unpickling failed
+            outbox.put({"error": "".join(traceback.format_exception(e))[-2500:]})
+            continue
+        if msg is None:
+            return
+        name, args = msg
+        outbox.put(guard(globals()[name], *args))
+        del msg, args
+        gc.collect()
+
+
+class Worker:
+    def __init__(self, method="spawn"):
+        ctx = mp.get_context(method)
+        self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
+        self.proc = ctx.Process(target=worker, args=(self.inbox, self.outbox))
+        self.proc.start()
+        if self.outbox.get(timeout=TIMEOUT) != "ready":
+            raise RuntimeError("the worker did not start")
+
+    def call(self, name, *args):
+        self.inbox.put((name, args))
+        return self.outbox.get(timeout=TIMEOUT)
+
+    def stop(self):
+        self.inbox.put(None)
+        self.proc.join(TIMEOUT)
+
+
+# ------------------------------------------------------ other children
+
+
+def child_receiver_lifetime(q, res):
+    def run():
+        torch.zeros(1, device="cuda")
+        vmmipc.set_cache_limit(0)  # the last reference unmaps at once
+        t = q.get(timeout=TIMEOUT)
+        problems = check_pattern(t, "float32", 5)
+        view = t[1000:]
+        ptr, view_ptr = t.data_ptr(), view.data_ptr()
+        held, nbytes = vmmipc.cache_info(), t.untyped_storage().nbytes()
+        del t
+        gc.collect()
+        with_view = driver_range(view_ptr), vmmipc.cache_info()
+        del view
+        gc.collect()
+        after = driver_range(ptr), vmmipc.cache_info()
+        if held.referenced_bytes < nbytes:
+            problems.append(f"while held: cache_info {held}")
+        if isinstance(with_view[0], str) or with_view[1].referenced_bytes != held.referenced_bytes:
+            problems.append(f"the base was dropped but a view lives, and the mapping went "
+                            f"({with_view})")
+        if after[0] != "CUDA_ERROR_NOT_FOUND":
+            problems.append(f"after the last view died the range is still mapped: "
+                            f"cuMemGetAddressRange gave {after[0]}")
+        if after[1].entries or after[1].referenced_bytes or after[1].unreferenced_bytes:
+            problems.append(f"after the last view died: cache_info {after[1]}")
+        import vmmipc.torch as vt
+        if len(vt._received):
+            problems.append(f"{len(vt._received)} received storages still known")
+        return {"problems": problems}
+    res.put(guard(run))
+
+
+def child_queue(q, res):
+    torch.zeros(1, device="cuda")
+    res.put(guard(lambda: {"problems": check_pattern(*q.get(timeout=TIMEOUT))}))
+
+
+def child_pipe(conn):
+    torch.zeros(1, device="cuda")
+
+    def run():
+        if not conn.poll(TIMEOUT):
+            raise TimeoutError("nothing arrived on the pipe")
+        return {"problems": check_pattern(*conn.recv())}
+    conn.send(guard(run))
+
+
+def child_process_args(t, dtype_name, seed, res):
+    res.put(guard(lambda: {"problems": check_pattern(t, dtype_name, seed)}))
+
+
+def pool_task(t, dtype_name, seed):
+    return guard(lambda: {"problems": check_pattern(t, dtype_name, seed)})
+
+
+def fork_child_queue(q, res):
+    try:
+        q.get(timeout=TIMEOUT)
+        res.put("no error")
+    except vmmipc.VmmipcForkError as e:
+        res.put(f"VmmipcForkError: {e}")
+    except BaseException as e:  # noqa: BLE001
+        res.put(repr(e))
+
+
+def fork_pool_task(t):
+    return "unreachable"
+
+
+def native_child(q, res):
+    torch.zeros(1, device="cuda")
+    try:
+        t = q.get(timeout=TIMEOUT)
+        res.put({"problems": check_pattern(t, "float32", 9)})
+    except BaseException as e:  # noqa: BLE001
+        res.put({"failed": repr(e)[:500]})
+
+
+def native_sender():
+    """Torch's own sharing of an expandable-segment tensor (vmmipc.torch is
+    not imported in this process); prints one JSON line."""
+    import torch.multiprocessing as tmp
+    ctx = tmp.get_context("spawn")
+    q, res = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=native_child, args=(q, res))
+    p.start()
+    t = base("float32", 9)
+    q.put(t)
+    r = res.get(timeout=TIMEOUT)
+    p.join(TIMEOUT)
+    print(json.dumps(r), flush=True)
+
+
+# ------------------------------------------------------------ the checks
+
+results = []
+
+
+def record(name, ok, detail=""):
+    results.append(ok)
+    print(f"{'PASS' if ok else 'FAIL'} {name}{': ' + detail if detail else ''}", flush=True)
+
+
+def run_case(name, fn):
+    t0 = time.monotonic()
+    try:
+        problems, detail = fn()
+    except BaseException as e:  # noqa: BLE001
+        problems, detail = ["".join(traceback.format_exception(e))[-2500:]], ""
+    took = f"({time.monotonic() - t0:.1f} s)"
+    if problems:
+        record(name, False, "; ".join(problems) + " " + took)
+    else:
+        record(name, True, (detail + " " if detail else "") + took)
+
+
+def require_vmm(vt, *tensors):
+    for t in tensors:
+        if not vt.is_vmm_tensor(t):
+            raise RuntimeError(f"a {t.dtype} tensor of {t.untyped_storage().nbytes()} bytes is not "
+                               "in VMM memory: are expandable segments on?")
+
+
+def dtypes_and_views(vt, w):
+    sent, nbytes = {}, {}
+    for dtype_name in DTYPES:
+        b = base(dtype_name, 1)
+        require_vmm(vt, b)
+        for view, cut in VIEWS.items():
+            sent[f"{dtype_name}/{view}"] = cut(b)
+        sent[f"{dtype_name}/storage"] = b.untyped_storage()
+        nbytes[dtype_name] = b.untyped_storage().nbytes()
+    r = w.call("w_dtypes", sent, nbytes)
+    return problems_of(r), f"{len(sent)} tensors and storages in one pickle"
+
+
+def tied(vt, w):
+    emb = torch.nn.Embedding(100, 32).cuda()
+    head = torch.nn.Linear(32, 100, bias=False).cuda()
+    head.weight = emb.weight
+    w_ = pattern(1000 * 256, torch.float32, 2).reshape(1000, 256)
+    require_vmm(vt, w_, emb.weight)
+    sent = {"embed": w_, "head": w_.t(), "row": w_[7],
+            "module": torch.nn.Sequential(emb, head).state_dict()}
+    problems = problems_of(w.call("w_tied_first", sent))
+    problems += problems_of(w.call("w_tied_second", w_[10:]))
+    return problems, "views, tied weights, and a view sent later share one storage"
+
+
+def writes(vt, w):
+    t = pattern(16 * MiB, torch.float32, 8)
+    require_vmm(vt, t)
+    problems = problems_of(w.call("w_keep", "writes", t, "float32", 8, 2.0))
+    torch.cuda.synchronize()
+    bad = int((t != 2).sum())
+    if bad:
+        problems.append(f"the sender sees {bad} elements not written by the receiver")
+    t.fill_(3)
+    torch.cuda.synchronize()
+    problems += problems_of(w.call("w_check_kept", "writes", None, None, 3.0))
+    return problems, "receiver's writes seen by the sender and the sender's by the receiver"
+
+
+def transformer(vt, w):
+    model = make_model().cuda().eval()
+    torch.manual_seed(1)
+    x = torch.randn(4, 16, 64, device="cuda")
+    with torch.no_grad():
+        want = model(x).cpu()
+    sd = model.state_dict()
+    require_vmm(vt, x, *sd.values())
+    r = w.call("w_transformer", sd, x)
+    problems = problems_of(r)
+    if problems:
+        return problems, ""
+    diff = float((r["out"] - want).abs().max())
+    if not torch.allclose(r["out"], want, rtol=1e-5, atol=1e-5):
+        problems.append(f"the child's output differs from the parent's by up to {diff:.3g}")
+    return problems, f"{len(sd)} tensors; outputs differ by at most {diff:.3g}"
+
+
+def ordering(vt, w):
+    t = torch.zeros(64 * MiB, device="cuda")  # 256 MiB
+    require_vmm(vt, t)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)  # a long kernel, then the write, both still queued
+    t.fill_(7.0)
+    r = w.call("w_ordering", t, 7.0)
+    problems = problems_of(r)
+    detail = ""
+    if not problems:
+        detail = (f"the receiver's stream was {'still' if r['waiting'] else 'no longer'} waiting "
+                  f"when the tensor was returned; its first read took {r['waited_s']:.2f} s")
+    torch.cuda.synchronize()
+    return problems, detail
+
+
+def sender_lifetime(vt, w):
+    problems = []
+    live = settled_live()
+    t = pattern(64 * MiB, torch.float32, 3)  # 256 MiB
+    require_vmm(vt, t)
+    w.inbox.put(("w_keep", ("lifetime", t, "float32", 3)))
+    del t  # the sender lets go right after put()
+    gc.collect()
+    problems += problems_of(w.outbox.get(timeout=TIMEOUT))
+    after = wait_live(live)
+    if after != live:
+        problems.append(f"{after - live} registrations of the dropped tensor still live")
+    torch.cuda.empty_cache()  # the freed pages go back to the driver
+    other = torch.full((64 * MiB,), -1.0, device="cuda")  # and are asked for again
+    torch.cuda.synchronize()
+    problems += problems_of(w.call("w_check_kept", "lifetime", "float32", 3))
+    del other
+    return problems, ("the sender dropped its tensor after put() and emptied its cache; the "
+                      "receiver's data stayed right; the anchor ended")
+
+
+def receiver_lifetime(vt):
+    ctx = mp.get_context("spawn")
+    q, res = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=child_receiver_lifetime, args=(q, res))
+    p.start()
+    t = pattern(64 * MiB, torch.float32, 5)
+    require_vmm(vt, t)
+    q.put(t)
+    r = res.get(timeout=TIMEOUT)
+    p.join(TIMEOUT)
+    return problems_of(r), ("the mapping stayed while a view lived and was gone "
+                            "(CUDA_ERROR_NOT_FOUND, empty cache) after the last one died")
+
+
+def repeat(vt, w):
+    live = settled_live()
+    t = pattern(64 * MiB, torch.float32, 4)
+    require_vmm(vt, t)
+    times = []
+    problems = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        problems += problems_of(w.call("w_repeat", "repeat", t))
+        times.append((time.perf_counter() - t0) * 1e3)
+    if wait_live(live + 1) != live + 1:
+        problems.append(f"{vmmipc.live_registrations() - live} live registrations after two "
+                        "sends of one tensor, not 1 (its anchor)")
+    del t
+    gc.collect()
+    if wait_live(live) != live:
+        problems.append("the anchor outlived the tensor")
+    return problems, (f"one anchor; second send an import-cache hit over the same storage; "
+                      f"round trips {times[0]:.1f} ms then {times[1]:.1f} ms (256 MiB)")
+
+
+def legacy_and_cpu(vt, w):
+    set_expandable(False)
+    try:
+        t = base("float32", 6)
+    finally:
+        set_expandable(True)
+    problems = []
+    if vt.is_vmm_tensor(t):
+        problems.append("a tensor made with expandable segments off is VMM memory")
+    problems += problems_of(w.call("w_check_pattern", t, "float32", 6))
+    c = base("int8", 7).cpu()
+    problems += problems_of(w.call("w_check_cpu", c))
+    return problems, "cudaMalloc and CPU tensors went through torch's own reducers"
+
+
+def w_check_pattern(t, dtype_name, seed):
+    return {"problems": check_pattern(t, dtype_name, seed)}
+
+
+def w_check_cpu(c):
+    want = base("int8", 7).cpu()
+    return {"problems": [] if c.device.type == "cpu" and torch.equal(c, want)
+            else ["the CPU tensor arrived wrong"]}
+
+
+def transfer(vt, mechanism, method, ctx=None):
+    ctx = ctx or mp.get_context(method)
+    live = settled_live()
+    seed = 10
+    t = base("float32", seed)
+    require_vmm(vt, t)
+    if mechanism == "queue":
+        q, res = ctx.Queue(), ctx.Queue()
+        p = ctx.Process(target=child_queue, args=(q, res))
+        p.start()
+        q.put((t, "float32", seed))
+        r = res.get(timeout=TIMEOUT)
+        p.join(TIMEOUT)
+    elif mechanism == "pipe":
+        a, b = ctx.Pipe()
+        p = ctx.Process(target=child_pipe, args=(b,))
+        p.start()
+        b.close()
+        a.send((t, "float32", seed))
+        if not a.poll(TIMEOUT):
+            return ["no answer from the child"], ""
+        r = a.recv()
+        p.join(TIMEOUT)
+    elif mechanism == "pool":
+        with ctx.Pool(1) as pool:
+            r = pool.apply(pool_task, (t, "float32", seed))
+    else:
+        res = ctx.Queue()
+        p = ctx.Process(target=child_process_args, args=(t, "float32", seed, res))
+        p.start()
+        r = res.get(timeout=TIMEOUT)
+        p.join(TIMEOUT)
+    problems = problems_of(r)
+    del t
+    gc.collect()
+    if wait_live(live) != live:
+        problems.append(f"{vmmipc.live_registrations() - live} registrations outlived the "
+                        "transfer and the tensor")
+    return problems, ""
+
+
+def fork_refused(vt):
+    ctx = mp.get_context("fork")
+    t = base("float32", 11)
+    require_vmm(vt, t)
+    live = settled_live()
+    q, res = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=fork_child_queue, args=(q, res))
+    p.start()
+    q.put(t)
+    got = res.get(timeout=60)
+    p.join(60)
+    problems = []
+    if not got.startswith("VmmipcForkError"):
+        problems.append(f"queue: the forked child got {got!r}")
+    with ctx.Pool(1) as pool:
+        try:
+            pool.apply(fork_pool_task, (t,))
+            problems.append("pool: no error")
+        except vmmipc.VmmipcForkError:
+            pass
+    if vmmipc.live_registrations() != live:
+        problems.append("something was registered for a forked child")
+    return problems, "queue and pool refused at once, nothing registered"
+
+
+def native(vt):
+    refused = pidfd_getfd_refused()
+    r = subprocess.run([sys.executable, os.path.abspath(__file__), "--native-sender"],
+                       capture_output=True, text=True, timeout=TIMEOUT)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    if r.returncode != 0 or not lines:
+        return [f"the native sender failed (exit {r.returncode}): {r.stderr[-1500:]}"], ""
+    got = json.loads(lines[-1])
+    if refused:
+        failed = got.get("failed", "")
+        if "pidfd_getfd: Operation not permitted" not in failed:
+            return [f"under the filter torch's own sharing did not fail as expected: {got}"], ""
+        return [], f"under the filter torch's own sharing fails: {failed}"
+    if "failed" in got or got.get("problems"):
+        return [f"without the filter torch's own sharing failed: {got}"], ""
+    return [], "without the filter torch's own expandable-segment sharing works"
+
+
+def main(argv):
+    if torch is None:
+        print(f"SKIP all: PyTorch is not installed ({TORCH_MISSING})")
+        print("0 passed, 0 failed")
+        return 0
+    if not torch.cuda.is_available():
+        print("SKIP all: no usable GPU (torch.cuda.is_available() is False)")
+        print("0 passed, 0 failed")
+        return 0
+    try:
+        import vmmipc.torch as vt
+        vt.install()
+        for name in ("cuda_query_range", "register_again", "cache_info", "set_cache_limit"):
+            getattr(vmmipc, name)
+    except (ImportError, AttributeError) as e:
+        print(f"FAIL setup: vmmipc.torch or the vmmipc 0.2 Python API it needs is missing "
+              f"({e}): merge main and run make lib")
+        print("0 passed, 1 failed")
+        return 1
+    torch.zeros(1, device="cuda")
+    vmmipc.live_registrations()  # load the library before anything is measured
+    only = set(argv)
+    filtered = pidfd_getfd_refused()
+    if os.environ.get("VMMIPC_TEST_EXPECT_NO_PIDFD_GETFD") == "1" and not filtered:
+        print("FAIL setup: run_torch.sh asked for a run under no_pidfd_getfd, but pidfd_getfd "
+              "is allowed here: the seccomp filter is not in force")
+        print("0 passed, 1 failed")
+        return 1
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, pidfd_getfd "
+          f"{'REFUSED (seccomp filter)' if filtered else 'allowed'}", flush=True)
+
+    def want(name):
+        return not only or name in only
+
+    in_worker = [("dtypes", "dtypes float32/bfloat16/int8, contiguous and strided views, "
+                  "storage offsets, a storage alone", dtypes_and_views),
+                 ("tied", "tied weights and views within and across pickles", tied),
+                 ("writes", "writes visible both ways", writes),
+                 ("transformer", "TransformerEncoder state_dict: same forward output in the "
+                  "child", transformer),
+                 ("ordering", "stream ordering: a long kernel writing just before put()",
+                  ordering),
+                 ("lifetime", "sender drops its tensor right after put()", sender_lifetime),
+                 ("repeat", "second send of one tensor: same anchor, import-cache hit", repeat),
+                 ("legacy", "cudaMalloc and CPU tensors keep torch's reducers", legacy_and_cpu)]
+    chosen = [case for case in in_worker if want(case[0])]
+    if chosen:
+        w = Worker("spawn")
+        try:
+            for _, title, fn in chosen:
+                run_case(title, lambda: fn(vt, w))
+        finally:
+            w.stop()
+    if want("lifetime"):
+        run_case("receiver drops its tensor: the mapping is gone", lambda: receiver_lifetime(vt))
+    if want("mechanisms"):
+        for method in ("spawn", "forkserver"):
+            for mech in ("queue", "pipe", "pool", "process"):
+                run_case(f"{mech} under {method}", lambda: transfer(vt, mech, method))
+        import torch.multiprocessing as tmp
+        run_case("torch.multiprocessing queue under spawn",
+                 lambda: transfer(vt, "queue", "spawn", tmp.get_context("spawn")))
+    if want("fork"):
+        run_case("fork start method fails at once with VmmipcForkError", lambda: fork_refused(vt))
+    if want("native"):
+        run_case("torch's own expandable-segment sharing "
+                 f"({'fails under the filter' if filtered else 'works without the filter'})",
+                 lambda: native(vt))
+
+    passed = sum(results)
+    failed = len(results) - passed
+    print(f"{passed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--native-sender"]:
+        native_sender()
+        sys.exit(0)
+    sys.exit(main(sys.argv[1:]))
