@@ -20,7 +20,7 @@ CUDA_VISIBLE_DEVICES may differ), zero-copy over the sender's memory: writes
 are seen both ways. Tensors that share a storage arrive sharing one storage
 (views, tied weights), within one pickle and across pickles. dtype, shape,
 stride, storage offset, requires_grad and Parameter-ness are kept. Receiving
-needs numpy (torch reads __cuda_array_interface__ through it).
+needs numpy (torch parses __cuda_array_interface__ with it).
 
 Rules the caller keeps (the same as torch's own CUDA sharing):
   - Ordering: pickling records an event on the current CUDA stream of the
@@ -513,6 +513,9 @@ def _tensor_reduction(torch, tensor, storage, rng):
     if tensor.requires_grad and not tensor.is_leaf:
         raise RuntimeError("cannot send a non-leaf tensor that requires grad: autograd does "
                            "not cross processes; send tensor.detach() instead")
+    if tensor.is_conj() or tensor.is_neg():
+        raise ValueError("cannot send a tensor with a lazy conjugate or negative bit through "
+                         "vmmipc: call tensor.resolve_conj() or tensor.resolve_neg() first")
     _require_posix_fd(rng, storage)
     torch.utils.hooks.warn_if_has_hooks(tensor)
     # The storage goes in as an object of its own: the pickler's memo then
@@ -650,6 +653,7 @@ def _ordinal_of_exporter(torch, ticket, exporter_device: int) -> int:
 def _rebuild_storage(ticket, anchor_id, offset, nbytes, exporter_device, event_handle):
     """Unpickling side of a VMM storage."""
     torch = _torch()
+    torch.cuda.init()  # a fresh child may not have touched CUDA yet
     target = _receive_device
     import_device = _vmmipc.DEVICE_SAME if target is None else target
     key = (anchor_id, offset, nbytes, target)

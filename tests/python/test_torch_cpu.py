@@ -450,6 +450,9 @@ def test_parameters_and_requires_grad_are_kept():
     assert type(got) is torch.nn.Parameter and not got.requires_grad
     with pytest.raises(RuntimeError, match="non-leaf tensor that requires grad"):
         vt._tensor_reduction(torch, p * 2, p.untyped_storage(), rng)
+    z = torch.randn(4, dtype=torch.complex64).conj()  # a lazy view: the bit is not in the data
+    with pytest.raises(ValueError, match="resolve_conj"):
+        vt._tensor_reduction(torch, z, z.untyped_storage(), rng)
 
 
 @needs_torch
