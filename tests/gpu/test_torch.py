@@ -268,10 +268,6 @@ def w_repeat(name, t):
     return {"problems": problems}
 
 
-def w_native(t):
-    return {"problems": check_pattern(t, "float32", 9)}
-
-
 def worker(inbox, outbox):
     """Runs (function name, args) messages; tensors arrive in the args."""
     torch.zeros(1, device="cuda")
