@@ -6,17 +6,12 @@ package cuda
 import "C"
 
 import (
+	"fmt"
 	"sync"
 	"unsafe"
 
 	"github.com/libvmmipc/libvmmipc/core"
 )
-
-// Importer is a core.Importer onto one GPU.
-type Importer interface {
-	core.Importer
-	Device() int32 // the ordinal actually used
-}
 
 // gpuImporter reserves one range on a GPU and maps imported chunks into it.
 // All methods hold mu, so Unmap may come from any thread, at any time.
@@ -35,7 +30,8 @@ type gpuImporter struct {
 // the GPU whose UUID is uuid), granting read-write access to it and to the
 // access devices. Checks peer access up front so nothing is reserved for an
 // import that cannot finish.
-func NewImporter(device int32, uuid [16]byte, access []int32) (Importer, error) {
+// It is a core.NewGPUImporter.
+func NewImporter(device int32, uuid [16]byte, access []int32) (core.Importer, error) {
 	if err := load(); err != nil {
 		return nil, err
 	}
@@ -61,7 +57,7 @@ func NewImporter(device int32, uuid [16]byte, access []int32) (Importer, error) 
 		}
 		owner = findUUID(uuids, uuid)
 	}
-	if device == DeviceSame {
+	if device == core.DeviceSame {
 		if uuid == ([16]byte{}) {
 			return nil, core.Errorf(core.EINVAL, "import: this ticket names no GPU (it was made with vmmipc_register, not vmmipc_register_cuda*): pass a device ordinal instead of VMMIPC_DEVICE_SAME")
 		}
@@ -118,7 +114,13 @@ func checkPeers(devices []int32, owner int32, uuid [16]byte) error {
 	return nil
 }
 
+// Device is the ordinal the mapping lives on.
 func (m *gpuImporter) Device() int32 { return m.gpu.ordinal }
+
+// Placement names the device and the access devices (in order) for the
+// import cache's key: the same buffer mapped with other access is another
+// mapping.
+func (m *gpuImporter) Placement() string { return fmt.Sprintf("cuda:%v", m.access) }
 
 // Reserve reserves total bytes (rounded up to the allocation granularity),
 // aligned to the granularity.
@@ -134,7 +136,11 @@ func (m *gpuImporter) Reserve(total uint64) (uint64, error) {
 	}
 	var base C.CUdeviceptr
 	err := m.gpu.run(func() error {
-		return check("cuMemAddressReserve", C.vcu_mem_address_reserve(&base, C.size_t(n), C.size_t(m.gran), 0))
+		r := C.vcu_mem_address_reserve(&base, C.size_t(n), C.size_t(m.gran), 0)
+		if r == C.VCU_ERROR_OUT_OF_MEMORY {
+			return checkAs(core.ENOMEM, fmt.Sprintf("the driver has no %d bytes of virtual address space left: cuMemAddressReserve", n), r)
+		}
+		return check("cuMemAddressReserve", r)
 	})
 	if err != nil {
 		return 0, err
