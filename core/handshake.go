@@ -32,12 +32,15 @@ const (
 
 type nonce [nonceSize]byte
 
-func newNonce() (nonce, error) {
-	var n nonce
-	if _, err := rand.Read(n[:]); err != nil {
-		return n, Errorf(EINTERNAL, "reading a random nonce: %w", err)
+func newNonce() (nonce, error) { return random32("nonce") }
+
+// random32 draws 32 bytes from crypto/rand.
+func random32(what string) ([32]byte, error) {
+	var b [32]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		return b, Errorf(EINTERNAL, "reading a random %s: %w", what, err)
 	}
-	return n, nil
+	return b, nil
 }
 
 // transcript is what both proofs of one session cover.

@@ -64,13 +64,8 @@ func connect(t *Ticket, timeout time.Duration, flags uint64) (*conn, error) {
 	}
 	deadline := time.Now().Add(timeout)
 	for backoff := time.Millisecond; ; backoff = min(2*backoff, 50*time.Millisecond) {
-		uc, err := dialExporter(t, deadline)
+		c, err := dialConn(t, deadline, timeout)
 		if err != nil {
-			return nil, err
-		}
-		c, err := newConn(uc, timeout, "receiver")
-		if err != nil {
-			_ = uc.Close()
 			return nil, err
 		}
 		err = handshake(c, t, digest, flags)
@@ -116,6 +111,20 @@ func dialExporter(t *Ticket, deadline time.Time) (*net.UnixConn, error) {
 			return nil, &Error{Code: ioCode(err), Msg: "open: cannot connect to the exporter at " + t.Address, Err: err}
 		}
 	}
+}
+
+// dialConn is dialExporter with the socket framed as a receiver's conn.
+func dialConn(t *Ticket, deadline time.Time, timeout time.Duration) (*conn, error) {
+	uc, err := dialExporter(t, deadline)
+	if err != nil {
+		return nil, err
+	}
+	c, err := newConn(uc, timeout, "receiver")
+	if err != nil {
+		_ = uc.Close()
+		return nil, err
+	}
+	return c, nil
 }
 
 // checkExporter is the first filter before the handshake proves anything.
@@ -394,13 +403,8 @@ func bufferStatus(t *Ticket, ids []uint64, timeout time.Duration) (map[uint64]bo
 	if err := checkExporterAlive(t); err != nil {
 		return nil, err
 	}
-	uc, err := dialExporter(t, time.Now().Add(timeout))
+	c, err := dialConn(t, time.Now().Add(timeout), timeout)
 	if err != nil {
-		return nil, err
-	}
-	c, err := newConn(uc, timeout, "receiver")
-	if err != nil {
-		_ = uc.Close()
 		return nil, err
 	}
 	defer c.Close()

@@ -1,7 +1,6 @@
 package core
 
 import (
-	"crypto/rand"
 	"crypto/sha256"
 	"encoding/binary"
 	"fmt"
@@ -71,13 +70,7 @@ const (
 type Secret [32]byte
 
 // NewSecret draws a fresh secret from crypto/rand.
-func NewSecret() (Secret, error) {
-	var s Secret
-	if _, err := rand.Read(s[:]); err != nil {
-		return s, Errorf(EINTERNAL, "reading random secret: %w", err)
-	}
-	return s, nil
-}
+func NewSecret() (Secret, error) { return random32("secret") }
 
 // Ticket is the decoded form of a vmmipc_ticket.
 type Ticket struct {

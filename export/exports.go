@@ -78,11 +78,17 @@ func releaseCallback(fn C.vmmipc_release_fn, user unsafe.Pointer) func() {
 	return func() { C.vmmipc_abi_call_release(fn, user) }
 }
 
+// registerArgs reads the options of a register call and checks ticket_out.
+func registerArgs(fn string, opts *C.vmmipc_options, out *C.vmmipc_ticket) (options, error) {
+	o, err := readOptions(opts)
+	if err == nil && out == nil {
+		err = core.Errorf(core.EINVAL, "%s: ticket_out is NULL", fn)
+	}
+	return o, err
+}
+
 // register registers spec with this process's server and writes the ticket.
 func register(spec core.BufferSpec, o core.RegisterOptions, out *C.vmmipc_ticket) error {
-	if out == nil {
-		return core.Errorf(core.EINVAL, "ticket_out is NULL")
-	}
 	srv, err := core.DefaultServer()
 	if err != nil {
 		return err
@@ -100,7 +106,7 @@ func vmmipcgo_register(sizes *C.uint64_t, count C.uint64_t, exportFn C.vmmipc_ex
 		if exportFn == nil {
 			return core.Errorf(core.EINVAL, "vmmipc_register: export_fn is NULL")
 		}
-		o, err := readOptions(opts)
+		o, err := registerArgs("vmmipc_register", opts, ticketOut)
 		if err != nil {
 			return err
 		}
@@ -118,12 +124,9 @@ func vmmipcgo_register(sizes *C.uint64_t, count C.uint64_t, exportFn C.vmmipc_ex
 //export vmmipcgo_register_host_file
 func vmmipcgo_register_host_file(fd C.int, size, chunkSize C.uint64_t, releaseFn C.vmmipc_release_fn, user unsafe.Pointer, opts *C.vmmipc_options, ticketOut *C.vmmipc_ticket) C.int {
 	return call("vmmipc_register_host_file", func() error {
-		o, err := readOptions(opts)
+		o, err := registerArgs("vmmipc_register_host_file", opts, ticketOut)
 		if err != nil {
 			return err
-		}
-		if ticketOut == nil {
-			return core.Errorf(core.EINVAL, "vmmipc_register_host_file: ticket_out is NULL")
 		}
 		spec, err := core.HostFile(int(fd), uint64(size), uint64(chunkSize))
 		if err != nil {
@@ -142,12 +145,9 @@ func vmmipcgo_register_host_file(fd C.int, size, chunkSize C.uint64_t, releaseFn
 //export vmmipcgo_register_cuda
 func vmmipcgo_register_cuda(dptr, size C.uint64_t, opts *C.vmmipc_options, ticketOut *C.vmmipc_ticket) C.int {
 	return call("vmmipc_register_cuda", func() error {
-		o, err := readOptions(opts)
+		o, err := registerArgs("vmmipc_register_cuda", opts, ticketOut)
 		if err != nil {
 			return err
-		}
-		if ticketOut == nil {
-			return core.Errorf(core.EINVAL, "vmmipc_register_cuda: ticket_out is NULL")
 		}
 		spec, err := cuda.RegisterRange(uint64(dptr), uint64(size))
 		if err != nil {
@@ -164,12 +164,9 @@ func vmmipcgo_register_cuda(dptr, size C.uint64_t, opts *C.vmmipc_options, ticke
 //export vmmipcgo_register_cuda_handles
 func vmmipcgo_register_cuda_handles(handles, sizes *C.uint64_t, count C.uint64_t, releaseFn C.vmmipc_release_fn, user unsafe.Pointer, opts *C.vmmipc_options, ticketOut *C.vmmipc_ticket) C.int {
 	return call("vmmipc_register_cuda_handles", func() error {
-		o, err := readOptions(opts)
+		o, err := registerArgs("vmmipc_register_cuda_handles", opts, ticketOut)
 		if err != nil {
 			return err
-		}
-		if ticketOut == nil {
-			return core.Errorf(core.EINVAL, "vmmipc_register_cuda_handles: ticket_out is NULL")
 		}
 		hs, err := u64s(handles, count, "vmmipc_register_cuda_handles: handles")
 		if err != nil {
@@ -189,30 +186,27 @@ func vmmipcgo_register_cuda_handles(handles, sizes *C.uint64_t, count C.uint64_t
 	})
 }
 
-// ownServer is this process's server for calls about its own tickets.
-func ownServer(fn string, t *core.Ticket) (*core.Server, error) {
+// ownTicket reads a ticket of this process's own, and its server.
+func ownTicket(fn string, ticket *C.vmmipc_ticket) (*core.Server, *core.Ticket, error) {
+	t, err := readTicket(ticket)
+	if err != nil {
+		return nil, nil, err
+	}
 	srv := core.StartedServer()
 	if srv == nil {
-		return nil, core.Errorf(core.ENOENT, "%s: this process has registered nothing; the ticket belongs to pid %d", fn, t.Pid)
+		return nil, nil, core.Errorf(core.ENOENT, "%s: this process has registered nothing; the ticket belongs to pid %d", fn, t.Pid)
 	}
-	return srv, nil
+	return srv, t, nil
 }
 
 //export vmmipcgo_register_again
 func vmmipcgo_register_again(ticket *C.vmmipc_ticket, releaseFn C.vmmipc_release_fn, user unsafe.Pointer, opts *C.vmmipc_options, ticketOut *C.vmmipc_ticket) C.int {
 	return call("vmmipc_register_again", func() error {
-		t, err := readTicket(ticket)
+		srv, t, err := ownTicket("vmmipc_register_again", ticket)
 		if err != nil {
 			return err
 		}
-		o, err := readOptions(opts)
-		if err != nil {
-			return err
-		}
-		if ticketOut == nil {
-			return core.Errorf(core.EINVAL, "vmmipc_register_again: ticket_out is NULL")
-		}
-		srv, err := ownServer("vmmipc_register_again", t)
+		o, err := registerArgs("vmmipc_register_again", opts, ticketOut)
 		if err != nil {
 			return err
 		}
@@ -229,11 +223,7 @@ func vmmipcgo_register_again(ticket *C.vmmipc_ticket, releaseFn C.vmmipc_release
 //export vmmipcgo_unregister
 func vmmipcgo_unregister(ticket *C.vmmipc_ticket) C.int {
 	return call("vmmipc_unregister", func() error {
-		t, err := readTicket(ticket)
-		if err != nil {
-			return err
-		}
-		srv, err := ownServer("vmmipc_unregister", t)
+		srv, t, err := ownTicket("vmmipc_unregister", ticket)
 		if err != nil {
 			return err
 		}
@@ -244,11 +234,7 @@ func vmmipcgo_unregister(ticket *C.vmmipc_ticket) C.int {
 //export vmmipcgo_wait
 func vmmipcgo_wait(ticket *C.vmmipc_ticket, timeoutMs C.uint32_t) C.int {
 	return call("vmmipc_wait", func() error {
-		t, err := readTicket(ticket)
-		if err != nil {
-			return err
-		}
-		srv, err := ownServer("vmmipc_wait", t)
+		srv, t, err := ownTicket("vmmipc_wait", ticket)
 		if err != nil {
 			return err
 		}
@@ -307,14 +293,7 @@ func vmmipcgo_ticket_decode(ticket *C.vmmipc_ticket, info *C.vmmipc_ticket_info)
 //export vmmipcgo_open
 func vmmipcgo_open(ticket *C.vmmipc_ticket, opts *C.vmmipc_options, out **C.vmmipc_stream) C.int {
 	return call("vmmipc_open", func() error {
-		if out == nil {
-			return core.Errorf(core.EINVAL, "vmmipc_open: stream_out is NULL")
-		}
-		t, err := readTicket(ticket)
-		if err != nil {
-			return err
-		}
-		o, err := readOptions(opts)
+		t, o, err := receiveArgs("vmmipc_open: stream_out", ticket, opts, out == nil)
 		if err != nil {
 			return err
 		}
@@ -325,6 +304,20 @@ func vmmipcgo_open(ticket *C.vmmipc_ticket, opts *C.vmmipc_options, out **C.vmmi
 		*out = (*C.vmmipc_stream)(saveHandle(s))
 		return nil
 	})
+}
+
+// receiveArgs reads the ticket and options of a receiver call, after
+// checking its output pointer (what names it; isNil says it is NULL).
+func receiveArgs(what string, ticket *C.vmmipc_ticket, opts *C.vmmipc_options, isNil bool) (*core.Ticket, options, error) {
+	if isNil {
+		return nil, options{}, core.Errorf(core.EINVAL, "%s is NULL", what)
+	}
+	t, err := readTicket(ticket)
+	if err != nil {
+		return nil, options{}, err
+	}
+	o, err := readOptions(opts)
+	return t, o, err
 }
 
 func streamOf(p unsafe.Pointer) (*core.Stream, error) {
@@ -387,14 +380,7 @@ func vmmipcgo_close(stream *C.vmmipc_stream) C.int {
 //export vmmipcgo_import_stream
 func vmmipcgo_import_stream(ticket *C.vmmipc_ticket, device C.int, opts *C.vmmipc_options, out *C.vmmipc_mapping) C.int {
 	return call("vmmipc_import_stream", func() error {
-		if out == nil {
-			return core.Errorf(core.EINVAL, "vmmipc_import_stream: mapping_out is NULL")
-		}
-		t, err := readTicket(ticket)
-		if err != nil {
-			return err
-		}
-		o, err := readOptions(opts)
+		t, o, err := receiveArgs("vmmipc_import_stream: mapping_out", ticket, opts, out == nil)
 		if err != nil {
 			return err
 		}
