@@ -91,10 +91,17 @@ func importerFor(t *Ticket, device int32, access []int32, gpu NewGPUImporter) (I
 	return gpu(device, t.DeviceUUID, access)
 }
 
-// importNew reserves the whole range, then receives, maps and closes one
-// chunk at a time; it reports whether the exporter said the buffer lives on
-// after this use (then the mapping may be cached).
+// importNew authenticates with the exporter and claims a use, then
+// reserves the whole range, then receives, maps and closes one chunk at a
+// time; it reports whether the exporter said the buffer lives on after this
+// use (then the mapping may be cached). Nothing is reserved for a ticket
+// the exporter does not vouch for.
 func importNew(t *Ticket, imp Importer, opts OpenOptions) (base uint64, lives bool, err error) {
+	s, err := Open(t, opts)
+	if err != nil {
+		return 0, false, err
+	}
+	defer s.Close() // before the last chunk is sent, this gives the use back
 	if err := checkAddressSpace(t.Total); err != nil {
 		return 0, false, err
 	}
@@ -102,7 +109,7 @@ func importNew(t *Ticket, imp Importer, opts OpenOptions) (base uint64, lives bo
 	if err != nil {
 		return 0, false, wrapErr(ENOMEM, err, "import: reserving %d bytes", t.Total)
 	}
-	lives, err = importInto(t, imp, opts)
+	lives, err = mapAll(s, imp)
 	if err != nil {
 		if uerr := imp.Unmap(); uerr != nil {
 			err = wrapErr(CodeOf(err), err, "import failed (and undoing it failed too: %v)", uerr)
@@ -112,12 +119,10 @@ func importNew(t *Ticket, imp Importer, opts OpenOptions) (base uint64, lives bo
 	return base, lives, nil
 }
 
-func importInto(t *Ticket, imp Importer, opts OpenOptions) (bool, error) {
-	s, err := Open(t, opts)
-	if err != nil {
-		return false, err
-	}
-	defer s.Close()
+// mapAll receives, maps and closes every chunk of s, finishes the mapping
+// and reads the exporter's done-ack.
+func mapAll(s *Stream, imp Importer) (bool, error) {
+	t := s.t
 	for i := uint64(0); i < t.Count; i++ {
 		ch, err := s.Next()
 		if err != nil {
