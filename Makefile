@@ -17,6 +17,8 @@ GO_FLAG   := $(if $(filter command line environment,$(origin GO)),-DGO_EXECUTABL
 CMAKE_CONFIGURE := cmake -S . -B $(CMAKE_DIR) -DCMAKE_BUILD_TYPE=Release -DVMMIPC_BUILD_TESTS=ON \
 	-DVMMIPC_OUTPUT_DIR=$(CURDIR)/$(BUILD) $(GO_FLAG) >/dev/null
 INSTALL_TEST := $(BUILD)/install-test
+# CMake's generated makefiles run under this make: no "Entering directory" noise.
+MAKEFLAGS += --no-print-directory
 
 .PHONY: all lib test test-go test-c test-python test-cgocheck test-install test-wheel test-readme \
 	demo bench install deps help clean
