@@ -29,10 +29,11 @@ lib: ## same as all
 	@$(CMAKE_CONFIGURE)
 	cmake --build $(CMAKE_DIR) --target vmmipc_go
 
-# Checks the tools a fresh machine must have, and installs what it may lack
-# (pkg-config, the Go modules, pytest), saying so first; nothing present is
-# touched.
-PIP_INSTALL = $(PYTHON) -m pip install $$($(PYTHON) -c 'import sys; print("" if sys.prefix != sys.base_prefix else "--user")')
+# deps checks the tools a fresh machine must have, and installs what it may
+# lack (pkg-config, the Go modules, pytest), saying so first; nothing present
+# is touched. pip gets --user outside a virtual environment (inside one,
+# --user is refused).
+PIP_INSTALL = $(PYTHON) -m pip install --quiet$(shell $(PYTHON) -c 'import sys; print("" if sys.prefix != sys.base_prefix else " --user")' 2>/dev/null)
 deps: ## check the toolchain; install only what is missing (pkg-config, Go modules, pytest), saying so first
 	@for t in $(GO) $(CC) cmake nm bash $(PYTHON); do \
 	  command -v $$t >/dev/null || { echo "make: missing $$t: install it (see README.md, Two commands)"; exit 1; }; done
@@ -41,7 +42,7 @@ deps: ## check the toolchain; install only what is missing (pkg-config, Go modul
 	    echo "make: installing pkg-config (missing) with: apt-get update && apt-get install -y pkg-config"; \
 	    apt-get update -qq && apt-get install -y -qq pkg-config >/dev/null; \
 	  else echo "make: missing pkg-config: install it (Debian/Ubuntu: apt-get install pkg-config)"; exit 1; fi
-	@GOFLAGS=-mod=mod GOPROXY=off $(GO) mod download 2>/dev/null || { \
+	@GOPROXY=off $(GO) mod download 2>/dev/null || { \
 	  echo "make: fetching the Go modules (missing) with: $(GO) mod download"; $(GO) mod download; }
 	@$(PYTHON) -c 'import pytest' 2>/dev/null || { \
 	  echo "make: installing pytest (missing) with: $(PIP_INSTALL) pytest"; $(PIP_INSTALL) pytest; } || { \
