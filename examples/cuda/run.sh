@@ -22,7 +22,10 @@ prefix=$(cd "${1:-build/install-test/prefix}" 2>/dev/null && pwd) || {
 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 CC=${CC:-cc}
 [ -f "$CUDA_HOME/include/cuda.h" ] || { echo "run.sh: no $CUDA_HOME/include/cuda.h: set CUDA_HOME" >&2; exit 2; }
-libdir=$(dirname "$(ls "$prefix"/lib*/libvmmipc.so | head -n 1)")
+library=
+for candidate in "$prefix"/lib*/libvmmipc.so; do [ -f "$candidate" ] && library=$candidate && break; done
+[ -n "$library" ] || { echo "run.sh: no lib*/libvmmipc.so under $prefix: not an installed libvmmipc" >&2; exit 2; }
+libdir=$(dirname "$library")
 out=build/examples-cuda
 rm -rf "$out"
 mkdir -p "$out"
@@ -49,7 +52,8 @@ build_flat() { # build_flat NAME DIR FLAGS...: the two programs with these vmmip
 built=0
 if command -v pkg-config >/dev/null; then
   # The prefix may have moved since it was installed: point pkg-config at it.
-  read -r -a pc <<<"$(PKG_CONFIG_PATH="$libdir/pkgconfig" pkg-config --define-variable=prefix="$prefix" --cflags --libs vmmipc)"
+  pc_flags=$(PKG_CONFIG_PATH="$libdir/pkgconfig" pkg-config --define-variable=prefix="$prefix" --cflags --libs vmmipc)
+  read -r -a pc <<<"$pc_flags"
   build_flat pkg-config "$out/pkg-config" "${pc[@]}"
   built=1
 fi

@@ -18,16 +18,20 @@ mkdir -p "$work"
 unset LD_LIBRARY_PATH
 CC=${CC:-cc}
 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
-libdir=$(dirname "$(ls "$prefix"/lib*/libvmmipc.so | head -n 1)")
+library=
+for candidate in "$prefix"/lib*/libvmmipc.so; do [ -f "$candidate" ] && library=$candidate && break; done
+[ -n "$library" ] || { echo "examples: no lib*/libvmmipc.so under $prefix: not an installed libvmmipc" >&2; exit 2; }
+libdir=$(dirname "$library")
 
 # run_host_pair NAME DIR: host_sender | host_receiver, after checking that
 # both load the installed library.
 run_host_pair() {
-  local name=$1 dir=$2 program
+  local name=$1 dir=$2 program loads
   for program in "$dir/host_sender" "$dir/host_receiver"; do
-    if ! ldd "$program" | grep -qF "$libdir/libvmmipc.so"; then
+    loads=$(ldd "$program")
+    if ! grep -qF "libvmmipc.so => $libdir/libvmmipc.so" <<<"$loads"; then
       echo "examples: $program does not load $libdir/libvmmipc.so:" >&2
-      ldd "$program" >&2
+      echo "$loads" >&2
       exit 1
     fi
   done
@@ -44,7 +48,8 @@ cmake --build "$work/cmake" >>"$work/cmake.log" 2>&1 || { cat "$work/cmake.log";
 run_host_pair CMake "$work/cmake"
 
 # Through pkg-config, as the README says.
-read -r -a pc <<<"$(PKG_CONFIG_PATH="$libdir/pkgconfig" pkg-config --cflags --libs vmmipc)"
+pc_flags=$(PKG_CONFIG_PATH="$libdir/pkgconfig" pkg-config --cflags --libs vmmipc)
+read -r -a pc <<<"$pc_flags"
 mkdir -p "$work/pkg-config"
 for role in sender receiver; do
   "$CC" -Wall -Wextra -Werror -o "$work/pkg-config/host_$role" "examples/host/$role.c" "${pc[@]}"
