@@ -1,6 +1,6 @@
 """Checks a built vmmipc wheel: a platform wheel (its platform tag is this
 machine's kind, not "any"; Root-Is-Purelib false) that carries
-vmmipc/libvmmipc.so, an ELF shared object exporting vmmipc_version, next to
+vmmipc/libvmmipc.so (an ELF file whose symbols name vmmipc_version) next to
 the package's modules.
 
     python check_wheel.py dist/vmmipc-<version>-py3-none-linux_x86_64.whl
@@ -31,7 +31,7 @@ def problems(path: str) -> list[str]:
             if library[:4] != b"\x7fELF":
                 found.append("vmmipc/libvmmipc.so is not an ELF file")
             elif b"vmmipc_version" not in library:
-                found.append("vmmipc/libvmmipc.so does not export vmmipc_version")
+                found.append("vmmipc/libvmmipc.so has no vmmipc_version symbol")
     if not found:
         print(f"wheel: {name}: tags {python_tag}-{abi_tag}-{platform_tag}, "
               f"libvmmipc.so inside ({len(library)} bytes)")
