@@ -301,6 +301,24 @@ def profile_table(rows, default_window):
     return md
 
 
+def python_detail(rows):
+    """Each send of the Python path: where its time goes."""
+    py = [r for r in rows if r.get("approach") == "python"]
+    if not py:
+        return []
+    md = ["", "The Python path, send by send (end to end: the sender's call to the child's import return; "
+          "the child's vmmipc.import_stream alone, CUDA only; the sender's registering, CUDA only):", "",
+          "| configuration | send | end to end ms | child's import ms | sender's share / register_again ms | "
+          "fds sender / receiver | cache | result |", "|---|---:|---:|---:|---:|---:|---|---|"]
+    for r in py:
+        cache = "hit" if r.get("cache_hits") else "miss" if r.get("cache_misses") else "–"
+        res = "ok" if r.get("ok") else "FAILED: " + (r.get("error") or "").strip().splitlines()[-1][:200]
+        md.append(f"| {config_name(r['N'], r['chunk_size'])} | {r['send']} | {fmt(r.get('ms'), 3)} | "
+                  f"{fmt(r.get('import_ms'), 3)} | {fmt(r.get('register_ms'), 3)} | "
+                  f"{fmt(r.get('peak_fds_sender'), 0)} / {fmt(r.get('peak_fds_receiver'), 0)} | {cache} | {res} |")
+    return md
+
+
 def limit_table(rows, default_window):
     lim = [r for r in rows if r.get("nofile") and r.get("approach") in ("first", "allatonce")]
     if not lim:
@@ -375,7 +393,7 @@ def report(rows, default_window):
     txt += ["", "What each row measures:"] + [textwrap.fill(x, 110, initial_indent="  - ", subsequent_indent="    ")
                                               for x in row_notes(host)]
     md += sweep_table(rows, default_window) + floor_detail(rows, host) + profile_table(rows, default_window) \
-        + limit_table(rows, default_window)
+        + python_detail(rows) + limit_table(rows, default_window)
     if host:
         md += ["", HOST_NOTE]
         txt += ["", textwrap.fill(HOST_NOTE, 110)]

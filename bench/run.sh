@@ -43,6 +43,10 @@ COMMAND="bench/run.sh $*"
 # a knob the library might read:
 #   SCHEDULES+=("batch64 VMMIPC_SCHEDULE=batch:64")
 SCHEDULES=()
+# Knobs that only the CUDA import reads; run on the GPU only.
+# VMMIPC_SET_ACCESS_EVERY=n (cuda/importer.go): cuMemSetAccess every n chunks
+# while the transfer runs, instead of once over the whole range at the end.
+CUDA_SCHEDULES=("access-every-64 VMMIPC_SET_ACCESS_EVERY=64" "access-every-512 VMMIPC_SET_ACCESS_EVERY=512")
 
 while [ $# -gt 0 ]; do
   case $1 in
@@ -71,6 +75,7 @@ export VMMIPC_LIBRARY=$PWD/$BUILD/libvmmipc.so # for the Python tools and their 
 
 if [ $HOST = 0 ] && "$BENCH" --probe; then
   MEM=--cuda PYMEM=
+  SCHEDULES+=("${CUDA_SCHEDULES[@]}")
   say "CUDA run: a GPU is usable here"
 else
   MEM=--host PYMEM=--host
@@ -144,11 +149,13 @@ need_matplotlib() {
     PLOT_WHY="matplotlib is not installed (VMMIPC_BENCH_NO_INSTALL is set, so nothing was installed)"
     return 0
   fi
-  say "matplotlib is missing; installing it for the plot: $PYTHON -m pip install --quiet matplotlib"
-  if $PYTHON -m pip install --quiet matplotlib >>"$LOG" 2>&1 && $PYTHON -c 'import matplotlib' 2>/dev/null; then
+  # As make deps installs pytest: --user outside a virtual environment.
+  local pip="$PYTHON -m pip install --quiet$($PYTHON -c 'import sys; print("" if sys.prefix != sys.base_prefix else " --user")')"
+  say "matplotlib is missing; installing it for the plot: $pip matplotlib"
+  if $pip matplotlib >>"$LOG" 2>&1 && $PYTHON -c 'import matplotlib' 2>/dev/null; then
     say "matplotlib installed"
   else
-    PLOT_WHY="matplotlib is not installed, and '$PYTHON -m pip install matplotlib' failed ($(tail -1 "$LOG"))"
+    PLOT_WHY="matplotlib is not installed, and '$pip matplotlib' failed ($(tail -1 "$LOG"))"
   fi
 }
 report() {
