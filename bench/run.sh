@@ -109,7 +109,7 @@ for cfg in $CONFIGS; do
       "bench $c --first $SWEEP --repeat 3 --fd-runs 1"
     for s in "${SCHEDULES[@]}"; do
       label=${s%% *} vars=${s#"${s%% *}"}
-      step "libvmmipc first transfer, $at, schedule $label ($vars ): 5 timed runs + 1 counting fds" \
+      step "libvmmipc first transfer, $at, schedule $label (${vars# }): 5 timed runs + 1 counting fds" \
         "VMMIPC_BENCH_SCHEDULE=$label $vars bench $c --first 0 --repeat 5 --fd-runs 1"
     done
   fi
