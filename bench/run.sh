@@ -24,7 +24,9 @@
 # bench.png (the plot, if matplotlib is installed or can be installed: it
 # says which), raw.jsonl (one JSON object per measurement), tables.md,
 # console.txt and log.txt (every tool's stderr). COMMIT in the environment is
-# recorded when this tree has no git metadata.
+# recorded when this tree has no git metadata. VMMIPC_BENCH_NO_INSTALL=1
+# installs nothing (no plot without matplotlib). BUILD, CC and PYTHON as in
+# the Makefile.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
