@@ -128,7 +128,7 @@ def open(ticket, *, timeout: float | None = None, window: int | None = None) -> 
     timeout: seconds to wait on a silent peer; window: chunk requests kept in
     flight (1 = lockstep)."""
     t = _as_ticket(ticket)
-    opts = _lib.options(timeout=timeout, window=window)
+    opts = _lib.options("vmmipc_open", timeout=timeout, window=window)
     handle = c_void_p()
     _lib.call("vmmipc_open", ctypes.byref(t._c()), ctypes.byref(opts), ctypes.byref(handle))
     try:
@@ -175,8 +175,8 @@ def _ticket_for(source) -> tuple[Ticket, bool]:
     if hasattr(source, "share") and callable(source.share) and hasattr(source, "chunk_size"):
         return source.share(uses=1), True          # HostBuffer
     if isinstance(source, tuple) and len(source) == 2:
-        return share(int(source[0]), int(source[1]), uses=1), True
+        return share(source[0], source[1], uses=1), True
     if hasattr(source, "handle") and hasattr(source, "size"):
-        return share(int(source.handle), int(source.size), uses=1), True  # cuda.core Buffer
+        return share(int(source.handle), source.size, uses=1), True  # cuda.core Buffer
     raise TypeError(f"cannot export {type(source).__name__}: pass a HostBuffer, a cuda.core "
                     "Buffer, a (dptr, size) tuple or a Ticket")
