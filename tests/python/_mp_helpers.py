@@ -4,12 +4,16 @@ apart from the test module so children import only this and vmmipc)."""
 import os
 import resource
 import struct
+import sys
 import threading
 import time
 
 import vmmipc
 
 CHILD_NOFILE = 64
+# Descriptors mmap.mmap keeps of its own (a dup of the file) before Python
+# 3.13, where HostBuffer passes trackfd=False.
+MMAP_DUP = 1 if sys.version_info < (3, 13) else 0
 
 
 def fd_count() -> int:
