@@ -73,6 +73,8 @@ def milliseconds(seconds, name: str, lo_ms: int, hi_ms: int, function: str,
                  hint: str = "") -> int:
     """A duration in seconds as whole milliseconds (rounded up, so that a
     tiny positive duration is not 0), checked against [lo_ms, hi_ms]."""
+    if hasattr(type(seconds), "__index__") and not isinstance(seconds, bool):
+        seconds = operator.index(seconds)
     if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real):
         raise TypeError(f"{function}: {name} must be a number of seconds, not "
                         f"{type(seconds).__name__} ({seconds!r})")

@@ -1,12 +1,15 @@
 """DLPack export through ctypes: a byte range as a 1-D uint8 tensor.
 
-The protocol (dlpack.h, unversioned DLManagedTensor): the producer hands out
-a PyCapsule named "dltensor" holding a DLManagedTensor*. A consumer renames
-the capsule "used_dltensor" and, when it no longer needs the memory, calls
-the tensor's deleter exactly once. A capsule that is freed while still named
-"dltensor" was never consumed: its destructor calls the deleter instead.
-Either way the deleter runs once, and what the export keeps alive (the
-Mapping the bytes belong to) is dropped then, not before.
+The protocol (dlpack.h): the producer hands out a PyCapsule named
+"dltensor" holding a DLManagedTensor* or, to a consumer that asked for
+max_version >= (1, 0), one named "dltensor_versioned" holding a
+DLManagedTensorVersioned* (which can say "writable": numpy makes read-only
+arrays of unversioned tensors). A consumer renames the capsule
+"used_dltensor[_versioned]" and, when it no longer needs the memory, calls
+the tensor's deleter exactly once. A capsule that is freed under its first
+name was never consumed: its destructor calls the deleter instead. Either
+way the deleter runs once, and what the export keeps alive (the Mapping the
+bytes belong to) is dropped then, not before.
 
 State lives in a table keyed by manager_ctx (keys are never reused); the
 deleter and the capsule destructor are module-level ctypes callbacks, so C
@@ -23,8 +26,7 @@ from typing import Callable
 KDL_CPU = 1
 KDL_CUDA = 2
 KDL_UINT = 1
-CAPSULE_NAME = b"dltensor"
-USED_CAPSULE_NAME = b"used_dltensor"
+DLPACK_VERSION = (1, 0)  # of DLManagedTensorVersioned, as produced here
 
 
 class DLDevice(Structure):
@@ -47,11 +49,21 @@ class DLTensor(Structure):
     ]
 
 
-DELETER = CFUNCTYPE(None, c_void_p)  # void (*deleter)(DLManagedTensor *self)
+DELETER = CFUNCTYPE(None, c_void_p)  # void (*deleter)(DLManagedTensor[Versioned] *self)
 
 
 class DLManagedTensor(Structure):
     _fields_ = [("dl_tensor", DLTensor), ("manager_ctx", c_void_p), ("deleter", DELETER)]
+
+
+class DLPackVersion(Structure):
+    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
+
+
+class DLManagedTensorVersioned(Structure):
+    _fields_ = [("version", DLPackVersion), ("manager_ctx", c_void_p), ("deleter", DELETER),
+                ("flags", c_uint64),  # 0: writable, not a copy
+                ("dl_tensor", DLTensor)]
 
 
 class _Export:
@@ -67,18 +79,18 @@ _exports: dict[int, _Export] = {}
 _keys = itertools.count(1)
 
 
-def _delete(managed_ptr) -> None:
-    """The deleter: forget the export (freeing the ctypes memory C was given;
-    C does not touch it after the deleter returns) and run its release.
-    A second call for the same tensor finds nothing and does nothing."""
-    if not managed_ptr:
-        return
-    export = _exports.pop(DLManagedTensor.from_address(managed_ptr).manager_ctx or 0, None)
-    if export is not None:
-        export.release()
+def _deleter(struct):
+    def delete(managed_ptr) -> None:
+        """The deleter: forget the export (freeing the ctypes memory C was
+        given; C does not touch it after the deleter returns) and run its
+        release. A second call for the same tensor finds nothing."""
+        if not managed_ptr:
+            return
+        export = _exports.pop(struct.from_address(managed_ptr).manager_ctx or 0, None)
+        if export is not None:
+            export.release()
+    return delete
 
-
-_DELETER_CB = DELETER(_delete)
 
 # Private function objects: setting argtypes on ctypes.pythonapi's cached
 # attributes would change them for every other user in the process.
@@ -94,27 +106,44 @@ _capsule_get_pointer.restype = c_void_p
 _capsule_get_pointer.argtypes = [c_void_p, ctypes.c_char_p]
 
 
-def _capsule_destructor(capsule, _is_valid=_capsule_is_valid, _get=_capsule_get_pointer,
-                        _name=CAPSULE_NAME, _delete=_delete) -> None:
-    # Runs with the GIL held when the capsule is freed. Its own references
-    # (default arguments) keep it working when module globals are already
-    # cleared at interpreter exit. A consumed capsule ("used_dltensor") is
-    # the consumer's to delete: leave it.
-    if _is_valid(capsule, _name):
-        _delete(_get(capsule, _name))
+def _destructor(name: bytes, delete):
+    def destroy(capsule, _is_valid=_capsule_is_valid, _get=_capsule_get_pointer) -> None:
+        # Runs with the GIL held when the capsule is freed; what it uses is
+        # bound here, not looked up in module globals (cleared at exit). A
+        # consumed capsule ("used_...") is the consumer's to delete: leave it.
+        if _is_valid(capsule, name):
+            delete(_get(capsule, name))
+    return destroy
 
 
-_CAPSULE_DESTRUCTOR_CB = _CAPSULE_DESTRUCTOR(_capsule_destructor)
+class _Kind:
+    """One flavour of the protocol: its struct, capsule name and the two
+    module-lifetime callbacks (C can never call a freed callback object)."""
+
+    def __init__(self, struct, name: bytes):
+        self.struct, self.name = struct, name
+        delete = _deleter(struct)
+        self.deleter = DELETER(delete)
+        self.destructor = _CAPSULE_DESTRUCTOR(_destructor(name, delete))
+
+
+LEGACY = _Kind(DLManagedTensor, b"dltensor")
+VERSIONED = _Kind(DLManagedTensorVersioned, b"dltensor_versioned")
 
 
 def export_bytes(data: int, size: int, device_type: int, device_id: int,
-                 release: Callable[[], None]):
-    """A "dltensor" capsule for [data, data + size) as a 1-D uint8 tensor on
-    (device_type, device_id). release() runs exactly once, when the consumer
-    calls the deleter or the unconsumed capsule is freed; it (and whatever it
-    references) is kept until then."""
+                 release: Callable[[], None], *, versioned: bool):
+    """A capsule for [data, data + size) as a 1-D uint8 tensor on
+    (device_type, device_id): "dltensor_versioned" (DLPack 1.0, writable)
+    or the unversioned "dltensor". release() runs exactly once, when the
+    consumer calls the deleter or the unconsumed capsule is freed; it (and
+    whatever it references) is kept until then."""
+    kind = VERSIONED if versioned else LEGACY
     shape = (c_int64 * 1)(size)
-    managed = DLManagedTensor()
+    managed = kind.struct()
+    if versioned:
+        managed.version = DLPackVersion(*DLPACK_VERSION)
+        managed.flags = 0
     t = managed.dl_tensor
     t.data = data
     t.device = DLDevice(device_type, device_id)
@@ -124,10 +153,10 @@ def export_bytes(data: int, size: int, device_type: int, device_id: int,
     t.byte_offset = 0
     key = next(_keys)
     managed.manager_ctx = key
-    managed.deleter = _DELETER_CB
+    managed.deleter = kind.deleter
     _exports[key] = _Export(managed, shape, release)
     try:
-        return _capsule_new(ctypes.addressof(managed), CAPSULE_NAME, _CAPSULE_DESTRUCTOR_CB)
+        return _capsule_new(ctypes.addressof(managed), kind.name, kind.destructor)
     except BaseException:
         del _exports[key]
         raise

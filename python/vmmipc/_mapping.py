@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 from . import _args, _dlpack, _lib
 from ._lib import DEVICE_HOST, DEVICE_SAME, IMPORT_NO_CACHE, MEMORY_HOST
-from ._ticket import _as_ticket
+from ._ticket import as_ticket
 
 
 def _unmap(struct: _lib.vmmipc_mapping, pid: int) -> None:
@@ -128,10 +128,12 @@ class Mapping:
         return (_dlpack.KDL_CUDA, self.device)
 
     def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
-        """A DLPack capsule ("dltensor", unversioned) of the range as a 1-D
-        uint8 tensor. The memory has no pending work in this process, so
-        `stream` needs no synchronization; copy=True is refused (BufferError),
-        as is a dl_device other than __dlpack_device__()."""
+        """A DLPack capsule of the range as a 1-D uint8 tensor, writable:
+        DLPack 1.0 ("dltensor_versioned") when max_version >= (1, 0) is asked
+        for, else unversioned ("dltensor"). The memory has no pending work in
+        this process, so `stream` needs no synchronization; copy=True is
+        refused (BufferError), as is a dl_device other than
+        __dlpack_device__()."""
         self._check_open()
         if stream is not None and (isinstance(stream, bool)
                                    or not hasattr(type(stream), "__index__")):
@@ -145,7 +147,9 @@ class Mapping:
         self._dlpack_exports += 1
         try:
             return _dlpack.export_bytes(self._addr, self.size, device[0], device[1],
-                                        self._dlpack_released)
+                                        self._dlpack_released,
+                                        versioned=max_version is not None
+                                        and tuple(max_version) >= (1, 0))
         except BaseException:
             self._dlpack_exports -= 1
             raise
@@ -204,7 +208,7 @@ def import_stream(ticket, device: int | None = None, *, timeout: float | None = 
     (VMMIPC_IMPORT_NO_CACHE). VmmipcMemoryError if the address range cannot
     be reserved."""
     fn = "vmmipc_import_stream"
-    t = _as_ticket(ticket)
+    t = as_ticket(ticket)
     if device is not None:
         device = _args.integer(device, "device", DEVICE_SAME, _args.I32_MAX, fn,
                                "DEVICE_HOST = -1, DEVICE_SAME = -2, or a CUDA ordinal")

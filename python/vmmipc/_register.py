@@ -27,7 +27,7 @@ from typing import Callable
 from . import _args, _errors, _lib
 from ._errors import InvalidError
 from ._lib import MAX_CHUNKS, MEMORY_HOST
-from ._ticket import Ticket, _as_ticket
+from ._ticket import Ticket, as_ticket
 
 log = logging.getLogger("vmmipc")
 
@@ -220,7 +220,7 @@ def register_again(ticket, *, uses: int = 1, ttl: float | None = None,
     registration made from it lives, even after `ticket` itself has ended.
     NotFoundError if `ticket` is not a live registration of this process."""
     fn = "vmmipc_register_again"
-    t = _as_ticket(ticket)
+    t = as_ticket(ticket)
     _callable(release, "release", fn)
     opts = _lib.options(fn, uses=uses, ttl=ttl)
 
@@ -234,7 +234,7 @@ def unregister(ticket) -> None:
     ours or has already ended). Memory already imported stays valid. Its
     release callback runs once no export is in flight: before this returns,
     or shortly after on a library thread (wait() tells when)."""
-    _lib.call("vmmipc_unregister", ctypes.byref(_as_ticket(ticket)._c()))
+    _lib.call("vmmipc_unregister", ctypes.byref(as_ticket(ticket)._c()))
 
 
 def live_registrations() -> int:

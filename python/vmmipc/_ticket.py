@@ -74,7 +74,7 @@ class Ticket(bytes):
     __str__ = __repr__
 
 
-def _as_ticket(ticket) -> Ticket:
+def as_ticket(ticket) -> Ticket:
     return ticket if isinstance(ticket, Ticket) else Ticket(ticket)
 
 
@@ -82,4 +82,4 @@ def wait(ticket, timeout: float = 30.0) -> bool:
     """Wait until the registration named by `ticket` has ended and its
     release callback has returned; False if it is still live after `timeout`
     seconds. Same as Ticket(ticket).wait(timeout)."""
-    return _as_ticket(ticket).wait(timeout)
+    return as_ticket(ticket).wait(timeout)

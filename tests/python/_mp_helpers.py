@@ -184,3 +184,34 @@ def fork_child_process_args(hb, results):
 
 def fork_pool_task(hb):
     return "unreachable: the parent must refuse to send this"
+
+
+# -- the import cache across repeated sends ----------------------------------
+
+def child_repeated(q, results, n, seed):
+    """Receive the same HostBuffer n times; report where each was mapped and
+    the cache's counters."""
+    import ctypes
+    try:
+        addrs, ok = [], True
+        for _ in range(n):
+            hb = q.get(timeout=60)
+            anchor = ctypes.c_char.from_buffer(hb.view)
+            addrs.append(ctypes.addressof(anchor))
+            del anchor
+            ok = ok and hb.view == pattern(hb.n_chunks, hb.chunk_size, seed)
+            hb.close()
+        results.put({"addrs": addrs, "ok": ok, "cache": tuple(vmmipc.cache_info())})
+    except BaseException as e:
+        results.put({"error": repr(e)})
+
+
+# -- a reducer that fails in the Queue's feeder thread -----------------------
+
+def child_get_error(q, results):
+    try:
+        q.get(timeout=30)
+        results.put({"type": None})
+    except BaseException as e:
+        results.put({"type": type(e).__name__, "message": str(e),
+                     "notes": list(getattr(e, "__notes__", []))})

@@ -5,6 +5,7 @@ counts of both processes stay within 8 of their baselines. Under fork every
 use fails at once with VmmipcForkError."""
 
 import multiprocessing as mp
+import os
 import pickle
 import time
 from multiprocessing.reduction import ForkingPickler
@@ -123,6 +124,60 @@ def test_process_args(method, hb):
     check_child(r)
     check_parent(hb, sampler, live)
     assert p.exitcode == 0
+
+
+# -- one anchor, a registration per send, cache hits in the receiver ---------
+
+@pytest.mark.parametrize("method", METHODS)
+def test_repeated_sends_hit_the_receivers_cache(method):
+    sends = 5
+    b = vmmipc.HostBuffer(64 * CHUNK, chunk_size=CHUNK)
+    b.view[:] = h.pattern(64, CHUNK, seed=4)
+    live = vmmipc.live_registrations()
+    ctx = mp.get_context(method)
+    q, results = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=h.child_repeated, args=(q, results, sends, 4))
+    p.start()
+    for _ in range(sends):
+        q.put(b)  # each pickle: register_again of the anchor
+    r = results.get(timeout=TIMEOUT)
+    p.join(TIMEOUT)
+    assert r.get("error") is None, r["error"]
+    assert r["ok"], "the child saw wrong bytes"
+    info = vmmipc.CacheInfo(*r["cache"])
+    assert (info.misses, info.hits) == (1, sends - 1), info
+    assert len(set(r["addrs"])) == 1, "a cache hit maps at the same address"
+    assert b.wait(10) and b.pending_tickets() == []
+    assert vmmipc.live_registrations() == live  # only the anchor is left
+    b.close()
+
+
+# -- a pickle that fails in the Queue's feeder thread -------------------------
+
+@pytest.mark.parametrize("what", ["closed", "imported"])
+def test_feeder_thread_error_reaches_the_receiver(what):
+    b = vmmipc.HostBuffer(4 * CHUNK, chunk_size=CHUNK)
+    if what == "closed":
+        b.close()
+        bad, expect = b, ("ValueError", "closed")
+    else:
+        bad, expect = pickle.loads(pickle.dumps(b)), ("TypeError", "imported")
+    live = vmmipc.live_registrations()
+    ctx = mp.get_context("spawn")
+    q, results = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=h.child_get_error, args=(q, results))
+    p.start()
+    t0 = time.monotonic()
+    q.put(bad)
+    r = results.get(timeout=TIMEOUT)
+    p.join(TIMEOUT)
+    assert (r["type"], expect[1] in r["message"]) == (expect[0], True), r
+    assert any(f"pid {os.getpid()}" in n for n in r["notes"]), r["notes"]
+    assert time.monotonic() - t0 < 20, "the receiver waited instead of raising"
+    assert vmmipc.live_registrations() == live
+    if what == "imported":
+        bad.close()
+        b.close()
 
 
 # -- pickled and never unpickled ----------------------------------------------
