@@ -7,6 +7,7 @@ import gc
 import mmap
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -31,7 +32,6 @@ def header_text():
 
 def header_define(name):
     """The value of a numeric #define of vmmipc.h ("(1ull << 40)" included)."""
-    import re
     m = re.search(rf"^#define {name}\s+([^/\n]+)", header_text(), re.M)
     assert m, name
     expr = re.sub(r"(\d)(?:ull|u)\b", r"\1", m.group(1).strip())
@@ -105,7 +105,6 @@ def test_every_symbol_is_declared():
     for name, (restype, argtypes) in _lib.SIGNATURES.items():
         fn = getattr(lib, name)
         assert fn.restype is restype and fn.argtypes == argtypes, name
-    import re
     declared = set(re.findall(r"^(?:int|const char \*)\s*(vmmipc_\w+)\(", header_text(), re.M))
     assert declared == set(_lib.SIGNATURES), declared ^ set(_lib.SIGNATURES)
 
@@ -157,7 +156,6 @@ def test_constants_match_the_header():
 
 
 def test_status_tables_match_the_header():
-    import re
     statuses = {m.group(1): int(m.group(2)) for m in re.finditer(
         r"^#define VMMIPC_(OK|END|E[A-Z]+) \(?(-?\d+)\)?", header_text(), re.M)}
     assert statuses == {n: getattr(vmmipc, n) for n in statuses}
@@ -225,10 +223,14 @@ def test_invalid_arguments():
 
 
 def test_cuda_entry_points_without_a_usable_gpu():
-    # No GPU here: the driver is missing (ECUDA); with one, a bogus range is EINVAL.
+    # No GPU here: the driver is missing (ECUDA); with one, a bogus range is
+    # EINVAL (share) or ENOENT (query: not VMM memory).
     with pytest.raises((vmmipc.CudaError, vmmipc.InvalidError)) as e:
         vmmipc.share(1 << 40, 2 << 20)
     assert e.value.message
+    with pytest.raises((vmmipc.CudaError, vmmipc.NotFoundError)) as e:
+        vmmipc.cuda_query_range(1 << 40, 2 << 20)
+    assert e.value.message and e.value.function == "vmmipc_cuda_query_range"
 
 
 # -- tickets -----------------------------------------------------------------
