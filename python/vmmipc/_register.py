@@ -97,8 +97,8 @@ def _registered(rec: _Record | None, do_register) -> Ticket:
     """Run do_register(release_fn, user, ticket_out) and return the ticket.
     With a record (a Python callback to run), it is filed under a fresh key
     that the trampolines find; without one the library gets NULL and calls
-    nothing back. On failure release_fn is not called (the header says so):
-    the record is dropped here instead, and its release runs once."""
+    nothing back. On failure the library calls nothing (the header says
+    so), and neither does Python: the record is dropped, release is not run."""
     out = _lib.vmmipc_ticket()
     if rec is None:
         do_register(_NO_RELEASE, None, ctypes.byref(out))
@@ -108,9 +108,7 @@ def _registered(rec: _Record | None, do_register) -> Ticket:
     try:
         do_register(_RELEASE_CB, c_void_p(key), ctypes.byref(out))
     except BaseException:
-        failed = _records.pop(key, None)
-        if failed is not None and failed.release is not None:
-            failed.release()
+        del _records[key]
         raise
     ticket = Ticket(bytes(out.bytes))
     rec.ticket = ticket
@@ -131,9 +129,10 @@ def register(sizes, export_fn: Callable[[int], int], *, uses: int = 1,
     which the library sends and closes. release() runs exactly once, on a
     library thread, when the registration has ended (uses consumed, ttl
     expired, unregister) and no export_fn call is in flight; it must not call
-    back into vmmipc. uses=0 means unlimited; ttl is in seconds (None =
-    never). Each call makes a new buffer identity; register_again gives more
-    tickets of the same one."""
+    back into vmmipc; it is not run when registering fails (the call raises
+    instead). uses=0 means unlimited; ttl is in seconds (None = never). Each
+    call makes a new buffer identity; register_again gives more tickets of
+    the same one."""
     fn = "vmmipc_register"
     sizes = _args.integers(sizes, "sizes", 0, _args.U64_MAX, fn, MAX_CHUNKS)
     if not sizes:

@@ -100,6 +100,22 @@ def test_register_again_refuses_what_it_cannot_name(hb):
         vmmipc.register_again(vmmipc.Ticket(bytes(256)))
 
 
+def test_failed_registration_runs_no_release():
+    from vmmipc import _register
+    released, records = [], len(_register._records)
+    with pytest.raises(vmmipc.InvalidError, match="page size"):  # refused by the library
+        vmmipc.register([100, PAGE], never_export, release=lambda: released.append(1))
+    t = vmmipc.HostBuffer(PAGE).share()
+    vmmipc.unregister(t)
+    with pytest.raises(vmmipc.NotFoundError):
+        vmmipc.register_again(t, release=lambda: released.append(2))
+    assert released == [] and len(_register._records) == records
+
+
+def never_export(i):
+    raise AssertionError("export_fn must not run")
+
+
 def test_wait_returns_once_ended_and_released():
     gate, entered = threading.Event(), threading.Event()
 
