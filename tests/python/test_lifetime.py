@@ -374,3 +374,59 @@ def test_numpy_from_dlpack_and_frombuffer(hb):
     del x
     gc.collect()
     m.close()
+
+
+# -- cuda_core's anchors, keyed by the Buffer object (no GPU: a stand-in) -----
+
+class StandInBuffer:
+    """What vmmipc.cuda_core reads of a cuda.core Buffer."""
+
+    def __init__(self, handle, size):
+        self.handle, self.size, self.is_closed = handle, size, False
+
+
+def test_cuda_core_keeps_one_anchor_per_live_buffer(monkeypatch):
+    import vmmipc.cuda_core as vc
+    anchors = []
+
+    def host_share(ptr, size, *, uses=1, ttl=None):  # stands in for vmmipc_register_cuda
+        t = vmmipc.register([PAGE], lambda i: memfd_with(b"c" * PAGE), uses=uses, ttl=ttl)
+        anchors.append(t)
+        return t
+
+    def ended(t):
+        try:
+            vmmipc.unregister(t)
+            return False
+        except vmmipc.NotFoundError:
+            return True
+
+    monkeypatch.setattr(vc, "share", host_share)
+    live = vmmipc.live_registrations()
+    a = StandInBuffer(0x10000, PAGE)
+    sent = [vc.share_buffer(a), vc.share_buffer(a, uses=2)]
+    assert len(anchors) == 1, "one anchor, then register_again per share"
+    assert sent[0][BUFFER_ID] == sent[1][BUFFER_ID] == anchors[0][BUFFER_ID]
+    assert vmmipc.live_registrations() == live + 3
+    # Freed, and a new Buffer at the same address: it never gets the old anchor.
+    a.is_closed = True
+    b = StandInBuffer(0x10000, PAGE)
+    sent.append(vc.share_buffer(b))
+    assert len(anchors) == 2 and sent[2][BUFFER_ID] == anchors[1][BUFFER_ID]
+    assert ended(anchors[0]), "the closed Buffer's anchor was not ended"
+    # Resized in place: a new anchor for the new range.
+    b.size = 2 * PAGE
+    sent.append(vc.share_buffer(b))
+    assert len(anchors) == 3 and ended(anchors[1])
+    # Collected: its anchor ends with it.
+    del b
+    gc.collect()
+    assert ended(anchors[2])
+    c = StandInBuffer(0x20000, PAGE)
+    sent.append(vc.share_buffer(c))
+    assert vc.drop_anchor(c) and not vc.drop_anchor(c) and ended(anchors[3])
+    with pytest.raises(ValueError, match="closed"):
+        vc.share_buffer(a)
+    for t in sent:
+        vmmipc.unregister(t)
+    assert vmmipc.live_registrations() == live
