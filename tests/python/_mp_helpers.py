@@ -20,6 +20,20 @@ def fd_count() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def settled_fd_count(timeout: float = 2.0) -> int:
+    """fd_count() once earlier tests' leftovers are gone: objects in cycles
+    collected (Queues hold pipes), and the count unchanged over 3 samples
+    (a server closes its end of a finished stream on its own thread)."""
+    import gc
+    gc.collect()
+    deadline = time.monotonic() + timeout
+    seen = [fd_count()]
+    while time.monotonic() < deadline and (len(seen) < 3 or len(set(seen[-3:])) > 1):
+        time.sleep(0.02)
+        seen.append(fd_count())
+    return seen[-1]
+
+
 def pattern(n_chunks: int, chunk_size: int, seed: int) -> bytes:
     """Different in every chunk and for every seed (8-byte words: chunk index,
     seed), so a chunk mapped at the wrong offset is caught."""

@@ -20,7 +20,7 @@ import pytest
 import conftest
 import vmmipc
 from vmmipc import _lib
-from _mp_helpers import fd_count, pattern
+from _mp_helpers import fd_count, pattern, settled_fd_count
 
 PAGE = mmap.PAGESIZE
 
@@ -498,7 +498,7 @@ def test_hostbuffer_close_refuses_while_exported():
 
 
 def test_hostbuffer_memfd_outlives_owner_until_release():
-    base = fd_count()
+    base = settled_fd_count()
     b = vmmipc.HostBuffer(4 * PAGE, chunk_size=PAGE)
     b[:4] = b"keep"
     t = b.share()

@@ -15,7 +15,7 @@ import pytest
 
 import vmmipc
 from vmmipc import _dlpack
-from _mp_helpers import MMAP_DUP, fd_count, pattern
+from _mp_helpers import MMAP_DUP, fd_count, pattern, settled_fd_count
 
 PAGE = mmap.PAGESIZE
 REG_ID, BUFFER_ID, SECRET = slice(24, 32), slice(32, 40), slice(40, 72)  # ticket format 2
@@ -159,7 +159,7 @@ def test_hostbuffer_wait_covers_every_pickle(hb):
 # -- the anchor ---------------------------------------------------------------
 
 def test_anchor_lives_with_the_hostbuffer():
-    live, fds = vmmipc.live_registrations(), fd_count()
+    live, fds = vmmipc.live_registrations(), settled_fd_count()
     b = vmmipc.HostBuffer(4 * PAGE, chunk_size=PAGE)
     assert vmmipc.live_registrations() == live + 1, "one anchor registration"
     assert fd_count() == fds + 2 + MMAP_DUP  # its memfd and the library's duplicate

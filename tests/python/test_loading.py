@@ -20,12 +20,21 @@ import conftest
 README = os.path.join(conftest.PYTHON_DIR, "README.md")
 
 
-def quick_start() -> str:
+def python_readme_quick_start() -> str:
     """The first Python block under "## Quick start" in python/README.md."""
     with open(README) as f:
         text = f.read()
     section = text[text.index("## Quick start"):]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def readme_quick_start() -> str:
+    """README.md's Python quick start (an excerpt of this example)."""
+    with open(os.path.join(conftest.ROOT, "examples", "python", "quickstart.py")) as f:
+        return f.read()
+
+
+QUICK_STARTS = {"python/README.md": python_readme_quick_start, "README.md": readme_quick_start}
 
 
 def run(args, timeout, cwd=None, **env):
@@ -38,19 +47,21 @@ def run(args, timeout, cwd=None, **env):
     return r, time.monotonic() - t0
 
 
-def test_quick_start_works(tmp_path):
+@pytest.mark.parametrize("readme", QUICK_STARTS)
+def test_quick_start_works(tmp_path, readme):
     script = tmp_path / "quick_start.py"
-    script.write_text(quick_start())
+    script.write_text(QUICK_STARTS[readme]())
     r, _ = run([sys.executable, str(script)], 60, PYTHONPATH=conftest.PYTHON_DIR)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "b'HELLO'"
 
 
-def test_quick_start_fails_fast_without_a_loadable_library(tmp_path):
+@pytest.mark.parametrize("readme", QUICK_STARTS)
+def test_quick_start_fails_fast_without_a_loadable_library(tmp_path, readme):
     not_a_library = tmp_path / "libvmmipc.so"
     not_a_library.write_text("this is not an ELF file\n" * 100)  # > an ELF header
     script = tmp_path / "quick_start.py"
-    script.write_text(quick_start())
+    script.write_text(QUICK_STARTS[readme]())
     r, elapsed = run([sys.executable, str(script)], 30, PYTHONPATH=conftest.PYTHON_DIR,
                      VMMIPC_LIBRARY=str(not_a_library))
     assert r.returncode != 0 and elapsed < 10, (r.returncode, elapsed)
