@@ -90,12 +90,10 @@ def test_the_import_reader_sees_function_level_imports():
 
 
 def test_no_import_cycle():
+    # __init__ is a node like the others: it imports the core modules, and a
+    # framework adapter may use the public API through it (import vmmipc),
+    # which is a cycle only if __init__ imports that adapter.
     graph = import_graph()
-    # Submodules import the package (from . import x) only for siblings; the
-    # package's __init__ imports them all. Leave it out, and check the rest.
-    graph.pop("__init__")
-    for deps in graph.values():
-        assert "__init__" not in deps, graph
     assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
 
 
