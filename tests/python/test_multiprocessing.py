@@ -171,6 +171,7 @@ def test_feeder_thread_error_reaches_the_receiver(what):
         bad, expect = b, ("ValueError", "closed")
     else:
         bad, expect = pickle.loads(pickle.dumps(b)), ("TypeError", "imported")
+        assert b.wait(5)  # that pickle's registration has ended (on the server's thread)
     live = vmmipc.live_registrations()
     ctx = mp.get_context("spawn")
     q, results = ctx.Queue(), ctx.Queue()
