@@ -246,13 +246,19 @@ func (c *importCache) forget(e *entry) {
 	delete(c.all, e)
 }
 
-// invalidate stops hits on e: undone now if unreferenced, else once its
-// last reference goes. Called with c.mu held; returns what to undo.
+// invalidate stops hits on e because its buffer ended or its exporter
+// exited. Called with c.mu held; returns what to undo.
 func (c *importCache) invalidate(e *entry) []*entry {
 	if !e.indexed {
 		return nil
 	}
 	c.stats.Invalidations++
+	return c.unindex(e)
+}
+
+// unindex stops hits on e: undone now if unreferenced, else once its last
+// reference goes. Called with c.mu held; returns what to undo.
+func (c *importCache) unindex(e *entry) []*entry {
 	delete(c.byKey, e.key)
 	e.indexed = false
 	if e.refs == 0 {
@@ -309,9 +315,14 @@ func SetCacheLimit(n uint64) error {
 	c.configure()
 	c.limit, c.limitErr = n, nil
 	var victims []*entry
-	if n == 0 {
+	if n == 0 { // off: no more hits; what is unreferenced goes now
 		for e := range c.all {
-			victims = append(victims, c.invalidate(e)...)
+			if e.indexed {
+				if e.refs == 0 {
+					c.stats.Evictions++
+				}
+				victims = append(victims, c.unindex(e)...)
+			}
 		}
 	}
 	for c.unrefBytes > c.limit {

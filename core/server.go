@@ -204,7 +204,7 @@ func (s *Server) Unregister(t *Ticket) error {
 // or timeout passes (ETIMEDOUT).
 func (s *Server) Wait(t *Ticket, timeout time.Duration) error {
 	g, err := s.own(t, true, "wait")
-	if CodeOf(err) == ENOENT && s.reg.issued(t.RegID) {
+	if CodeOf(err) == ENOENT && s.issuedBy(t) && s.reg.issued(t.RegID) {
 		return nil // ended and released long ago
 	}
 	if err != nil {
@@ -224,9 +224,12 @@ func (s *Server) Wait(t *Ticket, timeout time.Duration) error {
 	}
 }
 
+// issuedBy reports whether t names this server.
+func (s *Server) issuedBy(t *Ticket) bool { return t.Address == s.addr && t.Pid == s.pid }
+
 // own finds the registration of this server that t names.
 func (s *Server) own(t *Ticket, releasing bool, op string) (*registration, error) {
-	if t.Address != s.addr || t.Pid != s.pid {
+	if !s.issuedBy(t) {
 		return nil, Errorf(ENOENT, "%s: the ticket belongs to another exporter (%s, pid %d), not this process", op, t.Address, t.Pid)
 	}
 	g, err := s.reg.lookupOwn(t.RegID, t.Secret, releasing)
