@@ -96,7 +96,7 @@ demo: deps ## share a 4096-chunk buffer between two processes (GPU if present, e
 	cmake --build $(CMAKE_DIR) --target vmmipc_demo >/dev/null
 	$(CMAKE_DIR)/vmmipc_demo
 
-bench: lib ## driver floor vs libvmmipc vs all-at-once for N = 64..16384 (GPU if present, else host memory) into build/bench/
+bench: lib ## floor, first and repeated (import-cache) transfers, all-at-once and the Python path at N = 4096 x 2 MiB and 410 x 20 MiB (GPU if present, else host memory) into build/bench/
 	bash bench/run.sh --out $(BUILD)/bench
 
 install: ## install library, header, CMake package and vmmipc.pc under PREFIX (ldconfig when the loader searches it)
