@@ -1,42 +1,56 @@
 # libvmmipc — build, test, demo, install. `make help` lists the targets.
 #
-# The library is built by the Go toolchain (go build -buildmode=c-shared);
-# CMake builds and runs the C tests through ctest and installs the package.
+# CMake owns the library build (CMakeLists.txt: the Go toolchain's flags and
+# the exported-symbol check); this Makefile drives it, the tests and the
+# examples.
 
 GO        ?= go
 CC        ?= cc
 PYTHON    ?= python3
 PREFIX    ?= /usr/local
 BUILD     ?= build
-LIB       := $(BUILD)/libvmmipc.so
 CMAKE_DIR := $(BUILD)/cmake
-# Only vmmipc_* symbols are exported (export/vmmipc.map); SONAME libvmmipc.so.
-GOFLAGS_LIB := -buildmode=c-shared -trimpath \
-	-ldflags="-s -extldflags=-Wl,--version-script=$(CURDIR)/export/vmmipc.map,-soname,libvmmipc.so"
-GO_SOURCES := $(shell find core cuda export -name '*.go' -o -name '*.c' -o -name '*.h' -o -name '*.map' 2>/dev/null) \
-	go.mod go.sum include/vmmipc.h
+# CMake finds go on PATH (or in /usr/local/go/bin); `make GO=/path/to/go` overrides it.
+GO_FLAG   := $(if $(filter command line environment,$(origin GO)),-DGO_EXECUTABLE=$(GO))
+# One CMake build for the library (in $(BUILD)/, as build/libvmmipc.so and
+# build/include/vmmipc.h), the C tests, the demo and the cgocheck2 build.
+CMAKE_CONFIGURE := cmake -S . -B $(CMAKE_DIR) -DCMAKE_BUILD_TYPE=Release -DVMMIPC_BUILD_TESTS=ON \
+	-DVMMIPC_OUTPUT_DIR=$(CURDIR)/$(BUILD) $(GO_FLAG) >/dev/null
+INSTALL_TEST := $(BUILD)/install-test
+# CMake's generated makefiles run under this make: no "Entering directory" noise.
+MAKEFLAGS += --no-print-directory
 
-.PHONY: all lib test test-go test-c test-python test-cgocheck test-install demo bench install deps help clean
+.PHONY: all lib test test-go test-c test-python test-cgocheck test-install test-wheel test-readme \
+	demo bench install deps help clean
 
 all: lib ## build build/libvmmipc.so and build/include/vmmipc.h
 
-lib: $(LIB) ## same as all
+lib: ## same as all
+	@$(CMAKE_CONFIGURE)
+	cmake --build $(CMAKE_DIR) --target vmmipc_go
 
-$(LIB): $(GO_SOURCES)
-	@mkdir -p $(BUILD)/include
-	$(GO) build $(GOFLAGS_LIB) -o $@ ./export
-	@rm -f $(BUILD)/libvmmipc.h   # cgo's generated header; the contract is include/vmmipc.h
-	cp include/vmmipc.h $(BUILD)/include/vmmipc.h
-	@bad=$$(nm -D --defined-only $@ | awk '{print $$3}' | grep -v '^vmmipc_' || true); \
-	  if [ -n "$$bad" ]; then echo "exported non-vmmipc_ symbols: $$bad"; exit 1; fi
+# deps checks the tools a fresh machine must have, and installs what it may
+# lack (pkg-config, the Go modules, pytest), saying so first; nothing present
+# is touched. pip gets --user outside a virtual environment (inside one,
+# --user is refused).
+PIP_INSTALL = $(PYTHON) -m pip install --quiet$(shell $(PYTHON) -c 'import sys; print("" if sys.prefix != sys.base_prefix else " --user")' 2>/dev/null)
+deps: ## check the toolchain; install only what is missing (pkg-config, Go modules, pytest), saying so first
+	@for t in $(GO) $(CC) cmake nm bash $(PYTHON); do \
+	  command -v $$t >/dev/null || { echo "make: missing $$t: install it (see README.md, Two commands)"; exit 1; }; done
+	@command -v pkg-config >/dev/null || \
+	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	    echo "make: installing pkg-config (missing) with: apt-get update && apt-get install -y pkg-config"; \
+	    apt-get update -qq && apt-get install -y -qq pkg-config >/dev/null; \
+	  else echo "make: missing pkg-config: install it (Debian/Ubuntu: apt-get install pkg-config)"; exit 1; fi
+	@GOPROXY=off $(GO) mod download 2>/dev/null || { \
+	  echo "make: fetching the Go modules (missing) with: $(GO) mod download"; $(GO) mod download; }
+	@$(PYTHON) -c 'import pytest' 2>/dev/null || { \
+	  echo "make: installing pytest (missing) with: $(PIP_INSTALL) pytest"; $(PIP_INSTALL) pytest; } || { \
+	  echo "make: could not install pytest: install it yourself (Debian/Ubuntu: apt-get install python3-pytest)"; exit 1; }
+	@$(PYTHON) -c 'import venv, ensurepip' 2>/dev/null || { \
+	  echo "make: $(PYTHON) has no venv/ensurepip (make test-wheel needs it): install it (Debian/Ubuntu: apt-get install python3-venv)"; exit 1; }
 
-deps: ## check the toolchain and fetch what a fresh machine lacks (Go modules, pytest)
-	@for t in $(GO) $(CC) cmake $(PYTHON); do command -v $$t >/dev/null || { echo "missing: $$t"; exit 1; }; done
-	@command -v pkg-config >/dev/null || { apt-get update -qq && apt-get install -y -qq pkg-config; } || { echo "missing: pkg-config"; exit 1; }
-	$(GO) mod download
-	@$(PYTHON) -c 'import pytest' 2>/dev/null || $(PYTHON) -m pip install --quiet pytest
-
-test: deps lib test-go test-c test-python test-cgocheck test-install ## run every test: Go (race), C (ctest), Python (pytest), cgocheck2, install
+test: deps lib test-go test-c test-python test-cgocheck test-install test-wheel test-readme ## every test: Go, C, Python, cgocheck2, the installed package, the examples, the wheel, the README's snippets
 	@echo "make test: all suites passed"
 
 test-go: ## go vet, gofmt and go test -race
@@ -44,8 +58,8 @@ test-go: ## go vet, gofmt and go test -race
 	@fmt=$$(gofmt -l core cuda export); if [ -n "$$fmt" ]; then echo "gofmt needed: $$fmt"; exit 1; fi
 	$(GO) test -race -count=1 ./...
 
-test-c: ## build the C tests with CMake (library through Go) and run them with ctest
-	cmake -S . -B $(CMAKE_DIR) -DCMAKE_BUILD_TYPE=Release -DVMMIPC_BUILD_TESTS=ON >/dev/null
+test-c: ## build the C tests with CMake and run them with ctest
+	@$(CMAKE_CONFIGURE)
 	cmake --build $(CMAKE_DIR) -j2
 	ctest --test-dir $(CMAKE_DIR) --output-on-failure --no-tests=error
 
@@ -57,36 +71,38 @@ test-python: lib ## Python shim tests (pytest)
 # LD_LIBRARY_PATH picks this build. (-race is covered by go test -race: a
 # race-instrumented c-shared library cannot load into an uninstrumented host.)
 test-cgocheck: test-c ## the C tests against a GOEXPERIMENT=cgocheck2 build of the library
-	@mkdir -p $(BUILD)/cgocheck
-	GOEXPERIMENT=cgocheck2 $(GO) build $(GOFLAGS_LIB) -o $(BUILD)/cgocheck/libvmmipc.so ./export
+	cmake --build $(CMAKE_DIR) --target vmmipc_go_cgocheck2
 	LD_LIBRARY_PATH=$(BUILD)/cgocheck $(CMAKE_DIR)/test_vmmipc all
 
-# Install into a scratch prefix, then build and run a consumer through
-# find_package(vmmipc CONFIG) and through pkg-config.
-test-install: ## install to a scratch prefix and link a program against it (CMake and pkg-config)
-	rm -rf $(BUILD)/install-test
-	cmake -S . -B $(BUILD)/install-test/build -DCMAKE_INSTALL_PREFIX=$(CURDIR)/$(BUILD)/install-test/prefix -DVMMIPC_BUILD_TESTS=OFF >/dev/null
-	cmake --build $(BUILD)/install-test/build -j2 >/dev/null
-	cmake --install $(BUILD)/install-test/build >/dev/null
-	cmake -S tests/install -B $(BUILD)/install-test/consumer -DCMAKE_PREFIX_PATH=$(CURDIR)/$(BUILD)/install-test/prefix >/dev/null
-	cmake --build $(BUILD)/install-test/consumer >/dev/null
-	LD_LIBRARY_PATH=$(BUILD)/install-test/prefix/lib $(BUILD)/install-test/consumer/consumer
-	$(CC) tests/install/main.c -o $(BUILD)/install-test/consumer-pc \
-	  $$(PKG_CONFIG_PATH=$(BUILD)/install-test/prefix/lib/pkgconfig pkg-config --cflags --libs vmmipc)
-	LD_LIBRARY_PATH=$(BUILD)/install-test/prefix/lib $(BUILD)/install-test/consumer-pc
+# Installs into a scratch prefix (build/install-test/prefix; the GPU machine's
+# examples/cuda/run.sh uses it too), then builds every C example against it
+# through find_package(vmmipc) and through pkg-config and runs them.
+test-install: ## install to a scratch prefix; build and run the examples against it (CMake and pkg-config)
+	rm -rf $(INSTALL_TEST)
+	cmake -S . -B $(INSTALL_TEST)/build -DCMAKE_INSTALL_PREFIX=$(CURDIR)/$(INSTALL_TEST)/prefix \
+	  -DVMMIPC_BUILD_TESTS=OFF $(GO_FLAG) >/dev/null
+	cmake --build $(INSTALL_TEST)/build >/dev/null
+	cmake --install $(INSTALL_TEST)/build >/dev/null
+	bash tests/install/test_examples.sh $(INSTALL_TEST)/prefix $(INSTALL_TEST)/examples
 
-$(BUILD)/vmmipc_demo: tests/c/demo.c tests/c/cuda_dlopen.h tests/c/testutil.h $(LIB)
-	$(CC) -O2 -Wall -o $@ tests/c/demo.c -I$(BUILD)/include -L$(BUILD) -lvmmipc -lpthread -ldl -Wl,-rpath,'$$ORIGIN'
+test-wheel: ## pip wheel ./python, install it into a fresh venv, run the Python example from another directory
+	bash tests/install/test_wheel.sh $(PYTHON) $(BUILD)/wheel-test
 
-demo: deps $(BUILD)/vmmipc_demo ## share a 4096-chunk buffer between two processes (GPU if present, else host)
-	$(BUILD)/vmmipc_demo
+test-readme: ## README.md's code blocks are excerpts of examples/ and compile as printed
+	$(PYTHON) tests/readme/check_snippets.py
 
-bench: lib ## driver floor vs libvmmipc vs all-at-once for N = 64..16384 (GPU if present, else host memory) into build/bench/
+demo: deps ## share a 4096-chunk buffer between two processes (GPU if present, else host)
+	@$(CMAKE_CONFIGURE)
+	cmake --build $(CMAKE_DIR) --target vmmipc_demo >/dev/null
+	$(CMAKE_DIR)/vmmipc_demo
+
+bench: lib ## floor, first and repeated (import-cache) transfers, all-at-once and the Python path at N = 4096 x 2 MiB and 410 x 20 MiB (GPU if present, else host memory) into build/bench/
 	bash bench/run.sh --out $(BUILD)/bench
 
-install: ## install library, header, CMake package and vmmipc.pc under PREFIX
-	cmake -S . -B $(BUILD)/cmake-install -DCMAKE_INSTALL_PREFIX=$(PREFIX) -DVMMIPC_BUILD_TESTS=OFF >/dev/null
-	cmake --build $(BUILD)/cmake-install -j2
+install: ## install library, header, CMake package and vmmipc.pc under PREFIX (ldconfig when the loader searches it)
+	cmake -S . -B $(BUILD)/cmake-install -DCMAKE_INSTALL_PREFIX=$(PREFIX) -DVMMIPC_BUILD_TESTS=OFF \
+	  $(GO_FLAG) >/dev/null
+	cmake --build $(BUILD)/cmake-install
 	cmake --install $(BUILD)/cmake-install
 
 help: ## list targets

@@ -94,6 +94,12 @@ class Cuda:
         desc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         self.check(cu.cuMemSetAccess(base, total, [desc], 1), "cuMemSetAccess")
 
+    def write_byte(self, addr, value):
+        import numpy as np
+
+        b = np.full(1, value, dtype=np.uint8)
+        self.check(self.cu.cuMemcpyHtoD(addr, b.ctypes.data, 1), "cuMemcpyHtoD")
+
     def read_byte(self, addr):
         import numpy as np
 

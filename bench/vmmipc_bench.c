@@ -1,44 +1,60 @@
 /* vmmipc_bench: how long moving a buffer of N chunks between two processes
- * takes, against the driver floor.
+ * takes, against the floor, for a first transfer and for a repeated one.
  *
  *   vmmipc_bench [--host | --cuda] --chunks N [--chunk-size BYTES]
- *                [--windows 1,0,4] [--no-floor] [--nofile LIMIT] [--repeat R]
+ *                [--floor] [--first W,W,...] [--repeated cache|nocache]
+ *                [--rounds K] [--repeat R] [--fd-runs F] [--nofile LIMIT]
  *   vmmipc_bench --probe          exit status 0 when a GPU is usable
  *
  * This process is the sender: it creates the buffer (CUDA: N chunks made by
- * cuMemCreate with POSIX-fd handles, mapped contiguously; host: one memfd)
- * and starts each receiver as a separate process (this program again,
- * through posix_spawn). It prints one JSON object per line on stdout:
+ * cuMemCreate with POSIX-fd handles, mapped contiguously; host: one sealed
+ * memfd) and starts each receiver as a separate process (this program
+ * again, through posix_spawn, with a control socket on its descriptor 3;
+ * tickets cross that socket, never the command line). It prints one JSON
+ * object per measurement on stdout:
  *
- *   {"approach":"floor", ...}  the driver alone, no transport: exporting all
- *       N chunks in one thread (sender), then importing, mapping and setting
- *       access for N already-received descriptors in one thread (receiver);
- *       floor_ms = export_ms + import_ms. Also the driver's serialization:
- *       the receiver's import again while the sender exports concurrently,
- *       and exporting from 8 threads.
- *   {"approach":"vmmipc","window":W, ...}  vmmipc_import_stream from start
- *       to return (window 0 = the library's default), registration before.
+ *   {"approach":"floor", ...}  no transport: exporting all N chunks in one
+ *       thread (sender), then importing, mapping and setting access for N
+ *       already-received descriptors in one thread (receiver; host memory:
+ *       mmap of each); floor_ms = export_ms + import_ms. Also the driver's
+ *       serialization: the receiver's import again while the sender exports
+ *       concurrently, and exporting from 8 threads. --repeat R times.
+ *   {"approach":"first","window":W, ...}  a fresh receiver process's
+ *       vmmipc_import_stream, from call to return, of a registration made
+ *       before (uses = 1; window 0 = the library's default).
+ *   {"approach":"repeated","cache":true|false,"round":k, ...}  one receiver
+ *       process imports the same buffer 1 + K times. The sender keeps one
+ *       anchor registration (uses = 0) and makes a new ticket for every
+ *       round with vmmipc_register_again (uses = 1). Each round: the sender
+ *       writes a fresh byte into the buffer, sends the ticket, the receiver
+ *       imports (timed), checks the markers and that byte, and unmaps. With
+ *       the cache, round 0 maps anew and rounds 1..K must be cache hits
+ *       (vmmipc_cache_get_info says so, or the row is marked failed); with
+ *       VMMIPC_IMPORT_NO_CACHE every round is a full import.
  *
- * Peak extra descriptors are sampled from /proc/self/fd by a thread in each
- * process (sender and receiver) while the transfer runs. --nofile sets the
- * receivers' soft RLIMIT_NOFILE (for the limit table). */
+ * Each --first window and each --repeated session runs F times with a
+ * thread in each process sampling /proc/self/fd (the peak extra descriptors
+ * of both sides, "sampled":true) and R times without it (the times; the
+ * sampler spins on a core in each process). VMMIPC_BENCH_SCHEDULE=label
+ * names the library configuration being measured (bench/run.sh sets it with
+ * the schedule variables it passes to the library); it is copied into every
+ * row. VMMIPC_LIBCUDA (the timing shim) marks rows "profiled". --nofile sets
+ * the receivers' soft RLIMIT_NOFILE (the limit runs). */
 #define _GNU_SOURCE
+#include <math.h>
 #include <poll.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 
 #include "../tests/c/testutil.h"
 #include "../tests/c/cuda_dlopen.h"
 
 static int use_cuda = -1;
-/* "" for the measurements; "profiled" when libvmmipc calls the driver
- * through bench/cuda_timing_shim.c (VMMIPC_LIBCUDA), "unsampled" with
- * VMMIPC_BENCH_NO_SAMPLER=1 (no descriptor sampling thread, to show what
- * sampling costs). Only "" rows go into the main tables. */
-static const char *variant = "";
-static int sampling = 1;
+static const char *schedule = ""; /* VMMIPC_BENCH_SCHEDULE */
+static int profiled;              /* the driver is the timing shim */
 static uint64_t nchunks = 64, chunk_size = 0;
+static rlim_t recv_nofile;
 
 /* marker is the byte every chunk i starts with, checked by receivers. */
 static unsigned char marker(uint64_t i) { return (unsigned char)(i * 7 + 1); }
@@ -63,6 +79,22 @@ static const char *json_escape(const char *s, char *out, size_t n) {
     else out[j++] = (char)c;
   }
   out[j] = 0;
+  return out;
+}
+
+/* json_number reads the number after "key": in a flat JSON object (the
+ * receiver's replies); NAN when absent. */
+static double json_number(const char *obj, const char *key) {
+  char pat[64];
+  snprintf(pat, sizeof pat, "\"%s\":", key);
+  const char *p = strstr(obj, pat);
+  return p ? strtod(p + strlen(pat), NULL) : NAN;
+}
+
+/* fds_json writes a peak descriptor count, or null when not sampled. */
+static const char *fds_json(int peak, char *out, size_t n) {
+  if (peak < 0) snprintf(out, n, "null");
+  else snprintf(out, n, "%d", peak);
   return out;
 }
 
@@ -143,13 +175,15 @@ static CUmemAllocationProp device_prop(void) {
 static void make_buffer(void) {
   uint64_t total = nchunks * chunk_size;
   if (!use_cuda) {
+    /* Sparse: only the marker pages are ever touched, so an 8 GiB buffer
+     * costs a few MiB of memory. */
     memfd = memfd_create("vmmipc-bench", MFD_CLOEXEC | MFD_ALLOW_SEALING);
     if (memfd < 0 || ftruncate(memfd, (off_t)total)) die("memfd of %llu bytes: %s", (unsigned long long)total, strerror(errno));
     for (uint64_t i = 0; i < nchunks; i++) {
       unsigned char b = marker(i);
       if (pwrite(memfd, &b, 1, (off_t)(i * chunk_size)) != 1) die("pwrite: %s", strerror(errno));
     }
-    fcntl(memfd, F_ADD_SEALS, F_SEAL_SHRINK);
+    if (fcntl(memfd, F_ADD_SEALS, F_SEAL_SHRINK)) die("sealing the memfd: %s", strerror(errno));
     return;
   }
   CUmemAllocationProp p = device_prop();
@@ -166,6 +200,19 @@ static void make_buffer(void) {
   for (uint64_t i = 0; i < nchunks; i++)
     cuda_check(cu.MemsetD8(dbase + i * chunk_size, marker(i), chunk_size), "cuMemsetD8", i);
   cuda_check(cu.CtxSynchronize(), "cuCtxSynchronize", 0);
+}
+
+/* The round byte: the second byte of the last chunk, rewritten by the sender
+ * before every repeated round, so that a receiver proves it maps the live
+ * memory (the sender's in-place writes), not a stale copy. */
+static uint64_t round_byte_offset(void) { return (nchunks - 1) * chunk_size + 1; }
+
+static void write_round_byte(unsigned char b) {
+  if (!use_cuda) {
+    if (pwrite(memfd, &b, 1, (off_t)round_byte_offset()) != 1) die("pwrite: %s", strerror(errno));
+    return;
+  }
+  cuda_check(cu.HtoD(dbase + round_byte_offset(), &b, 1), "cuMemcpyHtoD", nchunks - 1);
 }
 
 /* export_chunk returns a new descriptor for chunk i (the floor's export). */
@@ -241,25 +288,25 @@ static void unmap_all(uint64_t base) {
   cuda_check(cu.AddressFree(base, total), "cuMemAddressFree", 0);
 }
 
+static int read_byte(uint64_t at, unsigned char *b) {
+  if (use_cuda) return cu.DtoH(b, at, 1) ? -1 : 0;
+  *b = *(unsigned char *)(uintptr_t)at;
+  return 0;
+}
+
 /* check_markers reads back the first byte of a few chunks. */
 static int check_markers(uint64_t base) {
   uint64_t idx[] = {0, nchunks / 2, nchunks - 1};
   for (int k = 0; k < 3; k++) {
     unsigned char b = 0;
-    uint64_t at = base + idx[k] * chunk_size;
-    if (use_cuda) {
-      if (cu.DtoH(&b, at, 1)) return -1;
-    } else {
-      b = *(unsigned char *)(uintptr_t)at;
-    }
-    if (b != marker(idx[k])) return -1;
+    if (read_byte(base + idx[k] * chunk_size, &b) || b != marker(idx[k])) return -1;
   }
   return 0;
 }
 
-static void receiver_setup(rlim_t nofile) {
-  if (nofile) {
-    set_nofile(nofile);
+static void receiver_setup(void) {
+  if (recv_nofile) {
+    set_nofile(recv_nofile);
   } else { /* the floor holds N descriptors at once: allow what the hard limit allows */
     struct rlimit r;
     getrlimit(RLIMIT_NOFILE, &r);
@@ -276,7 +323,7 @@ static void receiver_setup(rlim_t nofile) {
 /* recv_floor: the receiver of the floor measurement (control socket on 3). */
 static int recv_floor(void) {
   const int s = 3;
-  receiver_setup(0);
+  receiver_setup();
   int base_fds = count_fds(0);
   int *fds = malloc(nchunks * sizeof *fds);
   for (uint64_t got = 0; got < nchunks; got += FD_BATCH) {
@@ -308,62 +355,82 @@ static int recv_floor(void) {
   return ctl_write(s, out);
 }
 
-/* recv_vmmipc: the receiver of one libvmmipc transfer (control socket on 3). */
-static int recv_vmmipc(const char *hex, uint32_t window, rlim_t nofile) {
+/* recv_imports: the receiver of libvmmipc transfers (control socket on 3).
+ * For each line "import HEX WINDOW FLAGS ROUNDBYTE" it imports the ticket,
+ * checks what it mapped, unmaps, and answers one JSON object; it exits at
+ * "end" or when the sender goes away. */
+static int recv_imports(int sampling) {
   const int s = 3;
-  receiver_setup(nofile ? nofile : 0);
-  vmmipc_ticket t;
-  if (hex_decode(hex, t.bytes, sizeof t.bytes)) die("receiver: bad ticket");
-  vmmipc_options o;
-  vmmipc_options_init(&o, sizeof o);
-  o.window = window;
-  int base_fds = count_fds(0);
-  fd_sampler fs;
-  if (sampling) fd_sampler_start(&fs, 0);
-  vmmipc_mapping m;
-  double t0 = now_ms();
-  int rc = vmmipc_import_stream(&t, use_cuda ? VMMIPC_DEVICE_SAME : VMMIPC_DEVICE_HOST, &o, &m);
-  double ms = now_ms() - t0;
-  int peak = sampling ? fd_sampler_stop(&fs) - base_fds : -1;
-  char err[768] = "", out[1536];
-  int ok = rc == 0;
-  double unmap_ms = 0;
-  if (ok) {
-    if (check_markers(m.addr)) {
-      ok = 0;
-      snprintf(err, sizeof err, "the mapped chunks do not hold the sender's markers");
+  receiver_setup();
+  char line[1024];
+  while (ctl_read(s, line, sizeof line) == 0 && strncmp(line, "import ", 7) == 0) {
+    char hex[2 * VMMIPC_TICKET_SIZE + 1];
+    unsigned window, flags, round_byte;
+    vmmipc_ticket t;
+    if (sscanf(line + 7, "%512s %u %u %u", hex, &window, &flags, &round_byte) != 4 ||
+        hex_decode(hex, t.bytes, sizeof t.bytes))
+      die("receiver: bad import line");
+    vmmipc_options o;
+    vmmipc_options_init(&o, sizeof o);
+    o.window = window;
+    o.import_flags = flags;
+    vmmipc_cache_info before, after;
+    vmmipc_cache_get_info(&before, sizeof before);
+    int base_fds = count_fds(0);
+    fd_sampler fs;
+    if (sampling) fd_sampler_start(&fs, 0);
+    vmmipc_mapping m;
+    double t0 = now_ms();
+    int rc = vmmipc_import_stream(&t, use_cuda ? VMMIPC_DEVICE_SAME : VMMIPC_DEVICE_HOST, &o, &m);
+    double ms = now_ms() - t0;
+    int peak = sampling ? fd_sampler_stop(&fs) - base_fds : -1;
+    vmmipc_cache_get_info(&after, sizeof after);
+    char err[768] = "", out[1536], pk[16];
+    int ok = rc == 0;
+    double unmap_ms = 0;
+    if (ok) {
+      unsigned char b = 0;
+      if (check_markers(m.addr)) {
+        ok = 0;
+        snprintf(err, sizeof err, "the mapped chunks do not hold the sender's markers");
+      } else if (read_byte(m.addr + round_byte_offset(), &b) || b != round_byte) {
+        ok = 0;
+        snprintf(err, sizeof err, "the mapping does not show the sender's latest write (byte %u, want %u)", b, round_byte);
+      }
+      double u = now_ms();
+      int urc = vmmipc_unmap(&m);
+      unmap_ms = now_ms() - u;
+      if (urc) ok = 0, json_escape(vmmipc_last_error(), err, sizeof err);
+    } else {
+      char msg[600];
+      snprintf(msg, sizeof msg, "%s: %s", vmmipc_strerror(rc), vmmipc_last_error());
+      json_escape(msg, err, sizeof err);
     }
-    double u = now_ms();
-    int urc = vmmipc_unmap(&m);
-    unmap_ms = now_ms() - u;
-    if (urc) ok = 0, json_escape(vmmipc_last_error(), err, sizeof err);
-  } else {
-    char msg[600];
-    snprintf(msg, sizeof msg, "%s: %s", vmmipc_strerror(rc), vmmipc_last_error());
-    json_escape(msg, err, sizeof err);
+    snprintf(out, sizeof out,
+             "{\"ok\":%s,\"ms\":%.3f,\"peak_fds_receiver\":%s,\"unmap_ms\":%.3f,\"cache_hits\":%llu,"
+             "\"cache_misses\":%llu,\"cache_entries\":%llu,\"cache_unreferenced_bytes\":%llu,\"error\":\"%s\"}\n",
+             ok ? "true" : "false", ms, fds_json(peak, pk, sizeof pk), unmap_ms,
+             (unsigned long long)(after.hits - before.hits), (unsigned long long)(after.misses - before.misses),
+             (unsigned long long)after.entries, (unsigned long long)after.unreferenced_bytes, err);
+    if (ctl_write(s, out)) return 1;
   }
-  snprintf(out, sizeof out, "{\"ok\":%s,\"ms\":%.3f,\"peak_fds_receiver\":%d,\"unmap_ms\":%.3f,\"error\":\"%s\"}\n",
-           ok ? "true" : "false", ms, peak, unmap_ms, err);
-  return ctl_write(s, out);
+  return 0;
 }
 
 /* ---- the sender ---- */
 
-static const char *self_path;
-static rlim_t recv_nofile;
-
-/* spawn_receiver starts this program as a receiver with a control socket
- * on its descriptor 3 (sv[1], closed here); sv[0] stays ours. */
 static void make_ctl(int sv[2]) {
   if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv)) die("socketpair: %s", strerror(errno));
 }
 
+/* spawn_receiver starts this program as a receiver with a control socket
+ * on its descriptor 3 (sv[1], closed here); sv[0] stays ours. */
 static pid_t spawn_receiver(char **extra, int sv[2]) {
   char n[32], cs[32], nf[32];
   snprintf(n, sizeof n, "%llu", (unsigned long long)nchunks);
   snprintf(cs, sizeof cs, "%llu", (unsigned long long)chunk_size);
   snprintf(nf, sizeof nf, "%llu", (unsigned long long)recv_nofile);
-  char *argv[16] = {(char *)self_path, use_cuda ? "--cuda" : "--host", "--chunks", n, "--chunk-size", cs, "--nofile", nf};
+  char *argv[16] = {"vmmipc_bench", use_cuda ? "--cuda" : "--host", "--chunks", n, "--chunk-size", cs, "--nofile", nf};
   int a = 8;
   for (int i = 0; extra[i]; i++) argv[a++] = extra[i];
   argv[a] = NULL;
@@ -399,6 +466,8 @@ static double export_threads(int threads) {
   free(fds);
   return ms;
 }
+
+static const char *memory_name(void) { return use_cuda ? "cuda" : "host"; }
 
 static void run_floor(void) {
   int base_fds = count_fds(0);
@@ -438,82 +507,172 @@ static void run_floor(void) {
   waitpid(pid, &st, 0);
   close(ctl);
   double threads1 = export_threads(1), threads8 = export_threads(8);
-  /* Merge the receiver's object into ours. */
-  double import_ms = 0;
-  char *imp = strstr(result, "\"import_ms\":");
-  if (imp) import_ms = strtod(imp + 12, NULL);
-  result[strlen(result) - 1] = 0; /* drop the closing brace */
+  double import_ms = json_number(result, "import_ms");
+  result[strlen(result) - 1] = 0; /* drop the closing brace: merged into ours */
   printf("{\"approach\":\"floor\",\"memory\":\"%s\",\"N\":%llu,\"chunk_size\":%llu,\"export_ms\":%.3f,"
          "\"export_held_fds\":%d,\"floor_ms\":%.3f,\"us_per_chunk\":%.3f,"
          "\"contended_export_us_per_chunk\":%.3f,\"export_1thread_ms\":%.3f,\"export_8threads_ms\":%.3f,%s}\n",
-         use_cuda ? "cuda" : "host", (unsigned long long)nchunks, (unsigned long long)chunk_size, export_ms, held,
+         memory_name(), (unsigned long long)nchunks, (unsigned long long)chunk_size, export_ms, held,
          export_ms + import_ms, (export_ms + import_ms) * 1e3 / nchunks, busy_export_ms * 1e3 / exported, threads1,
          threads8, result + 1);
   fflush(stdout);
 }
 
-static void run_vmmipc(uint32_t window) {
+static void check_rc(int rc, const char *what) {
+  if (rc) die("%s: %s: %s", what, vmmipc_strerror(rc), vmmipc_last_error());
+}
+
+static void register_buffer(uint32_t uses, vmmipc_ticket *t) {
   vmmipc_options o;
   vmmipc_options_init(&o, sizeof o);
-  o.uses = 1;
-  vmmipc_ticket t;
-  int rc = use_cuda ? vmmipc_register_cuda(dbase, nchunks * chunk_size, &o, &t)
-                    : vmmipc_register_host_file(memfd, nchunks * chunk_size, chunk_size, NULL, NULL, &o, &t);
-  if (rc) die("register: %s: %s", vmmipc_strerror(rc), vmmipc_last_error());
-  char hex[2 * VMMIPC_TICKET_SIZE + 1], w[16];
-  hex_encode(t.bytes, sizeof t.bytes, hex);
-  snprintf(w, sizeof w, "%u", window);
+  o.uses = uses;
+  check_rc(use_cuda ? vmmipc_register_cuda(dbase, nchunks * chunk_size, &o, t)
+                    : vmmipc_register_host_file(memfd, nchunks * chunk_size, chunk_size, NULL, NULL, &o, t),
+           "register");
+}
+
+/* A session: one receiver process, 1 + rounds imports of the same buffer.
+ * repeated = 0: one import of a registration with uses = 1 (a first
+ * transfer); repeated = 1: an anchor with uses = 0 and a register_again
+ * ticket per round. */
+typedef struct session {
+  int repeated;
+  uint32_t window, flags, rounds;
+  int sampling;
+} session;
+
+static void run_session(const session *ss) {
+  vmmipc_ticket anchor;
+  register_buffer(ss->repeated ? 0 : 1, &anchor);
   int sv[2];
-  make_ctl(sv); /* before the baseline: the control socket is the bench's */
+  make_ctl(sv);
   int ctl = sv[0];
-  int base_fds = count_fds(0);
-  fd_sampler fs;
-  if (sampling) fd_sampler_start(&fs, 0);
-  char *extra[] = {"--recv-vmmipc", hex, w, NULL};
+  char *extra[] = {"--recv-imports", ss->sampling ? "1" : "0", NULL};
   pid_t pid = spawn_receiver(extra, sv);
-  char result[2048];
-  int got = ctl_read(ctl, result, sizeof result);
-  int st;
-  waitpid(pid, &st, 0);
-  int peak = sampling ? fd_sampler_stop(&fs) - base_fds : -1;
+  for (uint32_t round = 0; round <= ss->rounds; round++) {
+    vmmipc_ticket t = anchor;
+    double register_ms = 0;
+    if (ss->repeated) {
+      vmmipc_options o;
+      vmmipc_options_init(&o, sizeof o);
+      o.uses = 1;
+      double t0 = now_ms();
+      check_rc(vmmipc_register_again(&anchor, NULL, NULL, &o, &t), "vmmipc_register_again");
+      register_ms = now_ms() - t0;
+    }
+    unsigned char round_byte = (unsigned char)(0xA0 + round);
+    write_round_byte(round_byte);
+    char hex[2 * VMMIPC_TICKET_SIZE + 1], line[640], reply[2048], pk[16];
+    hex_encode(t.bytes, sizeof t.bytes, hex);
+    snprintf(line, sizeof line, "import %s %u %u %u\n", hex, ss->window, ss->flags, round_byte);
+    int base_fds = count_fds(0);
+    fd_sampler fs;
+    if (ss->sampling) fd_sampler_start(&fs, 0);
+    int got = ctl_write(ctl, line) == 0 && ctl_read(ctl, reply, sizeof reply) == 0 && reply[0] == '{';
+    int peak = ss->sampling ? fd_sampler_stop(&fs) - base_fds : -1;
+    if (!got) {
+      int st = 0;
+      waitpid(pid, &st, 0);
+      pid = -1;
+      snprintf(reply, sizeof reply, "{\"ok\":false,\"error\":\"the receiver exited (wait status %d) before answering\"}", st);
+    }
+    /* A repeated round must be what it claims: with the cache, round 0 maps
+     * anew and every later round is a hit; without it, nothing is a hit. */
+    const char *wrong = NULL;
+    double hits = json_number(reply, "cache_hits"), misses = json_number(reply, "cache_misses");
+    if (got && !strncmp(reply, "{\"ok\":true,", 11) && ss->repeated) {
+      int want_hit = !(ss->flags & VMMIPC_IMPORT_NO_CACHE) && round > 0;
+      if (want_hit && !(hits == 1 && misses == 0)) wrong = "expected a cache hit, but the receiver mapped anew";
+      if (!want_hit && hits != 0) wrong = "expected a full import, but the receiver's cache answered";
+    }
+    char head[768];
+    int h = snprintf(head, sizeof head,
+                     "{\"approach\":\"%s\",\"schedule\":\"%s\",\"profiled\":%s,\"sampled\":%s,\"memory\":\"%s\","
+                     "\"N\":%llu,\"chunk_size\":%llu,\"window\":%u,\"nofile\":%llu,\"peak_fds_sender\":%s,",
+                     ss->repeated ? "repeated" : "first", schedule, profiled ? "true" : "false",
+                     ss->sampling ? "true" : "false", memory_name(), (unsigned long long)nchunks,
+                     (unsigned long long)chunk_size, ss->window, (unsigned long long)recv_nofile,
+                     fds_json(peak, pk, sizeof pk));
+    if (ss->repeated)
+      snprintf(head + h, sizeof head - h, "\"cache\":%s,\"round\":%u,\"register_ms\":%.4f,",
+               ss->flags & VMMIPC_IMPORT_NO_CACHE ? "false" : "true", round, register_ms);
+    if (wrong) {
+      /* The receiver's object starts {"ok":true, and ends ,"error":""}:
+       * keep what lies between, and say what was wrong. */
+      char *mid = reply + strlen("{\"ok\":true,"), *tail = strstr(reply, ",\"error\":");
+      if (tail) *tail = 0;
+      printf("%s\"ok\":false,%s,\"error\":\"%s\"}\n", head, mid, wrong);
+    } else {
+      printf("%s%s\n", head, reply + 1); /* the receiver's fields, merged into ours */
+    }
+    fflush(stdout);
+    if (!got) break;
+  }
+  if (pid > 0) {
+    ctl_write(ctl, "end\n");
+    waitpid(pid, NULL, 0);
+  }
   close(ctl);
-  if (got || result[0] != '{') snprintf(result, sizeof result, "{\"ok\":false,\"error\":\"receiver exited with status %d\"}", st);
-  vmmipc_unregister(&t); /* ends it if the receiver failed; VMMIPC_ENOENT once used up */
-  double ms = 0;
-  char *m = strstr(result, "\"ms\":");
-  if (m) ms = strtod(m + 5, NULL);
-  printf("{\"approach\":\"vmmipc\",\"variant\":\"%s\",\"memory\":\"%s\",\"N\":%llu,\"chunk_size\":%llu,\"window\":%u,"
-         "\"nofile\":%llu,\"us_per_chunk\":%.3f,\"peak_fds_sender\":%d,%s\n",
-         variant, use_cuda ? "cuda" : "host", (unsigned long long)nchunks, (unsigned long long)chunk_size, window,
-         (unsigned long long)recv_nofile, ms * 1e3 / nchunks, peak, result + 1);
-  fflush(stdout);
+  /* Ends the anchor (or a first transfer's registration that a failed
+   * receiver left unused; VMMIPC_ENOENT once used up) and waits until the
+   * library holds nothing of it, so the next session starts clean. */
+  vmmipc_unregister(&anchor);
+  vmmipc_wait(&anchor, 10000);
+}
+
+/* for_each_number calls fn for each value of a comma-separated list. */
+static void for_each_number(const char *list, void (*fn)(uint32_t, void *), void *arg) {
+  for (const char *w = list; w && *w;) {
+    fn((uint32_t)strtoul(w, NULL, 10), arg);
+    w = strchr(w, ',');
+    if (w) w++;
+  }
+}
+
+typedef struct { int fd_runs, repeat; } run_counts;
+
+static void run_first(uint32_t window, void *arg) {
+  run_counts *rc = arg;
+  for (int k = 0; k < rc->fd_runs + rc->repeat; k++) {
+    session ss = {0, window, 0, 0, k < rc->fd_runs};
+    run_session(&ss);
+  }
 }
 
 int main(int argc, char **argv) {
-  self_path = argv[0];
-  if (getenv("VMMIPC_BENCH_NO_SAMPLER")) variant = "unsampled", sampling = 0;
-  if (getenv("VMMIPC_LIBCUDA")) variant = "profiled"; /* wins: its times include the shim */
-  const char *windows = "1,0";
-  int floor = 1, repeat = 1;
+  static char schedule_json[128];
+  if (getenv("VMMIPC_BENCH_SCHEDULE")) schedule = json_escape(getenv("VMMIPC_BENCH_SCHEDULE"), schedule_json, sizeof schedule_json);
+  profiled = getenv("VMMIPC_LIBCUDA") != NULL;
+  const char *first = NULL, *repeated = NULL;
+  int floor = 0;
+  uint32_t rounds = 3;
+  run_counts counts = {1, 1};
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--host")) use_cuda = 0;
     else if (!strcmp(argv[i], "--cuda")) use_cuda = 1;
     else if (!strcmp(argv[i], "--chunks") && i + 1 < argc) nchunks = strtoull(argv[++i], 0, 0);
     else if (!strcmp(argv[i], "--chunk-size") && i + 1 < argc) chunk_size = strtoull(argv[++i], 0, 0);
-    else if (!strcmp(argv[i], "--windows") && i + 1 < argc) windows = argv[++i];
+    else if (!strcmp(argv[i], "--floor")) floor = 1;
+    else if (!strcmp(argv[i], "--first") && i + 1 < argc) first = argv[++i];
+    else if (!strcmp(argv[i], "--repeated") && i + 1 < argc) repeated = argv[++i];
+    else if (!strcmp(argv[i], "--rounds") && i + 1 < argc) rounds = (uint32_t)strtoul(argv[++i], 0, 0);
+    else if (!strcmp(argv[i], "--repeat") && i + 1 < argc) counts.repeat = atoi(argv[++i]);
+    else if (!strcmp(argv[i], "--fd-runs") && i + 1 < argc) counts.fd_runs = atoi(argv[++i]);
     else if (!strcmp(argv[i], "--nofile") && i + 1 < argc) recv_nofile = strtoull(argv[++i], 0, 0);
-    else if (!strcmp(argv[i], "--no-floor")) floor = 0;
-    else if (!strcmp(argv[i], "--repeat") && i + 1 < argc) repeat = atoi(argv[++i]);
     else if (!strcmp(argv[i], "--probe")) return !cuda_load(); /* 0: a GPU is usable */
     else if (!strcmp(argv[i], "--recv-floor")) return recv_floor();
-    else if (!strcmp(argv[i], "--recv-vmmipc") && i + 2 < argc)
-      return recv_vmmipc(argv[i + 1], (uint32_t)strtoul(argv[i + 2], 0, 0), recv_nofile);
-    else die("usage: vmmipc_bench [--host|--cuda] --chunks N [--chunk-size B] [--windows 1,0] [--no-floor] [--nofile L] [--repeat R] | --probe");
+    else if (!strcmp(argv[i], "--recv-imports") && i + 1 < argc) return recv_imports(atoi(argv[i + 1]));
+    else
+      die("usage: vmmipc_bench [--host|--cuda] --chunks N [--chunk-size B] [--floor] [--first W,W] "
+          "[--repeated cache|nocache] [--rounds K] [--repeat R] [--fd-runs F] [--nofile L] | --probe");
   }
+  if (repeated && strcmp(repeated, "cache") && strcmp(repeated, "nocache"))
+    die("--repeated takes cache or nocache, not '%s'", repeated);
+  if (!floor && !first && !repeated) die("nothing to measure: give --floor, --first or --repeated");
   int have_gpu = use_cuda != 0 && cuda_load();
   if (use_cuda == 1 && !have_gpu) die("--cuda: no CUDA driver or device");
   use_cuda = have_gpu;
-  if (!chunk_size) chunk_size = use_cuda ? 2 << 20 : 64 << 10;
+  if (!chunk_size) chunk_size = 2 << 20;
   if (nchunks == 0) die("--chunks must be positive");
   if (use_cuda && cuda_use_device(0)) die("cannot use CUDA device 0");
   struct rlimit r; /* the sender holds N descriptors during the floor */
@@ -524,14 +683,11 @@ int main(int argc, char **argv) {
   make_buffer();
   fprintf(stderr, "vmmipc_bench: %s buffer of %llu x %llu bytes made in %.0f ms\n", use_cuda ? "CUDA" : "host",
           (unsigned long long)nchunks, (unsigned long long)chunk_size, now_ms() - t0);
-  for (int rep = 0; rep < repeat; rep++) {
-    if (floor) run_floor();
-    for (const char *w = windows; *w;) {
-      run_vmmipc((uint32_t)strtoul(w, NULL, 10));
-      w = strchr(w, ',');
-      if (!w) break;
-      w++;
-    }
+  for (int k = 0; floor && k < counts.repeat; k++) run_floor();
+  for_each_number(first, run_first, &counts);
+  for (int k = 0; repeated && k < counts.fd_runs + counts.repeat; k++) {
+    session ss = {1, 0, strcmp(repeated, "nocache") ? 0 : VMMIPC_IMPORT_NO_CACHE, rounds, k < counts.fd_runs};
+    run_session(&ss);
   }
   return 0;
 }

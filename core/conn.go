@@ -19,10 +19,22 @@ import (
 // a SIGPIPE that kills a host process whose SIGPIPE is at its default) nor
 // checks MSG_CTRUNC.
 type conn struct {
-	uc      *net.UnixConn
-	raw     syscall.RawConn
-	timeout time.Duration // per message; 0 = none
-	what    string        // "server" or "receiver", for messages
+	uc       *net.UnixConn
+	raw      syscall.RawConn
+	timeout  time.Duration // per message; 0 = none
+	deadline time.Time     // when set, for every message instead of timeout
+	what     string        // "server" or "receiver", for messages
+}
+
+// until is the deadline of the next message; zero = none.
+func (c *conn) until() time.Time {
+	if !c.deadline.IsZero() {
+		return c.deadline
+	}
+	if c.timeout > 0 {
+		return time.Now().Add(c.timeout)
+	}
+	return time.Time{}
 }
 
 func newConn(uc *net.UnixConn, timeout time.Duration, what string) (*conn, error) {
@@ -38,14 +50,12 @@ func (c *conn) Close() error { return c.uc.Close() }
 // send writes one message; if fd >= 0 it travels attached to the message's
 // first byte, in the same sendmsg. The caller keeps ownership of fd.
 func (c *conn) send(msg []byte, fd int) error {
-	if c.timeout > 0 {
-		_ = c.uc.SetWriteDeadline(time.Now().Add(c.timeout))
-	}
+	deadline := c.until()
+	_ = c.uc.SetWriteDeadline(deadline)
 	var oob []byte
 	if fd >= 0 {
 		oob = unix.UnixRights(fd)
 	}
-	deadline := time.Now().Add(c.timeout)
 	for backoff := 50 * time.Microsecond; ; backoff = min(2*backoff, 5*time.Millisecond) {
 		var opErr error
 		err := c.raw.Write(func(s uintptr) bool {
@@ -71,7 +81,7 @@ func (c *conn) send(msg []byte, fd int) error {
 		// sockets against the sending user's RLIMIT_NOFILE, so many
 		// receivers with windows of descriptors queued can hit it. They
 		// drain as receivers read: wait and retry rather than fail.
-		if err == unix.ETOOMANYREFS && c.timeout > 0 && time.Now().Before(deadline) {
+		if err == unix.ETOOMANYREFS && !deadline.IsZero() && time.Now().Before(deadline) {
 			time.Sleep(backoff)
 			continue
 		}
@@ -96,9 +106,7 @@ type frame struct {
 // closed before returning it.
 func (c *conn) recv() (frame, error) {
 	f := frame{FD: -1}
-	if c.timeout > 0 {
-		_ = c.uc.SetReadDeadline(time.Now().Add(c.timeout))
-	}
+	_ = c.uc.SetReadDeadline(c.until())
 	var hdr [headerSize]byte
 	if err := c.readFull(hdr[:], &f.FD, true); err != nil {
 		closeFD(&f.FD)
@@ -182,9 +190,13 @@ func (c *conn) peer() string {
 // timeout.
 func (c *conn) ioError(op string, err error) error {
 	if errors.Is(err, os.ErrDeadlineExceeded) {
-		return Errorf(EIO, "%s: timed out after %v %s the %s (raise timeout_ms if it is just slow)", c.what, c.timeout, op, c.peer())
+		msg := fmt.Sprintf("%s: timed out after %v %s the %s (raise timeout_ms if it is just slow)", c.what, c.timeout, op, c.peer())
+		if !c.deadline.IsZero() {
+			msg = fmt.Sprintf("%s: timed out %s the %s: the handshake took too long", c.what, op, c.peer())
+		}
+		return &Error{Code: EIO, Msg: msg, inMsg: err} // errors.Is(err, os.ErrDeadlineExceeded) holds
 	}
-	if errors.Is(err, io.EOF) || errors.Is(err, syscall.EPIPE) || errors.Is(err, syscall.ECONNRESET) {
+	if errors.Is(err, io.EOF) || errors.Is(err, syscall.EPIPE) || errors.Is(err, syscall.ECONNRESET) || errors.Is(err, net.ErrClosed) {
 		return Errorf(EIO, "%s: the %s closed the connection", c.what, c.peer())
 	}
 	return &Error{Code: ioCode(err), Msg: fmt.Sprintf("%s: %s the %s", c.what, op, c.peer()), Err: err}

@@ -27,7 +27,12 @@ const (
 	ENFILE    Code = -8
 	EFORK     Code = -9
 	EINTERNAL Code = -10
+	ENOMEM    Code = -11
+	ETIMEDOUT Code = -12
 )
+
+// firstCode is the most negative status; codes run from it to End.
+const firstCode = ETIMEDOUT
 
 var codeNames = map[Code]string{
 	OK:        "VMMIPC_OK: success",
@@ -42,7 +47,21 @@ var codeNames = map[Code]string{
 	ENFILE:    "VMMIPC_ENFILE: out of file descriptors",
 	EFORK:     "VMMIPC_EFORK: called in a child after fork()",
 	EINTERNAL: "VMMIPC_EINTERNAL: internal error in libvmmipc",
+	ENOMEM:    "VMMIPC_ENOMEM: no address space for the reservation",
+	ETIMEDOUT: "VMMIPC_ETIMEDOUT: timed out; the registration is still live",
 }
+
+// Codes lists every status code, most negative first.
+func Codes() []Code {
+	var cs []Code
+	for c := firstCode; c <= End; c++ {
+		cs = append(cs, c)
+	}
+	return cs
+}
+
+// IsError reports whether c is one of the negative status codes.
+func (c Code) IsError() bool { return c < 0 && c >= firstCode }
 
 // String returns the status name and a short description.
 func (c Code) String() string {

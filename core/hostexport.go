@@ -1,78 +1,74 @@
 package core
 
 import (
+	"fmt"
+
 	"golang.org/x/sys/unix"
 )
 
-// FileExporter exports ranges of one mmap-able file (a memfd) as chunks: each
-// export is a fresh close-on-exec duplicate of the borrowed descriptor plus
-// the chunk's file offset. The owner keeps FD open until OnRelease runs.
+// FileExporter exports ranges of one memfd as chunks. It holds its own
+// duplicate of the file, taken at registration: so it can never send
+// another file that was given the registered descriptor's number after its
+// owner closed it, and the owner may close its descriptor at once. Each
+// export is a fresh close-on-exec duplicate plus the chunk's file offset.
 type FileExporter struct {
-	FD        int
-	ChunkSize uint64
-	OnRelease func() // may be nil
+	fd        int // ours; closed by Release
+	chunkSize uint64
 }
 
-// FileChunks validates a file registration and returns its chunk sizes.
-func FileChunks(fd int, size, chunkSize uint64) ([]uint64, error) {
+// HostFile validates a memfd registration of bytes [0, size) in chunks of
+// chunkSize and returns what to register. The spec's Key names the file (its
+// inode) and the chunking, so registering the same memfd again while a
+// registration of it lives shares the buffer. On success the spec's
+// exporter holds one duplicate of fd until the buffer ends.
+func HostFile(fd int, size, chunkSize uint64) (BufferSpec, error) {
 	if chunkSize == 0 || chunkSize%pageSize != 0 {
-		return nil, Errorf(EINVAL, "register: chunk size %d is not a positive multiple of the page size %d", chunkSize, pageSize)
+		return BufferSpec{}, Errorf(EINVAL, "register: chunk size %d is not a positive multiple of the page size %d", chunkSize, pageSize)
 	}
 	if size == 0 {
-		return nil, Errorf(EINVAL, "register: size is 0")
-	}
-	var st unix.Stat_t
-	if err := unix.Fstat(fd, &st); err != nil {
-		return nil, Errorf(EINVAL, "register: fd %d: %w", fd, err)
-	}
-	if st.Mode&unix.S_IFMT != unix.S_IFREG {
-		return nil, Errorf(EINVAL, "register: fd %d is not a regular file or memfd", fd)
-	}
-	if uint64(st.Size) < size {
-		return nil, Errorf(EINVAL, "register: fd %d holds %d bytes, fewer than the %d to share", fd, st.Size, size)
-	}
-	if err := checkShrinkSeal(fd); err != nil {
-		return nil, wrapErr(EINVAL, err, "register: fd %d", fd)
+		return BufferSpec{}, Errorf(EINVAL, "register: size is 0")
 	}
 	n := (size + chunkSize - 1) / chunkSize
 	if n > MaxChunks {
-		return nil, Errorf(EINVAL, "register: %d chunks exceed the limit of %d; use larger chunks", n, MaxChunks)
+		return BufferSpec{}, Errorf(EINVAL, "register: %d chunks exceed the limit of %d; use larger chunks", n, MaxChunks)
+	}
+	if fd < 0 {
+		return BufferSpec{}, Errorf(EINVAL, "register: fd %d is not a descriptor", fd)
+	}
+	st, err := checkHostFile(fd, size)
+	if err != nil {
+		return BufferSpec{}, wrapErr(EINVAL, err, "register")
+	}
+	dup, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		return BufferSpec{}, &Error{Code: ioCode(err), Msg: fmt.Sprintf("register: duplicating fd %d", fd), Err: err}
 	}
 	sizes := make([]uint64, n)
 	for i := range sizes {
 		sizes[i] = min(chunkSize, size-uint64(i)*chunkSize)
 	}
-	return sizes, nil
+	return BufferSpec{
+		Sizes: sizes, Kind: MemoryHost,
+		Exporter: &FileExporter{fd: dup, chunkSize: chunkSize},
+		// While our duplicate keeps the inode alive, no other file can
+		// have its number on that device: equal keys are the same file.
+		Key: fmt.Sprintf("memfd:%d:%d:%d:%d", st.Dev, st.Ino, size, chunkSize),
+	}, nil
 }
 
-// ExportChunk duplicates the file descriptor for chunk index.
+// ExportChunk duplicates our descriptor of the file for chunk index.
 func (e *FileExporter) ExportChunk(index uint64) (int, uint64, error) {
-	fd, err := unix.FcntlInt(uintptr(e.FD), unix.F_DUPFD_CLOEXEC, 0)
+	fd, err := unix.FcntlInt(uintptr(e.fd), unix.F_DUPFD_CLOEXEC, 0)
 	if err != nil {
-		return -1, 0, &Error{Code: ioCode(err), Msg: "duplicating the registered file descriptor (closed before the registration ended?)", Err: err}
+		return -1, 0, &Error{Code: ioCode(err), Msg: "duplicating the registered file", Err: err}
 	}
-	return fd, index * e.ChunkSize, nil
+	return fd, index * e.chunkSize, nil
 }
 
-// Release tells the owner it may close the file.
+// Release closes our duplicate.
 func (e *FileExporter) Release() {
-	if e.OnRelease != nil {
-		e.OnRelease()
-	}
-}
-
-// FuncExporter adapts plain functions to Exporter.
-type FuncExporter struct {
-	Export    func(index uint64) (fd int, fileOffset uint64, err error)
-	OnRelease func()
-}
-
-// ExportChunk calls Export.
-func (f *FuncExporter) ExportChunk(index uint64) (int, uint64, error) { return f.Export(index) }
-
-// Release calls OnRelease if set.
-func (f *FuncExporter) Release() {
-	if f.OnRelease != nil {
-		f.OnRelease()
+	if e.fd >= 0 {
+		_ = unix.Close(e.fd)
+		e.fd = -1
 	}
 }

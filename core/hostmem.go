@@ -25,16 +25,18 @@ func (h *HostImporter) Reserve(total uint64) (uint64, error) {
 	p, err := unix.MmapPtr(-1, 0, nil, uintptr(n), unix.PROT_NONE,
 		unix.MAP_PRIVATE|unix.MAP_ANONYMOUS|unix.MAP_NORESERVE)
 	if err != nil {
-		return 0, Errorf(EIO, "import: mmap reserve of %d bytes: %w", n, err)
+		code := EIO
+		if err == unix.ENOMEM {
+			code = ENOMEM
+		}
+		return 0, Errorf(code, "import: mmap reserve of %d bytes: %w", n, err)
 	}
 	h.base, h.size = p, uintptr(n)
 	return uint64(uintptr(p)), nil
 }
 
-// Map checks that the descriptor is a memfd big enough for the chunk and
-// sealed against shrinking, so that no access can ever fault with SIGBUS
-// (a size check alone would not do: the sender could truncate it later),
-// and maps it in place.
+// Map checks the chunk's descriptor (a sealed memfd big enough for the
+// chunk: memfd.go) and maps it in place.
 func (h *HostImporter) Map(c Chunk) error {
 	if c.Offset%pageSize != 0 || c.FileOffset%pageSize != 0 {
 		return Errorf(EINVAL, "offset %d / file offset %d not page aligned (host chunks must be multiples of %d bytes)", c.Offset, c.FileOffset, pageSize)
@@ -42,18 +44,12 @@ func (h *HostImporter) Map(c Chunk) error {
 	if c.Offset+c.Size > uint64(h.size) {
 		return Errorf(EINVAL, "chunk [%d, %d) outside the reserved %d bytes", c.Offset, c.Offset+c.Size, h.size)
 	}
-	var st unix.Stat_t
-	if err := unix.Fstat(c.FD, &st); err != nil {
-		return Errorf(EIO, "fstat: %w", err)
+	end := c.FileOffset + c.Size
+	if end < c.FileOffset {
+		return Errorf(EINVAL, "chunk at file offset %d of %d bytes overflows", c.FileOffset, c.Size)
 	}
-	if st.Mode&unix.S_IFMT != unix.S_IFREG {
-		return Errorf(EINVAL, "descriptor is not a regular file or memfd (mode %#o): is this a CUDA ticket? import it onto a GPU", st.Mode)
-	}
-	if end := c.FileOffset + c.Size; end < c.FileOffset || uint64(st.Size) < end {
-		return Errorf(EINVAL, "the file holds %d bytes but the chunk needs [%d, %d): refusing to map what would fault", st.Size, c.FileOffset, end)
-	}
-	if err := checkShrinkSeal(c.FD); err != nil {
-		return err
+	if _, err := checkHostFile(c.FD, end); err != nil {
+		return wrapErr(EINVAL, err, "refusing to map the sender's descriptor")
 	}
 	at := unsafe.Add(h.base, c.Offset)
 	if _, err := unix.MmapPtr(c.FD, int64(c.FileOffset), at, uintptr(c.Size),
@@ -79,15 +75,11 @@ func (h *HostImporter) Unmap() error {
 	return nil
 }
 
-// checkShrinkSeal insists on F_SEAL_SHRINK: without it whoever holds the file
-// can truncate it under our mapping and kill this process with SIGBUS.
-func checkShrinkSeal(fd int) error {
-	seals, err := unix.FcntlInt(uintptr(fd), unix.F_GET_SEALS, 0)
-	if err != nil {
-		return Errorf(EINVAL, "the file cannot be sealed (not a memfd: %v); host chunks must be memfds sealed with F_SEAL_SHRINK so that they can never be truncated under a mapping", err)
-	}
-	if seals&unix.F_SEAL_SHRINK == 0 {
-		return Errorf(EINVAL, "the memfd is not sealed against shrinking; the sender must seal it (memfd_create with MFD_ALLOW_SEALING, then fcntl F_ADD_SEALS F_SEAL_SHRINK) so that it can never be truncated under a mapping")
-	}
-	return nil
-}
+// Device is DeviceHost.
+func (h *HostImporter) Device() int32 { return DeviceHost }
+
+// Placement names host memory in the import cache's key.
+func (h *HostImporter) Placement() string { return "host" }
+
+// pageSize is the host page size; host chunks must be multiples of it.
+var pageSize = uint64(unix.Getpagesize())

@@ -3,37 +3,17 @@ package core
 import (
 	"crypto/rand"
 	"encoding/hex"
-	"errors"
 	"fmt"
 	"net"
 	"os"
 	"path/filepath"
+	"strconv"
+	"strings"
 	"sync"
 	"time"
 
 	"golang.org/x/sys/unix"
 )
-
-// Server limits. A receiver that connects and never speaks is dropped after
-// helloTimeout; one that stops pulling after idleTimeout. Admitted
-// connections are capped at a quarter of the host's soft RLIMIT_NOFILE
-// (between 16 and maxConns), and refusals of foreign uids at maxRefusing,
-// so that a flood of connections cannot take the host's descriptors.
-var (
-	helloTimeout = 10 * time.Second
-	idleTimeout  = 2 * time.Minute
-	maxConns     = 1024
-	maxRefusing  = 64
-)
-
-// connLimit is how many admitted connections the server keeps open at once.
-func connLimit() int {
-	var lim unix.Rlimit
-	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &lim); err != nil {
-		return 16
-	}
-	return int(max(16, min(uint64(maxConns), lim.Cur/4)))
-}
 
 // SocketDirEnv names the environment variable that, when set, makes the
 // server listen on a filesystem socket in that directory (mode 0600) instead
@@ -43,17 +23,15 @@ const SocketDirEnv = "VMMIPC_SOCKET_DIR"
 
 // Server serves the chunks of its registrations to receivers, exporting each
 // chunk only when asked and closing its descriptor right after sending it.
+// This file holds its life and its registering side; admission.go the
+// listener and its limits; session.go one receiver's session.
 type Server struct {
 	reg  *Registry
 	ln   *net.UnixListener
 	addr string // "@name" or a filesystem path
 	pid  uint32
 	uid  int
-
-	mu       sync.Mutex
-	conns    int // admitted connections being served
-	refusing int // foreign-uid connections being told no
-	closed   bool
+	adm  *admission
 }
 
 var (
@@ -83,18 +61,6 @@ func StartedServer() *Server {
 	return defaultServer
 }
 
-// DefaultRegistryLive reports the live registrations of the default server
-// without starting it.
-func DefaultRegistryLive() int {
-	defaultMu.Lock()
-	s := defaultServer
-	defaultMu.Unlock()
-	if s == nil {
-		return 0
-	}
-	return s.reg.Live()
-}
-
 // NewServer starts a server: on a filesystem socket in dir when dir is not
 // empty, else in the abstract namespace.
 func NewServer(dir string) (*Server, error) {
@@ -120,13 +86,19 @@ func NewServer(dir string) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &Server{reg: newRegistry(), ln: ln, addr: addr, pid: uint32(os.Getpid()), uid: os.Getuid()}
+	pid := uint32(os.Getpid())
+	s := &Server{
+		reg: newRegistry(addr, pid, selfStartTime()), ln: ln, addr: addr,
+		pid: pid, uid: os.Getuid(), adm: newAdmission(),
+	}
 	go s.acceptLoop()
 	return s, nil
 }
 
 // listenPrivate binds addr, makes a filesystem socket mode 0600, and only
-// then listens, so nobody can connect before the mode is set.
+// then listens, with the system's largest backlog, so that nobody can
+// connect before the mode is set and a burst of receivers waits in the
+// queue instead of being refused.
 func listenPrivate(addr string) (*net.UnixListener, error) {
 	fd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC|unix.SOCK_NONBLOCK, 0)
 	if err != nil {
@@ -149,7 +121,7 @@ func listenPrivate(addr string) (*net.UnixListener, error) {
 			return fail("chmod", err)
 		}
 	}
-	if err := unix.Listen(fd, 128); err != nil {
+	if err := unix.Listen(fd, listenBacklog()); err != nil {
 		return fail("listen", err)
 	}
 	f := os.NewFile(uintptr(fd), addr)
@@ -163,258 +135,118 @@ func listenPrivate(addr string) (*net.UnixListener, error) {
 	return ul, nil
 }
 
+// listenBacklog is the system's maximum listen backlog (the kernel caps any
+// larger request at net.core.somaxconn anyway).
+func listenBacklog() int {
+	b, err := os.ReadFile("/proc/sys/net/core/somaxconn")
+	if err != nil {
+		return 4096
+	}
+	n, err := strconv.Atoi(strings.TrimSpace(string(b)))
+	if err != nil || n <= 0 {
+		return 4096
+	}
+	return n
+}
+
 // Addr returns the address receivers connect to.
 func (s *Server) Addr() string { return s.addr }
-
-// Registry returns the server's registry.
-func (s *Server) Registry() *Registry { return s.reg }
 
 // Close stops accepting receivers and removes a filesystem socket. Tests use
 // it; the default server lives as long as the process.
 func (s *Server) Close() error {
-	s.mu.Lock()
-	s.closed = true
-	s.mu.Unlock()
+	s.adm.close()
 	return s.ln.Close()
 }
 
 // Register records a buffer and returns its ticket. It opens no descriptor.
-func (s *Server) Register(sizes []uint64, exp Exporter, opts RegisterOptions) (*Ticket, error) {
-	if opts.Kind == 0 {
-		opts.Kind = MemoryHost
-	}
-	if opts.Kind != MemoryHost && opts.Kind != MemoryCUDA {
-		return nil, Errorf(EINVAL, "register: unknown memory kind %d (want 1 = host or 2 = cuda)", opts.Kind)
-	}
-	g, err := s.reg.add(sizes, exp, opts)
+// On success it takes spec.Exporter (released when the buffer ends, or at
+// once when the registration joins a live buffer of the same key); on error
+// the exporter stays the caller's.
+func (s *Server) Register(spec BufferSpec, opts RegisterOptions) (*Ticket, error) {
+	g, joined, err := s.reg.add(spec, opts)
 	if err != nil {
 		return nil, err
 	}
-	return &Ticket{
-		Kind: opts.Kind, Address: s.addr, Pid: s.pid, RegID: g.id, Secret: g.secret,
-		Count: uint64(len(g.sizes)), Total: g.total, DeviceUUID: opts.DeviceUUID,
-	}, nil
+	if joined {
+		safely(spec.Exporter.Release) // the buffer already holds the memory
+	}
+	return g.ticket, nil
+}
+
+// RegisterAgain makes a new registration of the memory of the live
+// registration t names: same buffer identity, its own uses, ttl and secret.
+func (s *Server) RegisterAgain(t *Ticket, opts RegisterOptions) (*Ticket, error) {
+	g, err := s.own(t, false, "register again")
+	if err != nil {
+		return nil, err
+	}
+	ng, err := s.reg.again(g, opts)
+	if err != nil {
+		return nil, err
+	}
+	return ng.ticket, nil
 }
 
 // Unregister ends the registration a ticket names, if it is one of ours.
 func (s *Server) Unregister(t *Ticket) error {
-	if t.Address != s.addr || t.Pid != s.pid {
-		return Errorf(ENOENT, "unregister: the ticket belongs to another exporter (%s, pid %d), not this process", t.Address, t.Pid)
-	}
-	return s.reg.Unregister(t.RegID, t.Secret)
-}
-
-func (s *Server) acceptLoop() {
-	for {
-		uc, err := s.ln.AcceptUnix()
-		if err != nil {
-			if errors.Is(err, net.ErrClosed) {
-				return
-			}
-			// EMFILE and friends: back off instead of spinning.
-			time.Sleep(10 * time.Millisecond)
-			continue
-		}
-		// Check the uid before counting the connection: abstract sockets
-		// have no permissions, so a process of any uid can connect, and its
-		// connections must not use up the slots of admitted receivers.
-		handle, count, limit := s.serve, &s.conns, connLimit()
-		if err := s.checkPeer(uc); err != nil {
-			handle = func(uc *net.UnixConn) { s.refuseConn(uc, err) }
-			count, limit = &s.refusing, maxRefusing
-		}
-		if !s.take(count, limit) {
-			_ = uc.Close() // over the limit: hang up at once
-			continue
-		}
-		go func() {
-			defer s.give(count)
-			handle(uc)
-		}()
-	}
-}
-
-// take counts one more connection in *n unless it has reached limit.
-func (s *Server) take(n *int, limit int) bool {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if *n >= limit {
-		return false
-	}
-	*n++
-	return true
-}
-
-// give uncounts a connection that take counted.
-func (s *Server) give(n *int) {
-	s.mu.Lock()
-	*n--
-	s.mu.Unlock()
-}
-
-// serve runs one receiver's session: authenticate, claim a use, stream the
-// requested chunks in order, and consume the use on done.
-func (s *Server) serve(uc *net.UnixConn) {
-	c, err := newConn(uc, helloTimeout, "server")
+	g, err := s.own(t, false, "unregister")
 	if err != nil {
-		_ = uc.Close()
-		return
+		return err
 	}
-	defer c.Close()
-	defer func() { _ = recover() }() // a bug here must not take the host down
-
-	f, err := c.recv()
-	if err != nil {
-		if CodeOf(err) == EINVAL { // a malformed message: say why we hang up
-			s.refuse(c, err, noIndex)
-		}
-		return
-	}
-	if f.FD >= 0 { // receivers never send descriptors
-		closeFD(&f.FD)
-		s.refuse(c, Errorf(EINVAL, "protocol: receivers must not send descriptors"), noIndex)
-		return
-	}
-	if f.Type != msgHello {
-		s.refuse(c, Errorf(EINVAL, "protocol: expected hello, got %s", msgName(f.Type)), noIndex)
-		return
-	}
-	hello, err := parseHello(f.Body)
-	if err != nil {
-		s.refuse(c, err, noIndex)
-		return
-	}
-	g, err := s.reg.lookup(hello.RegID, hello.Secret)
-	if err != nil {
-		s.refuse(c, err, noIndex)
-		return
-	}
-	if err := g.claim(c); err != nil {
-		s.refuse(c, err, noIndex)
-		return
-	}
-	// The use is consumed in stream() once the last chunk has been sent;
-	// a stream cut before that gives it back. Release (possibly slow) runs
-	// only after the receiver has its acknowledgement, or has gone.
-	defer g.maybeRelease()
-	defer g.finish(c, false)
-	c.timeout = idleTimeout
-	if err := c.send(welcomeMsg{Count: uint64(len(g.sizes)), Total: g.total, Kind: g.kind}.encode(), -1); err != nil {
-		return
-	}
-	if s.stream(c, g) {
-		_ = c.send(encodeMsg(msgDoneAck, nil), -1)
-	}
-}
-
-// stream answers pull requests until done (true) or failure (false).
-func (s *Server) stream(c *conn, g *registration) bool {
-	count := uint64(len(g.sizes))
-	next := uint64(0) // the next index we expect to be asked for
-	for {
-		f, err := c.recv()
-		if err != nil {
-			closeFD(&f.FD)
-			if CodeOf(err) == EINVAL {
-				s.refuse(c, err, noIndex)
-			}
-			return false
-		}
-		if f.FD >= 0 { // receivers never send descriptors
-			closeFD(&f.FD)
-			s.refuse(c, Errorf(EINVAL, "protocol: receivers must not send descriptors"), noIndex)
-			return false
-		}
-		switch f.Type {
-		case msgPull:
-			p, err := parsePull(f.Body)
-			if err == nil && (p.First != next || p.Count == 0 || p.Count > count-next) {
-				err = Errorf(EINVAL, "protocol: pull of chunks [%d, %d+%d) out of order or out of range (next is %d of %d)", p.First, p.First, p.Count, next, count)
-			}
-			if err != nil {
-				s.refuse(c, err, noIndex)
-				return false
-			}
-			for i := p.First; i < p.First+p.Count; i++ {
-				if err := s.sendChunk(c, g, i); err != nil {
-					s.refuse(c, err, i)
-					return false
-				}
-			}
-			next += p.Count
-			if next == count {
-				// Every chunk is on its way: the use is spent, whether or
-				// not the receiver says done. (Counting only done would
-				// let a receiver pull everything, hang up, and pull again.)
-				g.finish(c, true)
-			}
-		case msgDone:
-			if next != count {
-				s.refuse(c, Errorf(EINVAL, "protocol: done after %d of %d chunks", next, count), noIndex)
-				return false
-			}
-			return true
-		default:
-			s.refuse(c, Errorf(EINVAL, "protocol: unexpected %s message while streaming", msgName(f.Type)), noIndex)
-			return false
-		}
-	}
-}
-
-// sendChunk exports chunk i, sends its descriptor with the chunk header in
-// one message, and closes the descriptor whatever happens.
-func (s *Server) sendChunk(c *conn, g *registration, i uint64) error {
-	fd, fileOff, err := g.export(i)
-	if err != nil {
-		if CodeOf(err) == ENOENT {
-			return err
-		}
-		return wrapErr(EEXPORT, err, "chunk %d of %d: export failed", i, len(g.sizes))
-	}
-	if fd < 0 {
-		return Errorf(EEXPORT, "chunk %d of %d: exporter returned no descriptor", i, len(g.sizes))
-	}
-	defer unix.Close(fd)
-	if _, err := unix.FcntlInt(uintptr(fd), unix.F_GETFD, 0); err != nil {
-		return Errorf(EEXPORT, "chunk %d of %d: exporter returned %d, which is not an open descriptor", i, len(g.sizes), fd)
-	}
-	msg := chunkMsg{Index: i, Offset: g.offsets[i], Size: g.sizes[i], FileOffset: fileOff}
-	return c.send(msg.encode(), fd)
-}
-
-// refuseConn tells a peer that may not connect why, and hangs up. It does
-// not wait for the peer: the message fits in the socket buffer.
-func (s *Server) refuseConn(uc *net.UnixConn, err error) {
-	defer func() { _ = recover() }()
-	c, cerr := newConn(uc, 0, "server")
-	if cerr != nil {
-		_ = uc.Close()
-		return
-	}
-	defer c.Close()
-	_ = uc.SetWriteDeadline(time.Now().Add(100 * time.Millisecond))
-	_ = c.send(errorMsg{Code: CodeOf(err), Index: noIndex, Text: err.Error()}.encode(), -1)
-}
-
-// refuse tells the receiver why it gets nothing (best effort) and lets the
-// caller close the connection. No descriptor is ever sent with it.
-func (s *Server) refuse(c *conn, err error, index uint64) {
-	code := CodeOf(err)
-	if code >= 0 {
-		code = EINTERNAL
-	}
-	c.timeout = time.Second // never block long on a receiver that does not read
-	_ = c.send(errorMsg{Code: code, Index: index, Text: err.Error()}.encode(), -1)
-}
-
-// checkPeer admits receivers of our own uid, and root.
-func (s *Server) checkPeer(uc *net.UnixConn) error {
-	cred, err := peerCred(uc)
-	if err != nil {
-		return Errorf(EAUTH, "cannot read the receiver's credentials (SO_PEERCRED): %v", err)
-	}
-	if int(cred.Uid) != s.uid && cred.Uid != 0 {
-		return Errorf(EAUTH, "receiver uid %d is not allowed: only the exporter's own uid or root may import", cred.Uid)
+	if !g.end("was unregistered by its owner") {
+		return Errorf(ENOENT, "unregister: registration %d has already ended", t.RegID)
 	}
 	return nil
+}
+
+// Wait blocks until the registration t names has ended and been released,
+// or timeout passes (ETIMEDOUT).
+func (s *Server) Wait(t *Ticket, timeout time.Duration) error {
+	g, err := s.own(t, true, "wait")
+	if CodeOf(err) == ENOENT && s.issuedBy(t) && s.reg.issued(t.RegID) {
+		return nil // ended and released long ago
+	}
+	if err != nil {
+		return err
+	}
+	timer := time.NewTimer(timeout)
+	defer timer.Stop()
+	select {
+	case <-g.releasedCh:
+		return nil
+	case <-timer.C:
+		state := "is still live"
+		if !g.live() {
+			state = "has ended, but what it lent is still in use (an export in flight, or registrations made from it still live)"
+		}
+		return Errorf(ETIMEDOUT, "wait: registration %d %s after %v", t.RegID, state, timeout)
+	}
+}
+
+// issuedBy reports whether t names this server.
+func (s *Server) issuedBy(t *Ticket) bool { return t.Address == s.addr && t.Pid == s.pid }
+
+// own finds the registration of this server that t names.
+func (s *Server) own(t *Ticket, releasing bool, op string) (*registration, error) {
+	if !s.issuedBy(t) {
+		return nil, Errorf(ENOENT, "%s: the ticket belongs to another exporter (%s, pid %d), not this process", op, t.Address, t.Pid)
+	}
+	g, err := s.reg.lookupOwn(t.RegID, t.Secret, releasing)
+	if err != nil {
+		return nil, wrapErr(CodeOf(err), err, "%s", op)
+	}
+	return g, nil
+}
+
+// Live reports the registrations of s that have not ended.
+func (s *Server) Live() int { return s.reg.Live() }
+
+// DefaultLive reports the live registrations of the default server without
+// starting it.
+func DefaultLive() int {
+	if s := StartedServer(); s != nil {
+		return s.Live()
+	}
+	return 0
 }

@@ -1,27 +1,14 @@
 package core
 
 import (
-	"context"
+	"errors"
 	"net"
 	"os"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 )
-
-// DefaultTimeout is how long a receiver waits on a silent exporter.
-const DefaultTimeout = 30 * time.Second
-
-// DefaultWindow is how many chunk requests a receiver keeps in flight by
-// default. Descriptors in flight sit in the socket (the kernel's), not in
-// either process's table.
-const DefaultWindow = 16
-
-// OpenOptions are the receiver-side options.
-type OpenOptions struct {
-	Timeout time.Duration // 0 = DefaultTimeout
-	Window  uint32        // 0 = DefaultWindow; 1 = lockstep
-}
 
 // Chunk is one received chunk. The receiver of a Chunk owns FD.
 type Chunk struct {
@@ -33,96 +20,199 @@ type Chunk struct {
 // order, at most Window requests ahead. Methods are safe for concurrent use
 // but chunks come out one at a time.
 type Stream struct {
-	mu        sync.Mutex
-	c         *conn
-	t         *Ticket
-	window    uint64
-	requested uint64 // chunks asked for so far
-	received  uint64 // chunks handed out so far
-	offset    uint64 // expected offset of the next chunk
-	err       error  // sticky: once broken, always broken
-	done      bool
-	closed    bool
-	closing   atomic.Bool // set once by Close, before it takes mu
+	mu          sync.Mutex
+	c           *conn
+	t           *Ticket
+	window      uint64
+	requested   uint64 // chunks asked for so far
+	received    uint64 // chunks handed out so far
+	offset      uint64 // expected offset of the next chunk
+	err         error  // sticky: once broken, always broken
+	done        bool
+	bufferLives bool // the exporter said the buffer outlives this use
+	closed      bool
+	closing     atomic.Bool // set once by Close, before it takes mu
 }
 
-// Open connects to the ticket's exporter, verifies that the socket belongs to
-// the ticket's pid, authenticates and claims one use.
+// Open checks that the ticket's exporter is alive, connects to it, proves
+// the secret both ways (handshake.go) and claims one use.
 func Open(t *Ticket, opts OpenOptions) (*Stream, error) {
-	if opts.Timeout <= 0 {
-		opts.Timeout = DefaultTimeout
+	if err := opts.Validate(); err != nil {
+		return nil, err
 	}
-	if opts.Window == 0 {
-		opts.Window = DefaultWindow
-	}
-	uc, err := dial(t.Address, opts.Timeout)
+	opts = opts.withDefaults()
+	c, err := connect(t, opts.Timeout, 0)
 	if err != nil {
 		return nil, err
 	}
+	return &Stream{c: c, t: t, window: uint64(opts.Window)}, nil
+}
+
+// errBusy is the server's "too many unauthenticated peers, retry".
+var errBusy = Errorf(EIO, "the exporter is busy with other connections (its bound of connections not yet authenticated is full)")
+
+// connect runs the start of a session: liveness, dial, peer check and
+// handshake, retrying a full listen backlog and "busy" answers until
+// timeout. It returns the authenticated connection, welcome checked.
+func connect(t *Ticket, timeout time.Duration, flags uint64) (*conn, error) {
+	if err := checkExporterAlive(t); err != nil {
+		return nil, err
+	}
+	digest, err := t.Digest()
+	if err != nil {
+		return nil, err
+	}
+	deadline := time.Now().Add(timeout)
+	for backoff := time.Millisecond; ; backoff = min(2*backoff, 50*time.Millisecond) {
+		c, err := dialConn(t, deadline, timeout)
+		if err != nil {
+			return nil, err
+		}
+		err = handshake(c, t, digest, flags)
+		if err == nil {
+			return c, nil
+		}
+		_ = c.Close()
+		if err != errBusy {
+			return nil, err
+		}
+		if !time.Now().Add(backoff).Before(deadline) {
+			return nil, wrapErr(EIO, err, "open: gave up after %v", timeout)
+		}
+		time.Sleep(backoff)
+	}
+}
+
+// dialExporter connects to the ticket's address, retrying while the listen
+// backlog is full (EAGAIN from a Unix connect), and checks with SO_PEERCRED
+// that the socket belongs to the ticket's pid and to our uid or root.
+func dialExporter(t *Ticket, deadline time.Time) (*net.UnixConn, error) {
+	for backoff := 100 * time.Microsecond; ; backoff = min(2*backoff, 20*time.Millisecond) {
+		d := net.Dialer{Deadline: deadline}
+		nc, err := d.Dial("unix", t.Address)
+		if err == nil {
+			uc := nc.(*net.UnixConn)
+			if err := checkExporter(uc, t); err != nil {
+				_ = uc.Close()
+				return nil, err
+			}
+			return uc, nil
+		}
+		full := errors.Is(err, syscall.EAGAIN)
+		switch {
+		case full && time.Now().Add(backoff).Before(deadline):
+			time.Sleep(backoff)
+			continue
+		case full:
+			return nil, &Error{Code: EIO, Msg: "open: the exporter's listen backlog stayed full until the timeout: it is serving its maximum of receivers at once and many more are waiting; raise timeout_ms", Err: err}
+		case errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ENOENT):
+			return nil, &Error{Code: EIO, Msg: "open: nothing listens at " + t.Address + ": the exporter closed its server or exited", Err: err}
+		default:
+			return nil, &Error{Code: ioCode(err), Msg: "open: cannot connect to the exporter at " + t.Address, Err: err}
+		}
+	}
+}
+
+// dialConn is dialExporter with the socket framed as a receiver's conn.
+func dialConn(t *Ticket, deadline time.Time, timeout time.Duration) (*conn, error) {
+	uc, err := dialExporter(t, deadline)
+	if err != nil {
+		return nil, err
+	}
+	c, err := newConn(uc, timeout, "receiver")
+	if err != nil {
+		_ = uc.Close()
+		return nil, err
+	}
+	return c, nil
+}
+
+// checkExporter is the first filter before the handshake proves anything.
+func checkExporter(uc *net.UnixConn, t *Ticket) error {
 	cred, err := peerCred(uc)
 	if err != nil {
-		_ = uc.Close()
-		return nil, Errorf(EAUTH, "open: cannot read the exporter's credentials (SO_PEERCRED): %v", err)
+		return Errorf(EAUTH, "open: cannot read the exporter's credentials (SO_PEERCRED): %v", err)
 	}
 	if me := uint32(os.Getuid()); cred.Uid != me && cred.Uid != 0 && me != 0 {
-		_ = uc.Close()
-		return nil, Errorf(EAUTH, "open: the socket %s belongs to uid %d; only our own uid or root may export to us", t.Address, cred.Uid)
+		return Errorf(EAUTH, "open: the socket %s belongs to uid %d; only our own uid or root may export to us", t.Address, cred.Uid)
 	}
 	if uint32(cred.Pid) != t.Pid {
-		_ = uc.Close()
-		return nil, Errorf(EAUTH, "open: the socket %s belongs to pid %d, but the ticket was issued by pid %d; refusing to trust it (the exporter exited and another process took its address, or the ticket is forged)", t.Address, cred.Pid, t.Pid)
+		return Errorf(EAUTH, "open: the socket %s belongs to pid %d, but the ticket was issued by pid %d; refusing to trust it (the exporter exited and another process took its address, or the ticket is forged)", t.Address, cred.Pid, t.Pid)
 	}
-	c, err := newConn(uc, opts.Timeout, "receiver")
-	if err != nil {
-		_ = uc.Close()
-		return nil, err
-	}
-	s := &Stream{c: c, t: t, window: uint64(opts.Window)}
-	if err := s.handshake(); err != nil {
-		_ = c.Close()
-		return nil, err
-	}
-	return s, nil
+	return nil
 }
 
-func dial(addr string, timeout time.Duration) (*net.UnixConn, error) {
-	d := net.Dialer{Timeout: timeout}
-	conn, err := d.DialContext(context.Background(), "unix", addr)
-	if err != nil {
-		return nil, &Error{Code: ioCode(err), Msg: "open: cannot connect to the exporter at " + addr + " (has it exited?)", Err: err}
-	}
-	return conn.(*net.UnixConn), nil
-}
-
-func (s *Stream) handshake() error {
-	if err := s.c.send(helloMsg{RegID: s.t.RegID, Secret: s.t.Secret}.encode(), -1); err != nil {
-		// A server that refuses us at once (our uid) hangs up after
-		// saying why: read that rather than report a bare EPIPE.
-		return s.pendingError(err)
-	}
-	f, err := s.c.recv()
+// handshake runs the receiver's half of handshake.go and checks the welcome.
+func handshake(c *conn, t *Ticket, digest [32]byte, flags uint64) error {
+	nr, err := newNonce()
 	if err != nil {
 		return err
 	}
-	if f.FD >= 0 {
-		closeFD(&f.FD)
-		return Errorf(EINVAL, "protocol: the exporter sent a descriptor with its %s message", msgName(f.Type))
+	if err := c.send(helloMsg{RegID: t.RegID, Flags: flags, Nonce: nr}.encode(), -1); err != nil {
+		// A server that refuses us at once hangs up after saying why:
+		// read that rather than report a bare EPIPE.
+		return pendingError(c, err)
 	}
-	switch f.Type {
-	case msgError:
-		return remoteError(f.Body)
-	case msgWelcome:
-	default:
-		return Errorf(EINVAL, "protocol: expected welcome, got %s", msgName(f.Type))
+	f, err := recvControl(c, "challenge")
+	if err != nil {
+		if errors.Is(err, os.ErrDeadlineExceeded) || isTimeout(err) {
+			return Errorf(EIO, "open: connected, but the exporter did not answer within %v: it may be serving its maximum of receivers at once (the rest wait their turn), or be hung; raise timeout_ms if it is just busy", c.timeout)
+		}
+		return err
+	}
+	ch, err := parseChallenge(f.Body)
+	if err != nil {
+		return err
+	}
+	tr := transcript{
+		RegID: t.RegID, Flags: flags, ServerPid: t.Pid, ReceiverPid: uint32(os.Getpid()),
+		TicketDigest: digest, ReceiverNonce: nr, ServerNonce: ch.Nonce,
+	}
+	if !tr.verify(t.Secret, roleServer, ch.Proof) {
+		return Errorf(EAUTH, "open: the process at %s (pid %d) could not prove that it knows this ticket's secret: the ticket is corrupted or forged, or another process is impersonating the exporter; nothing was accepted from it", t.Address, t.Pid)
+	}
+	if err := c.send(proofMsg{Proof: tr.proof(t.Secret, roleReceiver)}.encode(), -1); err != nil {
+		return pendingError(c, err)
+	}
+	f, err = recvControl(c, "welcome")
+	if err != nil {
+		return err
 	}
 	w, err := parseWelcome(f.Body)
 	if err != nil {
 		return err
 	}
-	if w.Count != s.t.Count || w.Total != s.t.Total || w.Kind != s.t.Kind {
-		return Errorf(EINVAL, "protocol: the exporter describes %d chunks / %d bytes / kind %d, the ticket %d / %d / %d", w.Count, w.Total, w.Kind, s.t.Count, s.t.Total, s.t.Kind)
+	if w.Count != t.Count || w.Total != t.Total || w.Kind != t.Kind || w.BufferID != t.BufferID {
+		return Errorf(EINVAL, "protocol: the exporter describes %d chunks / %d bytes / kind %d / buffer %d, the ticket %d / %d / %d / %d", w.Count, w.Total, w.Kind, w.BufferID, t.Count, t.Total, t.Kind, t.BufferID)
 	}
 	return nil
+}
+
+// recvControl receives a message of type want (no descriptor allowed),
+// turning error and busy messages into errors.
+func recvControl(c *conn, want string) (frame, error) {
+	f, err := c.recv()
+	if err != nil {
+		return f, err
+	}
+	if f.FD >= 0 {
+		closeFD(&f.FD)
+		return f, Errorf(EINVAL, "protocol: the exporter sent a descriptor with its %s message", msgName(f.Type))
+	}
+	switch {
+	case f.Type == msgError:
+		return f, remoteError(f.Body)
+	case f.Type == msgBusy:
+		return f, errBusy
+	case msgName(f.Type) != want:
+		return f, Errorf(EINVAL, "protocol: expected %s, got %s", want, msgName(f.Type))
+	}
+	return f, nil
+}
+
+func isTimeout(err error) bool {
+	var ne net.Error
+	return errors.As(err, &ne) && ne.Timeout()
 }
 
 // remoteError turns the server's error message into a local error.
@@ -132,6 +222,23 @@ func remoteError(body []byte) error {
 		return err
 	}
 	return &Error{Code: m.Code, Msg: "exporter: " + m.Text}
+}
+
+// pendingError returns the exporter's queued error message if there is one,
+// else fallback.
+func pendingError(c *conn, fallback error) error {
+	f, err := c.recv()
+	if err != nil {
+		return fallback
+	}
+	closeFD(&f.FD)
+	switch f.Type {
+	case msgError:
+		return remoteError(f.Body)
+	case msgBusy:
+		return errBusy
+	}
+	return fallback
 }
 
 // Ticket returns the ticket the stream was opened with.
@@ -166,26 +273,7 @@ func IsEnd(err error) bool { return err == errEnd }
 func (s *Stream) next() (Chunk, error) {
 	count := s.t.Count
 	if s.received == count {
-		if s.offset != s.t.Total {
-			return Chunk{FD: -1}, Errorf(EINVAL, "protocol: chunks cover %d bytes, the ticket says %d", s.offset, s.t.Total)
-		}
-		if err := s.c.send(encodeMsg(msgDone, nil), -1); err != nil {
-			return Chunk{FD: -1}, err
-		}
-		f, err := s.c.recv()
-		if err != nil {
-			return Chunk{FD: -1}, wrapErr(EIO, err, "waiting for the exporter to confirm")
-		}
-		closeFD(&f.FD)
-		switch f.Type {
-		case msgDoneAck:
-		case msgError:
-			return Chunk{FD: -1}, remoteError(f.Body)
-		default:
-			return Chunk{FD: -1}, Errorf(EINVAL, "protocol: expected done-ack, got %s", msgName(f.Type))
-		}
-		s.done = true
-		return Chunk{FD: -1}, errEnd
+		return Chunk{FD: -1}, s.finish()
 	}
 	// Top up the requests in flight once half the window has drained, so
 	// the exporter never waits on us and requests go out in batches.
@@ -195,7 +283,7 @@ func (s *Stream) next() (Chunk, error) {
 			// The exporter may have hung up after telling us why: what it
 			// sent before closing is still queued for us to read.
 			if inFlight == 0 {
-				return Chunk{FD: -1}, s.chunkErr(s.pendingError(sendErr))
+				return Chunk{FD: -1}, s.chunkErr(pendingError(s.c, sendErr))
 			}
 		} else {
 			s.requested += n
@@ -227,18 +315,33 @@ func (s *Stream) next() (Chunk, error) {
 	return Chunk{Index: m.Index, Offset: m.Offset, Size: m.Size, FileOffset: m.FileOffset, FD: f.FD}, nil
 }
 
-// pendingError returns the exporter's queued error message if there is one,
-// else fallback.
-func (s *Stream) pendingError(fallback error) error {
-	f, err := s.c.recv()
+// finish says done and reads the exporter's done-ack: the use is spent.
+func (s *Stream) finish() error {
+	if s.offset != s.t.Total {
+		return Errorf(EINVAL, "protocol: chunks cover %d bytes, the ticket says %d", s.offset, s.t.Total)
+	}
+	if err := s.c.send(encodeMsg(msgDone, nil), -1); err != nil {
+		return err
+	}
+	lives, err := readDoneAck(s.c)
 	if err != nil {
-		return fallback
+		return err
 	}
-	closeFD(&f.FD)
-	if f.Type == msgError {
-		return remoteError(f.Body)
+	s.done, s.bufferLives = true, lives
+	return errEnd
+}
+
+// readDoneAck reads the done-ack and says whether the buffer lives on.
+func readDoneAck(c *conn) (bool, error) {
+	f, err := recvControl(c, "done-ack")
+	if err != nil {
+		return false, wrapErr(EIO, err, "waiting for the exporter to confirm")
 	}
-	return fallback
+	ack, err := parseDoneAck(f.Body)
+	if err != nil {
+		return false, err
+	}
+	return ack.Flags&ackBufferLives != 0, nil
 }
 
 // checkChunk verifies that a chunk message is the one we expect and that
@@ -279,4 +382,49 @@ func (s *Stream) Close() error {
 	s.closed = true
 	s.mu.Unlock()
 	return err
+}
+
+// confirm is a cache hit's whole session: authenticate with the confirm
+// flag, which spends a use without sending anything; it reports whether the
+// buffer lives on after the use.
+func confirm(t *Ticket, timeout time.Duration) (bool, error) {
+	c, err := connect(t, timeout, helloConfirm)
+	if err != nil {
+		return false, err
+	}
+	defer c.Close()
+	return readDoneAck(c)
+}
+
+// bufferStatus asks t's exporter which of the buffer ids are still live.
+// The answer is unauthenticated: it only decides when to drop cached
+// mappings early, never whether to use one.
+func bufferStatus(t *Ticket, ids []uint64, timeout time.Duration) (map[uint64]bool, error) {
+	if err := checkExporterAlive(t); err != nil {
+		return nil, err
+	}
+	c, err := dialConn(t, time.Now().Add(timeout), timeout)
+	if err != nil {
+		return nil, err
+	}
+	defer c.Close()
+	out := make(map[uint64]bool, len(ids))
+	for _, id := range ids {
+		if err := c.send(statusMsg{BufferID: id}.encode(), -1); err != nil {
+			return nil, err
+		}
+		f, err := recvControl(c, "status-ack")
+		if err != nil {
+			return nil, err
+		}
+		ack, err := parseStatusAck(f.Body)
+		if err != nil {
+			return nil, err
+		}
+		if ack.BufferID != id {
+			return nil, Errorf(EINVAL, "protocol: status of buffer %d answered for buffer %d", id, ack.BufferID)
+		}
+		out[id] = ack.Alive
+	}
+	return out, nil
 }

@@ -1,7 +1,7 @@
 package core
 
 import (
-	"crypto/rand"
+	"crypto/sha256"
 	"encoding/binary"
 	"fmt"
 	"strings"
@@ -11,12 +11,9 @@ import (
 const TicketSize = 256
 
 // TicketFormat is the ticket layout version this library writes and reads.
-const TicketFormat = 1
-
-// MaxChunks bounds the chunk count of one registration (2^26 chunks of 2 MiB
-// is 128 TiB), so that a hostile ticket or peer cannot make us allocate
-// without bound.
-const MaxChunks = 1 << 26
+// Version 2 added the exporter's start time and the buffer id; the whole
+// ticket is bound into the handshake (see handshake.go).
+const TicketFormat = 2
 
 // Memory kinds, as VMMIPC_MEMORY_* in vmmipc.h.
 const (
@@ -39,48 +36,50 @@ var ticketMagic = [8]byte{'V', 'M', 'M', 'I', 'P', 'C', 'T', 'K'}
 //	10  u8   memory kind
 //	11  u8   address kind
 //	12  u32  exporter pid
-//	16  u64  registration id
-//	24  [32] secret
-//	56  u64  chunk count
-//	64  u64  total size
-//	72  [16] device UUID (CUDA) or zeros
-//	88  u16  address length
-//	90  [107] address bytes (abstract names without the leading NUL)
-//	197 ...  reserved, must be zero
+//	16  u64  exporter start time (clock ticks after boot; 0 = unknown)
+//	24  u64  registration id
+//	32  u64  buffer id
+//	40  [32] secret
+//	72  u64  chunk count
+//	80  u64  total size
+//	88  [16] device UUID (CUDA) or zeros
+//	104 u16  address length
+//	106 [107] address bytes (abstract names without the leading NUL)
+//	213 ...  reserved, must be zero
 const (
-	offMagic    = 0
-	offFormat   = 8
-	offKind     = 10
-	offAddrKind = 11
-	offPid      = 12
-	offRegID    = 16
-	offSecret   = 24
-	offCount    = 56
-	offTotal    = 64
-	offUUID     = 72
-	offAddrLen  = 88
-	offAddr     = 90
-	offReserved = offAddr + maxAddrLen
+	offMagic     = 0
+	offFormat    = 8
+	offKind      = 10
+	offAddrKind  = 11
+	offPid       = 12
+	offStartTime = 16
+	offRegID     = 24
+	offBufferID  = 32
+	offSecret    = 40
+	offCount     = 72
+	offTotal     = 80
+	offUUID      = 88
+	offAddrLen   = 104
+	offAddr      = 106
+	offReserved  = offAddr + maxAddrLen
 )
 
-// Secret is the 256-bit random value that proves a receiver holds the ticket.
+// Secret is the 256-bit random value that only the exporter and holders of
+// the ticket know. It never crosses the socket: both sides prove knowledge
+// of it with an HMAC.
 type Secret [32]byte
 
 // NewSecret draws a fresh secret from crypto/rand.
-func NewSecret() (Secret, error) {
-	var s Secret
-	if _, err := rand.Read(s[:]); err != nil {
-		return s, Errorf(EINTERNAL, "reading random secret: %w", err)
-	}
-	return s, nil
-}
+func NewSecret() (Secret, error) { return random32("secret") }
 
 // Ticket is the decoded form of a vmmipc_ticket.
 type Ticket struct {
 	Kind       uint8  // MemoryHost or MemoryCUDA
 	Address    string // socket address; "@name" for the abstract namespace
 	Pid        uint32 // exporter's pid
+	StartTime  uint64 // exporter's start time (/proc/<pid>/stat); 0 = unknown
 	RegID      uint64
+	BufferID   uint64 // the memory's identity, shared by its registrations
 	Secret     Secret
 	Count      uint64
 	Total      uint64
@@ -104,7 +103,9 @@ func (t *Ticket) Marshal() ([TicketSize]byte, error) {
 		b[offAddrKind] = addrPath
 	}
 	binary.LittleEndian.PutUint32(b[offPid:], t.Pid)
+	binary.LittleEndian.PutUint64(b[offStartTime:], t.StartTime)
 	binary.LittleEndian.PutUint64(b[offRegID:], t.RegID)
+	binary.LittleEndian.PutUint64(b[offBufferID:], t.BufferID)
 	copy(b[offSecret:], t.Secret[:])
 	binary.LittleEndian.PutUint64(b[offCount:], t.Count)
 	binary.LittleEndian.PutUint64(b[offTotal:], t.Total)
@@ -126,6 +127,10 @@ func (t *Ticket) validate() error {
 		return Errorf(EINVAL, "ticket: total size %d is smaller than the chunk count %d", t.Total, t.Count)
 	case t.Pid == 0:
 		return Errorf(EINVAL, "ticket: exporter pid is 0")
+	case t.RegID == 0 || t.BufferID == 0:
+		return Errorf(EINVAL, "ticket: registration id %d or buffer id %d is 0", t.RegID, t.BufferID)
+	case t.Kind == MemoryHost && t.DeviceUUID != [16]byte{}:
+		return Errorf(EINVAL, "ticket: a host-memory ticket carries a device UUID (corrupted ticket?)")
 	}
 	addr := strings.TrimPrefix(t.Address, "@")
 	if addr == "" || len(addr) > maxAddrLen || strings.IndexByte(addr, 0) >= 0 {
@@ -149,7 +154,7 @@ func DecodeTicket(b []byte) (*Ticket, error) {
 		return nil, Errorf(EINVAL, "ticket: wrong magic: these bytes are not a vmmipc ticket")
 	}
 	if f := binary.LittleEndian.Uint16(b[offFormat:]); f != TicketFormat {
-		return nil, Errorf(EINVAL, "ticket: format version %d, this libvmmipc reads version %d (sender and receiver must use the same library version)", f, TicketFormat)
+		return nil, Errorf(EINVAL, "ticket: format version %d, this libvmmipc reads version %d (sender and receiver must use libvmmipc versions with the same ticket format)", f, TicketFormat)
 	}
 	for i := offReserved; i < TicketSize; i++ {
 		if b[i] != 0 {
@@ -157,11 +162,13 @@ func DecodeTicket(b []byte) (*Ticket, error) {
 		}
 	}
 	t := &Ticket{
-		Kind:  b[offKind],
-		Pid:   binary.LittleEndian.Uint32(b[offPid:]),
-		RegID: binary.LittleEndian.Uint64(b[offRegID:]),
-		Count: binary.LittleEndian.Uint64(b[offCount:]),
-		Total: binary.LittleEndian.Uint64(b[offTotal:]),
+		Kind:      b[offKind],
+		Pid:       binary.LittleEndian.Uint32(b[offPid:]),
+		StartTime: binary.LittleEndian.Uint64(b[offStartTime:]),
+		RegID:     binary.LittleEndian.Uint64(b[offRegID:]),
+		BufferID:  binary.LittleEndian.Uint64(b[offBufferID:]),
+		Count:     binary.LittleEndian.Uint64(b[offCount:]),
+		Total:     binary.LittleEndian.Uint64(b[offTotal:]),
 	}
 	copy(t.Secret[:], b[offSecret:])
 	copy(t.DeviceUUID[:], b[offUUID:])
@@ -192,12 +199,28 @@ func DecodeTicket(b []byte) (*Ticket, error) {
 	return t, nil
 }
 
+// Digest is the SHA-256 of the ticket's encoded bytes. The handshake binds
+// it, so a ticket that differs from the exporter's in any byte is refused.
+func (t *Ticket) Digest() ([32]byte, error) {
+	b, err := t.Marshal()
+	if err != nil {
+		return [32]byte{}, err
+	}
+	return sha256.Sum256(b[:]), nil
+}
+
+// exporterKey names the process that issued t: its address, pid and start
+// time (a pid alone can be reused).
+func (t *Ticket) exporterKey() string {
+	return fmt.Sprintf("%s|%d|%d", t.Address, t.Pid, t.StartTime)
+}
+
 // String describes the ticket without its secret.
 func (t *Ticket) String() string {
 	kind := "host"
 	if t.Kind == MemoryCUDA {
 		kind = "cuda"
 	}
-	return fmt.Sprintf("ticket{%s, %d chunks, %d bytes, registration %d at %s, pid %d}",
-		kind, t.Count, t.Total, t.RegID, t.Address, t.Pid)
+	return fmt.Sprintf("ticket{%s, %d chunks, %d bytes, registration %d of buffer %d at %s, pid %d}",
+		kind, t.Count, t.Total, t.RegID, t.BufferID, t.Address, t.Pid)
 }

@@ -15,41 +15,94 @@ import (
 //	8  u32 body length
 //	12 u32 reserved, zero
 //
-// Receiver → server: hello, then pull requests (in index order, any number
-// in flight), then done. Server → receiver: welcome, one chunk message per
-// chunk with exactly one descriptor attached to its first byte, or an error
-// message, after which the server closes the connection; after done, a
-// done-ack once the use is consumed.
+// A session (handshake.go has the proofs):
+//
+//	receiver                               server
+//	hello(reg id, flags, nonce Nr)   →
+//	                                 ←     challenge(nonce Ns, server proof)
+//	                                       (or error, or busy: retry later)
+//	proof(receiver proof)            →
+//	                                 ←     welcome(count, total, kind, buffer id)
+//	pull(first, n) ...               →
+//	                                 ←     chunk(index, offset, size, file offset)
+//	                                       + exactly one descriptor, per chunk
+//	done                             →
+//	                                 ←     done-ack(buffer lives on?)
+//
+// With the confirm flag (a receiver that has the buffer cached) the server
+// sends done-ack right after welcome and no chunk is pulled. An error
+// message ends the session; the server closes the connection after it.
+// Before any hello, a peer may send status queries (buffer id → alive?);
+// they reveal nothing but whether a buffer id is live.
 const (
 	wireMagic       uint32 = 0x50494d56 // "VMIP"
-	ProtocolVersion uint8  = 1
+	ProtocolVersion uint8  = 2
 	headerSize             = 16
-	maxBody                = 4096
 	maxErrorText           = 1024
 )
 
 // Message types.
 const (
-	msgHello   uint8 = 1 // receiver: registration id, secret
-	msgWelcome uint8 = 2 // server: count, total, kind
-	msgPull    uint8 = 3 // receiver: first index, count
-	msgChunk   uint8 = 4 // server: index, offset, size, file offset (+ 1 fd)
-	msgDone    uint8 = 5 // receiver: every chunk arrived; consume the use
-	msgError   uint8 = 6 // server: status, chunk index, text
-	msgDoneAck uint8 = 7 // server: the use is consumed
+	msgHello     uint8 = 1  // receiver: registration id, flags, nonce
+	msgWelcome   uint8 = 2  // server: count, total, kind, buffer id
+	msgPull      uint8 = 3  // receiver: first index, count
+	msgChunk     uint8 = 4  // server: index, offset, size, file offset (+ 1 fd)
+	msgDone      uint8 = 5  // receiver: every chunk arrived
+	msgError     uint8 = 6  // server: status, text
+	msgDoneAck   uint8 = 7  // server: the use is spent; flags
+	msgChallenge uint8 = 8  // server: nonce, proof
+	msgProof     uint8 = 9  // receiver: proof
+	msgBusy      uint8 = 10 // server: too many unauthenticated peers; retry
+	msgStatus    uint8 = 11 // receiver, before hello: buffer id
+	msgStatusAck uint8 = 12 // server: buffer id, alive
 )
 
-// Body sizes of the fixed-size messages.
+// Hello flags.
 const (
-	helloSize   = 8 + 32 + 8
-	welcomeSize = 8 + 8 + 8
-	pullSize    = 16
-	chunkSize   = 32
-	errorHead   = 16
+	helloConfirm uint64 = 1 << 0 // the receiver has the buffer; spend a use, send nothing
+	helloKnown          = helloConfirm
 )
 
-// noIndex marks an error that concerns no particular chunk.
-const noIndex = ^uint64(0)
+// Done-ack flags.
+const (
+	ackBufferLives uint64 = 1 << 0 // the buffer outlives this use: a receiver may cache it
+	ackKnown              = ackBufferLives
+)
+
+// Body sizes of the fixed-size messages; an error message has errorHead
+// bytes then up to maxErrorText bytes of UTF-8 text.
+const (
+	helloSize     = 8 + 8 + nonceSize
+	challengeSize = nonceSize + proofSize
+	proofMsgSize  = proofSize
+	welcomeSize   = 8 + 8 + 8 + 8
+	pullSize      = 16
+	chunkMsgSize  = 32
+	doneAckSize   = 8
+	statusSize    = 8
+	statusAckSize = 16
+	errorHead     = 8
+)
+
+var bodySizes = map[uint8]int{
+	msgHello: helloSize, msgWelcome: welcomeSize, msgPull: pullSize,
+	msgChunk: chunkMsgSize, msgDone: 0, msgError: -1, msgDoneAck: doneAckSize,
+	msgChallenge: challengeSize, msgProof: proofMsgSize, msgBusy: 0,
+	msgStatus: statusSize, msgStatusAck: statusAckSize,
+}
+
+var msgNames = map[uint8]string{
+	msgHello: "hello", msgWelcome: "welcome", msgPull: "pull", msgChunk: "chunk",
+	msgDone: "done", msgError: "error", msgDoneAck: "done-ack", msgChallenge: "challenge",
+	msgProof: "proof", msgBusy: "busy", msgStatus: "status", msgStatusAck: "status-ack",
+}
+
+func msgName(t uint8) string {
+	if n, ok := msgNames[t]; ok {
+		return n
+	}
+	return "unknown"
+}
 
 type header struct {
 	Type uint8
@@ -74,7 +127,7 @@ func parseHeader(b []byte) (header, error) {
 		return header{}, Errorf(EINVAL, "protocol: bad magic %#x (not a libvmmipc peer)", m)
 	}
 	if b[4] != ProtocolVersion {
-		return header{}, Errorf(EINVAL, "protocol: peer speaks version %d, this libvmmipc speaks %d", b[4], ProtocolVersion)
+		return header{}, Errorf(EINVAL, "protocol: peer speaks version %d, this libvmmipc speaks %d (use libvmmipc versions with the same protocol on both sides)", b[4], ProtocolVersion)
 	}
 	if binary.LittleEndian.Uint16(b[6:]) != 0 || binary.LittleEndian.Uint32(b[12:]) != 0 {
 		return header{}, Errorf(EINVAL, "protocol: reserved header bytes are not zero")
@@ -94,41 +147,24 @@ func parseHeader(b []byte) (header, error) {
 	return h, nil
 }
 
-var bodySizes = map[uint8]int{
-	msgHello: helloSize, msgWelcome: welcomeSize, msgPull: pullSize,
-	msgChunk: chunkSize, msgDone: 0, msgError: -1, msgDoneAck: 0,
-}
-
-func msgName(t uint8) string {
-	switch t {
-	case msgHello:
-		return "hello"
-	case msgWelcome:
-		return "welcome"
-	case msgPull:
-		return "pull"
-	case msgChunk:
-		return "chunk"
-	case msgDone:
-		return "done"
-	case msgError:
-		return "error"
-	case msgDoneAck:
-		return "done-ack"
-	}
-	return "unknown"
-}
-
 // Decoded message bodies.
 type (
 	helloMsg struct {
-		RegID  uint64
-		Secret Secret
-		Flags  uint64 // reserved, zero
+		RegID uint64
+		Flags uint64
+		Nonce [nonceSize]byte
+	}
+	challengeMsg struct {
+		Nonce [nonceSize]byte
+		Proof [proofSize]byte
+	}
+	proofMsg struct {
+		Proof [proofSize]byte
 	}
 	welcomeMsg struct {
 		Count, Total uint64
 		Kind         uint8
+		BufferID     uint64
 	}
 	pullMsg struct {
 		First, Count uint64
@@ -136,10 +172,19 @@ type (
 	chunkMsg struct {
 		Index, Offset, Size, FileOffset uint64
 	}
+	doneAckMsg struct {
+		Flags uint64
+	}
+	statusMsg struct {
+		BufferID uint64
+	}
+	statusAckMsg struct {
+		BufferID uint64
+		Alive    bool
+	}
 	errorMsg struct {
-		Code  Code
-		Index uint64
-		Text  string
+		Code Code
+		Text string
 	}
 )
 
@@ -150,25 +195,61 @@ func encodeMsg(typ uint8, body []byte) []byte {
 	return b
 }
 
+// bodyOf checks the body length of a fixed-size message.
+func bodyOf(typ uint8, body []byte) error {
+	if len(body) != bodySizes[typ] {
+		return Errorf(EINVAL, "protocol: %s of %d bytes, want %d", msgName(typ), len(body), bodySizes[typ])
+	}
+	return nil
+}
+
 func (m helloMsg) encode() []byte {
 	body := make([]byte, helloSize)
 	binary.LittleEndian.PutUint64(body[0:], m.RegID)
-	copy(body[8:40], m.Secret[:])
-	binary.LittleEndian.PutUint64(body[40:], m.Flags)
+	binary.LittleEndian.PutUint64(body[8:], m.Flags)
+	copy(body[16:], m.Nonce[:])
 	return encodeMsg(msgHello, body)
 }
 
 func parseHello(body []byte) (helloMsg, error) {
 	var m helloMsg
-	if len(body) != helloSize {
-		return m, Errorf(EINVAL, "protocol: hello of %d bytes", len(body))
+	if err := bodyOf(msgHello, body); err != nil {
+		return m, err
 	}
 	m.RegID = binary.LittleEndian.Uint64(body[0:])
-	copy(m.Secret[:], body[8:40])
-	m.Flags = binary.LittleEndian.Uint64(body[40:])
-	if m.Flags != 0 {
+	m.Flags = binary.LittleEndian.Uint64(body[8:])
+	copy(m.Nonce[:], body[16:])
+	if m.Flags&^helloKnown != 0 {
 		return m, Errorf(EINVAL, "protocol: hello flags %#x not understood", m.Flags)
 	}
+	return m, nil
+}
+
+func (m challengeMsg) encode() []byte {
+	body := make([]byte, challengeSize)
+	copy(body, m.Nonce[:])
+	copy(body[nonceSize:], m.Proof[:])
+	return encodeMsg(msgChallenge, body)
+}
+
+func parseChallenge(body []byte) (challengeMsg, error) {
+	var m challengeMsg
+	if err := bodyOf(msgChallenge, body); err != nil {
+		return m, err
+	}
+	copy(m.Nonce[:], body)
+	copy(m.Proof[:], body[nonceSize:])
+	return m, nil
+}
+
+func (m proofMsg) encode() []byte { return encodeMsg(msgProof, m.Proof[:]) }
+
+func parseProof(body []byte) (proofMsg, error) {
+	var m proofMsg
+	if err := bodyOf(msgProof, body); err != nil {
+		return m, err
+	}
+	copy(m.Proof[:], body)
 	return m, nil
 }
 
@@ -177,18 +258,20 @@ func (m welcomeMsg) encode() []byte {
 	binary.LittleEndian.PutUint64(body[0:], m.Count)
 	binary.LittleEndian.PutUint64(body[8:], m.Total)
 	body[16] = m.Kind
+	binary.LittleEndian.PutUint64(body[24:], m.BufferID)
 	return encodeMsg(msgWelcome, body)
 }
 
 func parseWelcome(body []byte) (welcomeMsg, error) {
 	var m welcomeMsg
-	if len(body) != welcomeSize {
-		return m, Errorf(EINVAL, "protocol: welcome of %d bytes", len(body))
+	if err := bodyOf(msgWelcome, body); err != nil {
+		return m, err
 	}
 	m.Count = binary.LittleEndian.Uint64(body[0:])
 	m.Total = binary.LittleEndian.Uint64(body[8:])
 	m.Kind = body[16]
-	for _, c := range body[17:] {
+	m.BufferID = binary.LittleEndian.Uint64(body[24:])
+	for _, c := range body[17:24] {
 		if c != 0 {
 			return m, Errorf(EINVAL, "protocol: welcome reserved bytes are not zero")
 		}
@@ -204,14 +287,14 @@ func (m pullMsg) encode() []byte {
 }
 
 func parsePull(body []byte) (pullMsg, error) {
-	if len(body) != pullSize {
-		return pullMsg{}, Errorf(EINVAL, "protocol: pull of %d bytes", len(body))
+	if err := bodyOf(msgPull, body); err != nil {
+		return pullMsg{}, err
 	}
 	return pullMsg{First: binary.LittleEndian.Uint64(body[0:]), Count: binary.LittleEndian.Uint64(body[8:])}, nil
 }
 
 func (m chunkMsg) encode() []byte {
-	body := make([]byte, chunkSize)
+	body := make([]byte, chunkMsgSize)
 	binary.LittleEndian.PutUint64(body[0:], m.Index)
 	binary.LittleEndian.PutUint64(body[8:], m.Offset)
 	binary.LittleEndian.PutUint64(body[16:], m.Size)
@@ -220,8 +303,8 @@ func (m chunkMsg) encode() []byte {
 }
 
 func parseChunk(body []byte) (chunkMsg, error) {
-	if len(body) != chunkSize {
-		return chunkMsg{}, Errorf(EINVAL, "protocol: chunk of %d bytes", len(body))
+	if err := bodyOf(msgChunk, body); err != nil {
+		return chunkMsg{}, err
 	}
 	return chunkMsg{
 		Index:      binary.LittleEndian.Uint64(body[0:]),
@@ -231,6 +314,56 @@ func parseChunk(body []byte) (chunkMsg, error) {
 	}, nil
 }
 
+func (m doneAckMsg) encode() []byte {
+	body := make([]byte, doneAckSize)
+	binary.LittleEndian.PutUint64(body, m.Flags)
+	return encodeMsg(msgDoneAck, body)
+}
+
+func parseDoneAck(body []byte) (doneAckMsg, error) {
+	if err := bodyOf(msgDoneAck, body); err != nil {
+		return doneAckMsg{}, err
+	}
+	m := doneAckMsg{Flags: binary.LittleEndian.Uint64(body)}
+	if m.Flags&^ackKnown != 0 {
+		return m, Errorf(EINVAL, "protocol: done-ack flags %#x not understood", m.Flags)
+	}
+	return m, nil
+}
+
+func (m statusMsg) encode() []byte {
+	body := make([]byte, statusSize)
+	binary.LittleEndian.PutUint64(body, m.BufferID)
+	return encodeMsg(msgStatus, body)
+}
+
+func parseStatus(body []byte) (statusMsg, error) {
+	if err := bodyOf(msgStatus, body); err != nil {
+		return statusMsg{}, err
+	}
+	return statusMsg{BufferID: binary.LittleEndian.Uint64(body)}, nil
+}
+
+func (m statusAckMsg) encode() []byte {
+	body := make([]byte, statusAckSize)
+	binary.LittleEndian.PutUint64(body, m.BufferID)
+	if m.Alive {
+		body[8] = 1
+	}
+	return encodeMsg(msgStatusAck, body)
+}
+
+func parseStatusAck(body []byte) (statusAckMsg, error) {
+	if err := bodyOf(msgStatusAck, body); err != nil {
+		return statusAckMsg{}, err
+	}
+	v := binary.LittleEndian.Uint64(body[8:])
+	if v > 1 {
+		return statusAckMsg{}, Errorf(EINVAL, "protocol: status-ack alive flag %d is not 0 or 1", v)
+	}
+	return statusAckMsg{BufferID: binary.LittleEndian.Uint64(body), Alive: v == 1}, nil
+}
+
 func (m errorMsg) encode() []byte {
 	text := m.Text
 	if len(text) > maxErrorText {
@@ -238,7 +371,6 @@ func (m errorMsg) encode() []byte {
 	}
 	body := make([]byte, errorHead+len(text))
 	binary.LittleEndian.PutUint32(body[0:], uint32(m.Code))
-	binary.LittleEndian.PutUint64(body[8:], m.Index)
 	copy(body[errorHead:], text)
 	return encodeMsg(msgError, body)
 }
@@ -251,11 +383,10 @@ func parseError(body []byte) (errorMsg, error) {
 		return errorMsg{}, Errorf(EINVAL, "protocol: error message reserved bytes are not zero")
 	}
 	m := errorMsg{
-		Code:  Code(int32(binary.LittleEndian.Uint32(body[0:]))),
-		Index: binary.LittleEndian.Uint64(body[8:]),
-		Text:  string(body[errorHead:]),
+		Code: Code(int32(binary.LittleEndian.Uint32(body[0:]))),
+		Text: string(body[errorHead:]),
 	}
-	if m.Code >= 0 || m.Code < EINTERNAL {
+	if !m.Code.IsError() {
 		return m, Errorf(EINVAL, "protocol: error message with status %d, not an error status", int32(m.Code))
 	}
 	if !utf8.ValidString(m.Text) {

@@ -26,6 +26,7 @@ enum {
   VCU_ALLOCATION_TYPE_PINNED = 0x1,            /* CUmemAllocationType */
   VCU_ACCESS_PROT_READWRITE = 0x3,             /* CUmemAccess_flags */
   VCU_GRANULARITY_MINIMUM = 0x0,               /* CUmemAllocationGranularity_flags */
+  VCU_ERROR_OUT_OF_MEMORY = 2,                 /* CUresult CUDA_ERROR_OUT_OF_MEMORY */
 };
 
 typedef struct {

@@ -6,17 +6,14 @@ package cuda
 import "C"
 
 import (
+	"fmt"
+	"os"
+	"strconv"
 	"sync"
 	"unsafe"
 
 	"github.com/libvmmipc/libvmmipc/core"
 )
-
-// Importer is a core.Importer onto one GPU.
-type Importer interface {
-	core.Importer
-	Device() int32 // the ordinal actually used
-}
 
 // gpuImporter reserves one range on a GPU and maps imported chunks into it.
 // All methods hold mu, so Unmap may come from any thread, at any time.
@@ -29,13 +26,32 @@ type gpuImporter struct {
 	reserved uint64 // bytes reserved at base; 0 = nothing reserved
 	total    uint64 // bytes the ticket holds
 	mapped   []span // offsets and sizes mapped so far, in order
+	accessed uint64 // bytes from base given access so far
+
+	// accessEvery > 0 grants access after every accessEvery chunks
+	// instead of once at Finish (AccessEveryEnv; a schedule experiment).
+	accessEvery int
+}
+
+// AccessEveryEnv, when set to n > 0, makes imports set access every n
+// chunks while the transfer runs instead of once at the end. It exists to
+// measure schedules (bench/); the default is once at the end.
+const AccessEveryEnv = "VMMIPC_SET_ACCESS_EVERY"
+
+func accessEvery() int {
+	n, err := strconv.Atoi(os.Getenv(AccessEveryEnv))
+	if err != nil || n < 0 {
+		return 0
+	}
+	return n
 }
 
 // NewImporter prepares an import onto device (an ordinal, or DeviceSame for
 // the GPU whose UUID is uuid), granting read-write access to it and to the
 // access devices. Checks peer access up front so nothing is reserved for an
 // import that cannot finish.
-func NewImporter(device int32, uuid [16]byte, access []int32) (Importer, error) {
+// It is a core.NewGPUImporter.
+func NewImporter(device int32, uuid [16]byte, access []int32) (core.Importer, error) {
 	if err := load(); err != nil {
 		return nil, err
 	}
@@ -61,7 +77,7 @@ func NewImporter(device int32, uuid [16]byte, access []int32) (Importer, error) 
 		}
 		owner = findUUID(uuids, uuid)
 	}
-	if device == DeviceSame {
+	if device == core.DeviceSame {
 		if uuid == ([16]byte{}) {
 			return nil, core.Errorf(core.EINVAL, "import: this ticket names no GPU (it was made with vmmipc_register, not vmmipc_register_cuda*): pass a device ordinal instead of VMMIPC_DEVICE_SAME")
 		}
@@ -90,7 +106,7 @@ func NewImporter(device int32, uuid [16]byte, access []int32) (Importer, error) 
 	if err != nil {
 		return nil, err
 	}
-	return &gpuImporter{gpu: g, access: devices, gran: gran}, nil
+	return &gpuImporter{gpu: g, access: devices, gran: gran, accessEvery: accessEvery()}, nil
 }
 
 // checkPeers makes sure every device can reach memory on owner.
@@ -118,7 +134,13 @@ func checkPeers(devices []int32, owner int32, uuid [16]byte) error {
 	return nil
 }
 
+// Device is the ordinal the mapping lives on.
 func (m *gpuImporter) Device() int32 { return m.gpu.ordinal }
+
+// Placement names the device and the access devices (in order) for the
+// import cache's key: the same buffer mapped with other access is another
+// mapping.
+func (m *gpuImporter) Placement() string { return fmt.Sprintf("cuda:%v", m.access) }
 
 // Reserve reserves total bytes (rounded up to the allocation granularity),
 // aligned to the granularity.
@@ -134,7 +156,11 @@ func (m *gpuImporter) Reserve(total uint64) (uint64, error) {
 	}
 	var base C.CUdeviceptr
 	err := m.gpu.run(func() error {
-		return check("cuMemAddressReserve", C.vcu_mem_address_reserve(&base, C.size_t(n), C.size_t(m.gran), 0))
+		r := C.vcu_mem_address_reserve(&base, C.size_t(n), C.size_t(m.gran), 0)
+		if r == C.VCU_ERROR_OUT_OF_MEMORY {
+			return checkAs(core.ENOMEM, fmt.Sprintf("the driver has no %d bytes of virtual address space left: cuMemAddressReserve", n), r)
+		}
+		return check("cuMemAddressReserve", r)
 	})
 	if err != nil {
 		return 0, err
@@ -177,8 +203,33 @@ func (m *gpuImporter) Map(c core.Chunk) error {
 		if mapErr != nil {
 			return mapErr
 		}
-		return relErr
+		if relErr != nil {
+			return relErr
+		}
+		if m.accessEvery > 0 && len(m.mapped)%m.accessEvery == 0 {
+			return m.setAccess(c.Offset + c.Size)
+		}
+		return nil
 	})
+}
+
+// setAccess grants read-write access from the end of what has access so
+// far up to end (chunks arrive in order, so the mapped part is one range).
+// Runs with the context current.
+func (m *gpuImporter) setAccess(end uint64) error {
+	if end <= m.accessed {
+		return nil
+	}
+	ords := make([]C.int, len(m.access))
+	for i, d := range m.access {
+		ords[i] = C.int(d)
+	}
+	err := check("cuMemSetAccess", C.vcu_mem_set_access_rw(C.CUdeviceptr(m.base+m.accessed), C.size_t(end-m.accessed),
+		(*C.int)(unsafe.Pointer(&ords[0])), C.size_t(len(ords))))
+	if err == nil {
+		m.accessed = end
+	}
+	return err
 }
 
 // Finish grants read-write access over the whole mapped range to the
@@ -196,14 +247,7 @@ func (m *gpuImporter) Finish() error {
 	if mappedBytes != m.total {
 		return core.Errorf(core.EINTERNAL, "import: %d of %d bytes mapped at Finish", mappedBytes, m.total)
 	}
-	return m.gpu.run(func() error {
-		ords := make([]C.int, len(m.access))
-		for i, d := range m.access {
-			ords[i] = C.int(d)
-		}
-		return check("cuMemSetAccess", C.vcu_mem_set_access_rw(C.CUdeviceptr(m.base), C.size_t(m.total),
-			(*C.int)(unsafe.Pointer(&ords[0])), C.size_t(len(ords))))
-	})
+	return m.gpu.run(func() error { return m.setAccess(m.total) })
 }
 
 // Unmap unmaps every chunk mapped so far (newest first) and frees the
@@ -216,7 +260,7 @@ func (m *gpuImporter) Unmap() error {
 		return nil
 	}
 	base, reserved, mapped := m.base, m.reserved, m.mapped
-	m.base, m.reserved, m.mapped = 0, 0, nil
+	m.base, m.reserved, m.mapped, m.accessed = 0, 0, nil, 0
 	return m.gpu.run(func() error {
 		var first error
 		for i := len(mapped) - 1; i >= 0; i-- {

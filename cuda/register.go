@@ -7,6 +7,7 @@ import "C"
 
 import (
 	"fmt"
+	"strings"
 	"sync"
 
 	"golang.org/x/sys/unix"
@@ -44,19 +45,22 @@ func (a allocation) check(what string) error {
 // into the allocations mapped there (cuMemGetAddressRange gives the bounds
 // of the allocation mapped at an address) and takes its own reference to
 // each (cuMemRetainAllocationHandle), so the owner may free its buffer right
-// away. The references are dropped by the exporter's Release. Opens no
-// descriptor. Needs no current context and leaves the caller's as it was.
-func RegisterRange(dptr, size uint64) (*Registered, error) {
+// away. The references are dropped by the exporter's Release, which the
+// caller runs if it does not register the spec. The spec's Key names the
+// allocations: while our references keep them alive, no other allocation
+// can have their handles. Opens no descriptor. Needs no current context and
+// leaves the caller's as it was.
+func RegisterRange(dptr, size uint64) (core.BufferSpec, error) {
 	if err := load(); err != nil {
-		return nil, err
+		return core.BufferSpec{}, err
 	}
 	if size == 0 {
-		return nil, core.Errorf(core.EINVAL, "register: size is 0")
+		return core.BufferSpec{}, core.Errorf(core.EINVAL, "register: size is 0")
 	}
 	// Find the GPU from the first allocation: these two calls need no context.
 	var first C.CUmemGenericAllocationHandle
 	if err := check("cuMemRetainAllocationHandle", C.vcu_mem_retain_allocation_handle(&first, C.CUdeviceptr(dptr))); err != nil {
-		return nil, prefix(err, "register: %#x is not mapped CUDA VMM memory (cuMemCreate + cuMemMap; cudaMalloc memory cannot be registered)", dptr)
+		return core.BufferSpec{}, prefix(err, "register: %#x is not mapped CUDA VMM memory (cuMemCreate + cuMemMap; cudaMalloc memory cannot be registered)", dptr)
 	}
 	a, err := properties(first)
 	if err != nil {
@@ -70,19 +74,14 @@ func RegisterRange(dptr, size uint64) (*Registered, error) {
 	}
 	if err != nil {
 		_ = C.vcu_mem_release(first) // best effort without a context
-		return nil, err
+		return core.BufferSpec{}, err
 	}
 	e := &exporter{gpu: g, owned: true}
 	err = g.run(func() error {
 		if err := check("cuMemRelease", C.vcu_mem_release(first)); err != nil {
 			return err
 		}
-		spans, err := walkRange(dptr, size, func(p uint64) (uint64, uint64, error) {
-			var base C.CUdeviceptr
-			var n C.size_t
-			err := check("cuMemGetAddressRange", C.vcu_mem_get_address_range(&base, &n, C.CUdeviceptr(p)))
-			return uint64(base), uint64(n), err
-		})
+		spans, err := walkRange(dptr, size, addressRange)
 		if err != nil {
 			return err
 		}
@@ -112,43 +111,45 @@ func RegisterRange(dptr, size uint64) (*Registered, error) {
 	if err == nil {
 		var uuid [16]byte
 		if uuid, err = g.uuid(); err == nil {
-			return &Registered{Sizes: e.sizes, Exporter: e, DeviceUUID: uuid}, nil
+			return core.BufferSpec{Sizes: e.sizes, Kind: core.MemoryCUDA, DeviceUUID: uuid, Exporter: e, Key: e.key()}, nil
 		}
 	}
 	e.Release() // drop the references taken so far
-	return nil, err
+	return core.BufferSpec{}, err
 }
 
 // RegisterHandles prepares vmmipc_register_cuda_handles. The handles are
-// borrowed: release runs from the exporter's Release. Each handle must allow
-// POSIX-fd export and all must live on one GPU. The driver has no call that
-// returns a handle's size, so each size is checked by mapping the handle on
-// a scratch reservation: size bytes must map and size + one granule must
-// not.
-func RegisterHandles(handles, sizes []uint64, release func()) (*Registered, error) {
+// borrowed (the owner's release runs through core.RegisterOptions with
+// LendsExporter). Each handle must allow POSIX-fd export and all must live
+// on one GPU. The driver has no call that returns a handle's size, so each
+// size is checked by mapping the handle on a scratch reservation: size bytes
+// must map and size + one granule must not. The spec has no Key: without
+// references of our own, equal handle values need not be the same memory
+// for as long as a registration lives.
+func RegisterHandles(handles, sizes []uint64) (core.BufferSpec, error) {
 	if len(handles) == 0 || len(handles) != len(sizes) {
-		return nil, core.Errorf(core.EINVAL, "register: %d handles and %d sizes: need as many of each, at least one", len(handles), len(sizes))
+		return core.BufferSpec{}, core.Errorf(core.EINVAL, "register: %d handles and %d sizes: need as many of each, at least one", len(handles), len(sizes))
 	}
 	if err := load(); err != nil {
-		return nil, err
+		return core.BufferSpec{}, err
 	}
-	e := &exporter{sizes: append([]uint64(nil), sizes...), onRelease: release}
+	e := &exporter{sizes: append([]uint64(nil), sizes...)}
 	for i, h := range handles {
 		what := fmt.Sprintf("handle %d (%#x)", i, h)
 		e.handles = append(e.handles, C.CUmemGenericAllocationHandle(h))
 		a, err := properties(C.CUmemGenericAllocationHandle(h))
 		if err != nil {
-			return nil, prefix(&core.Error{Code: core.EINVAL, Msg: "not a live allocation handle", Err: err}, "register: %s", what)
+			return core.BufferSpec{}, prefix(&core.Error{Code: core.EINVAL, Msg: "not a live allocation handle", Err: err}, "register: %s", what)
 		}
 		if err := a.check(what); err != nil {
-			return nil, err
+			return core.BufferSpec{}, err
 		}
 		if e.gpu == nil {
 			if e.gpu, err = gpuOf(a.ordinal); err != nil {
-				return nil, err
+				return core.BufferSpec{}, err
 			}
 		} else if a.ordinal != e.gpu.ordinal {
-			return nil, core.Errorf(core.EINVAL, "register: %s lives on device %d, handle 0 on device %d: all must live on one GPU", what, a.ordinal, e.gpu.ordinal)
+			return core.BufferSpec{}, core.Errorf(core.EINVAL, "register: %s lives on device %d, handle 0 on device %d: all must live on one GPU", what, a.ordinal, e.gpu.ordinal)
 		}
 	}
 	g := e.gpu
@@ -165,13 +166,76 @@ func RegisterHandles(handles, sizes []uint64, release func()) (*Registered, erro
 		return nil
 	})
 	if err != nil {
-		return nil, err
+		return core.BufferSpec{}, err
 	}
 	uuid, err := g.uuid()
 	if err != nil {
-		return nil, err
+		return core.BufferSpec{}, err
 	}
-	return &Registered{Sizes: e.sizes, Exporter: e, DeviceUUID: uuid}, nil
+	return core.BufferSpec{Sizes: e.sizes, Kind: core.MemoryCUDA, DeviceUUID: uuid, Exporter: e}, nil
+}
+
+// QueryRange tells whether dptr lies in VMM memory and which range on
+// allocation boundaries covers [dptr, dptr+size): base, its size, the
+// handle types the allocation at dptr allows and its device. It keeps no
+// reference. ENOENT: not VMM memory.
+func QueryRange(dptr, size uint64) (base, n uint64, handleTypes uint32, device int32, err error) {
+	if size == 0 {
+		return 0, 0, 0, 0, core.Errorf(core.EINVAL, "query: size is 0")
+	}
+	last := dptr + size - 1
+	if last < dptr {
+		return 0, 0, 0, 0, core.Errorf(core.EINVAL, "query: range %#x + %d overflows 64 bits", dptr, size)
+	}
+	if err := load(); err != nil {
+		return 0, 0, 0, 0, err
+	}
+	// Retaining a handle is the driver's way to say "VMM memory": it fails
+	// for cudaMalloc and host memory. These two calls need no context.
+	var h C.CUmemGenericAllocationHandle
+	if r := C.vcu_mem_retain_allocation_handle(&h, C.CUdeviceptr(dptr)); r != 0 {
+		return 0, 0, 0, 0, checkAs(core.ENOENT, fmt.Sprintf("%#x is not mapped CUDA VMM memory (cudaMalloc, host or unmapped memory): cuMemRetainAllocationHandle", dptr), r)
+	}
+	a, err := properties(h)
+	var g *gpu
+	if err == nil && !a.onDevice {
+		err = core.Errorf(core.ENOENT, "%#x is VMM memory but not on a GPU (its location is not a device)", dptr)
+	}
+	if err == nil {
+		g, err = gpuOf(a.ordinal)
+	}
+	if err != nil {
+		_ = C.vcu_mem_release(h) // best effort without a context
+		return 0, 0, 0, 0, err
+	}
+	err = g.run(func() error {
+		if err := check("cuMemRelease", C.vcu_mem_release(h)); err != nil {
+			return err
+		}
+		lo, _, err := addressRange(dptr)
+		if err != nil {
+			return err
+		}
+		hiBase, hiSize, err := addressRange(last)
+		if err != nil {
+			return prefix(err, "query: the range's end %#x", last)
+		}
+		base, n = lo, hiBase+hiSize-lo
+		return nil
+	})
+	if err != nil {
+		return 0, 0, 0, 0, err
+	}
+	return base, n, a.requested, a.ordinal, nil
+}
+
+// addressRange is cuMemGetAddressRange: the allocation mapped around p.
+// Runs with a context current.
+func addressRange(p uint64) (uint64, uint64, error) {
+	var base C.CUdeviceptr
+	var n C.size_t
+	err := check("cuMemGetAddressRange", C.vcu_mem_get_address_range(&base, &n, C.CUdeviceptr(p)))
+	return uint64(base), uint64(n), err
 }
 
 // granularity is the minimum allocation granularity of device memory on g.
@@ -214,15 +278,24 @@ func checkHandleSize(h C.CUmemGenericAllocationHandle, size, gran uint64) error 
 	return nil
 }
 
-// exporter exports the chunks of one CUDA registration on request.
+// exporter exports the chunks of one CUDA buffer on request.
 type exporter struct {
-	gpu       *gpu
-	handles   []C.CUmemGenericAllocationHandle
-	sizes     []uint64
-	owned     bool   // the handles are our references: cuMemRelease them
-	onRelease func() // the owner's release_fn for borrowed handles
+	gpu     *gpu
+	handles []C.CUmemGenericAllocationHandle
+	sizes   []uint64
+	owned   bool // the handles are our references: cuMemRelease them
 
 	releaseOnce sync.Once
+}
+
+// key names the allocations of an owned range for core's buffer sharing.
+func (e *exporter) key() string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "cuda:%d", e.gpu.ordinal)
+	for i, h := range e.handles {
+		fmt.Fprintf(&b, ":%x/%d", uint64(h), e.sizes[i])
+	}
+	return b.String()
 }
 
 // ExportChunk exports exactly chunk index as a new POSIX file descriptor.
@@ -248,8 +321,8 @@ func (e *exporter) ExportChunk(index uint64) (int, uint64, error) {
 	return int(fd), 0, nil
 }
 
-// Release drops the registration's references (RegisterRange) or calls the
-// owner's release_fn (RegisterHandles). Runs once.
+// Release drops our references (RegisterRange); borrowed handles
+// (RegisterHandles) are left alone. Runs once.
 func (e *exporter) Release() {
 	e.releaseOnce.Do(func() {
 		if e.owned && e.gpu != nil && len(e.handles) > 0 {
@@ -261,8 +334,5 @@ func (e *exporter) Release() {
 			})
 		}
 		e.handles = nil
-		if e.onRelease != nil {
-			e.onRelease()
-		}
 	})
 }

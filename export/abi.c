@@ -209,6 +209,33 @@ int vmmipc_register_cuda_handles(const uint64_t *handles, const uint64_t *sizes,
                                         ticket_out);
 }
 
+int vmmipc_register_again(const vmmipc_ticket *ticket, vmmipc_release_fn release_fn, void *user,
+                          const vmmipc_options *opts, vmmipc_ticket *ticket_out) {
+  FORK_GUARD("vmmipc_register_again");
+  return vmmipcgo_register_again((vmmipc_ticket *)ticket, release_fn, user,
+                                 (vmmipc_options *)opts, ticket_out);
+}
+
+int vmmipc_wait(const vmmipc_ticket *ticket, uint32_t timeout_ms) {
+  FORK_GUARD("vmmipc_wait");
+  return vmmipcgo_wait((vmmipc_ticket *)ticket, timeout_ms);
+}
+
+int vmmipc_cuda_query_range(uint64_t dptr, uint64_t size, vmmipc_cuda_range_info *info_out) {
+  FORK_GUARD("vmmipc_cuda_query_range");
+  return vmmipcgo_cuda_query_range(dptr, size, info_out);
+}
+
+int vmmipc_cache_set_limit(uint64_t max_unreferenced_bytes) {
+  FORK_GUARD("vmmipc_cache_set_limit");
+  return vmmipcgo_cache_set_limit(max_unreferenced_bytes);
+}
+
+int vmmipc_cache_get_info(vmmipc_cache_info *info_out, size_t size) {
+  FORK_GUARD("vmmipc_cache_get_info");
+  return vmmipcgo_cache_get_info(info_out, size);
+}
+
 int vmmipc_unregister(const vmmipc_ticket *ticket) {
   FORK_GUARD("vmmipc_unregister");
   return vmmipcgo_unregister((vmmipc_ticket *)ticket);

@@ -13,16 +13,20 @@ import (
 	"github.com/libvmmipc/libvmmipc/core"
 )
 
-// options is vmmipc_options read safely: only the fields that fit in the
-// caller's struct_size are read; the rest keep their defaults.
+// options is vmmipc_options as read from C: only the fields that fit in the
+// caller's struct_size are read; the rest keep their defaults. Bounds are
+// checked by core's Validate methods, not here.
 type options struct {
-	reg    core.RegisterOptions
-	open   core.OpenOptions
-	access []int32
+	uses    uint32
+	ttl     time.Duration
+	kind    uint8
+	open    core.OpenOptions
+	access  []int32
+	noCache bool
 }
 
 func readOptions(p *C.vmmipc_options) (options, error) {
-	o := options{reg: core.RegisterOptions{Uses: 1, Kind: core.MemoryHost}}
+	o := options{uses: 1, kind: core.MemoryHost}
 	if p == nil {
 		return o, nil
 	}
@@ -32,38 +36,53 @@ func readOptions(p *C.vmmipc_options) (options, error) {
 	}
 	has := func(off, size uintptr) bool { return off+size <= n }
 	if has(unsafe.Offsetof(p.uses), 4) {
-		o.reg.Uses = uint32(p.uses)
+		o.uses = uint32(p.uses)
 	}
 	if has(unsafe.Offsetof(p.ttl_ms), 8) {
-		o.reg.TTL = time.Duration(p.ttl_ms) * time.Millisecond
-		if p.ttl_ms > 1<<40 {
-			return o, core.Errorf(core.EINVAL, "options: ttl_ms %d is too large", uint64(p.ttl_ms))
+		ttl, err := core.TTLFromMillis(uint64(p.ttl_ms))
+		if err != nil {
+			return o, err
 		}
+		o.ttl = ttl
 	}
 	if has(unsafe.Offsetof(p.timeout_ms), 4) {
 		o.open.Timeout = time.Duration(p.timeout_ms) * time.Millisecond
 	}
 	if has(unsafe.Offsetof(p.window), 4) {
 		o.open.Window = uint32(p.window)
-		if o.open.Window > 1024 {
-			return o, core.Errorf(core.EINVAL, "options: window %d is larger than 1024", o.open.Window)
-		}
 	}
 	if has(unsafe.Offsetof(p.memory_kind), 4) && p.memory_kind != 0 {
-		o.reg.Kind = uint8(p.memory_kind)
-		if p.memory_kind != C.VMMIPC_MEMORY_HOST && p.memory_kind != C.VMMIPC_MEMORY_CUDA {
-			return o, core.Errorf(core.EINVAL, "options: memory_kind %d is neither VMMIPC_MEMORY_HOST nor VMMIPC_MEMORY_CUDA", uint32(p.memory_kind))
+		kind, err := core.KindOf(uint32(p.memory_kind))
+		if err != nil {
+			return o, err
 		}
+		o.kind = kind
 	}
 	if has(unsafe.Offsetof(p.access_devices), unsafe.Sizeof(p.access_devices)) && p.access_device_count > 0 {
-		if p.access_devices == nil || p.access_device_count > 64 {
-			return o, core.Errorf(core.EINVAL, "options: access_devices is NULL or access_device_count %d > 64", uint32(p.access_device_count))
+		if p.access_devices == nil {
+			return o, core.Errorf(core.EINVAL, "options: access_devices is NULL but access_device_count is %d", uint32(p.access_device_count))
 		}
-		for _, d := range unsafe.Slice((*int32)(unsafe.Pointer(p.access_devices)), int(p.access_device_count)) {
-			o.access = append(o.access, d)
+		if err := core.CheckAccessCount(uint64(p.access_device_count)); err != nil {
+			return o, err
 		}
+		o.access = append(o.access, unsafe.Slice((*int32)(unsafe.Pointer(p.access_devices)), int(p.access_device_count))...)
+	}
+	if has(unsafe.Offsetof(p.import_flags), 4) {
+		flags := uint32(p.import_flags)
+		if flags&^C.VMMIPC_IMPORT_NO_CACHE != 0 {
+			return o, core.Errorf(core.EINVAL, "options: import_flags %#x has unknown bits", flags)
+		}
+		o.noCache = flags&C.VMMIPC_IMPORT_NO_CACHE != 0
 	}
 	return o, nil
+}
+
+func (o options) register() core.RegisterOptions {
+	return core.RegisterOptions{Uses: o.uses, TTL: o.ttl}
+}
+
+func (o options) importOptions() core.ImportOptions {
+	return core.ImportOptions{OpenOptions: o.open, Access: o.access, NoCache: o.noCache}
 }
 
 func readTicket(p *C.vmmipc_ticket) (*core.Ticket, error) {
@@ -82,15 +101,27 @@ func writeTicket(t *core.Ticket, out *C.vmmipc_ticket) error {
 	return nil
 }
 
-// u64s copies a C array of n uint64s.
+// u64s copies a C array of n uint64s, once core has accepted the count.
 func u64s(p *C.uint64_t, n C.uint64_t, what string) ([]uint64, error) {
 	if p == nil {
 		return nil, core.Errorf(core.EINVAL, "%s is NULL", what)
 	}
-	if n == 0 || uint64(n) > core.MaxChunks {
-		return nil, core.Errorf(core.EINVAL, "count %d is 0 or above the limit of %d", uint64(n), core.MaxChunks)
+	if err := core.CheckCount(uint64(n), what); err != nil {
+		return nil, err
 	}
 	return append([]uint64(nil), unsafe.Slice((*uint64)(unsafe.Pointer(p)), int(n))...), nil
+}
+
+// call runs the body of an exported function: it recovers a panic into
+// VMMIPC_EINTERNAL and records an error as this thread's last error.
+func call(fn string, body func() error) (rc C.int) {
+	defer func() {
+		if p := recover(); p != nil {
+			setLastError(fmt.Sprintf("%s: internal error (please report): %v", fn, p))
+			rc = C.VMMIPC_EINTERNAL
+		}
+	}()
+	return status(body())
 }
 
 // status records err as this thread's last error and returns its code.
@@ -112,12 +143,4 @@ func setLastError(msg string) {
 	}
 	b := []byte(msg)
 	C.vmmipc_abi_set_error((*C.char)(unsafe.Pointer(&b[0])), C.size_t(len(b)))
-}
-
-// guard turns a panic in an exported function into VMMIPC_EINTERNAL.
-func guard(rc *C.int, fn string) {
-	if p := recover(); p != nil {
-		setLastError(fmt.Sprintf("%s: internal error (please report): %v", fn, p))
-		*rc = C.VMMIPC_EINTERNAL
-	}
 }

@@ -2,11 +2,11 @@
 //go:debug updatemaxprocs=0
 
 // Command export builds libvmmipc.so (go build -buildmode=c-shared). It is the
-// only package with //export: thin functions that translate C arguments,
-// call core or cuda, and turn errors into status codes. The public vmmipc_*
-// symbols are the C wrappers in abi.c, which refuse calls after fork()
-// before entering Go; the vmmipcgo_* exports below stay hidden (see
-// vmmipc.map).
+// only package with //export: shims that translate C arguments, call core or
+// cuda, and turn errors into status codes. Every rule (bounds, validation,
+// device choice) lives in core or cuda. The public vmmipc_* symbols are the
+// C wrappers in abi.c, which refuse calls after fork() before entering Go;
+// the vmmipcgo_* exports below stay hidden (see vmmipc.map).
 package main
 
 /*
@@ -16,6 +16,7 @@ import "C"
 
 import (
 	"syscall"
+	"time"
 	"unsafe"
 
 	"github.com/libvmmipc/libvmmipc/core"
@@ -39,24 +40,24 @@ func init() {
 }
 
 //export vmmipcgo_options_init
-func vmmipcgo_options_init(opts *C.vmmipc_options, size C.size_t) (rc C.int) {
-	defer guard(&rc, "vmmipc_options_init")
-	if opts == nil || uintptr(size) < unsafe.Offsetof(opts.ttl_ms) {
-		return status(core.Errorf(core.EINVAL, "vmmipc_options_init: opts is NULL or size %d is too small; pass sizeof *opts", uint64(size)))
-	}
-	// Fill a full struct of ours, then copy only what the caller's holds.
-	d := C.vmmipc_options{uses: 1, timeout_ms: C.uint32_t(core.DefaultTimeout.Milliseconds()), memory_kind: C.VMMIPC_MEMORY_HOST}
-	n := min(uintptr(size), unsafe.Sizeof(d))
-	d.struct_size = C.uint32_t(n)
-	copy(unsafe.Slice((*byte)(unsafe.Pointer(opts)), n), unsafe.Slice((*byte)(unsafe.Pointer(&d)), n))
-	return C.VMMIPC_OK
+func vmmipcgo_options_init(opts *C.vmmipc_options, size C.size_t) C.int {
+	return call("vmmipc_options_init", func() error {
+		if opts == nil || uintptr(size) < unsafe.Offsetof(opts.ttl_ms) {
+			return core.Errorf(core.EINVAL, "vmmipc_options_init: opts is NULL or size %d is too small; pass sizeof *opts", uint64(size))
+		}
+		// Fill a full struct of ours, then copy only what the caller's holds.
+		d := C.vmmipc_options{uses: 1, timeout_ms: C.uint32_t(core.DefaultTimeout.Milliseconds()), memory_kind: C.VMMIPC_MEMORY_HOST}
+		n := min(uintptr(size), unsafe.Sizeof(d))
+		d.struct_size = C.uint32_t(n)
+		copy(unsafe.Slice((*byte)(unsafe.Pointer(opts)), n), unsafe.Slice((*byte)(unsafe.Pointer(&d)), n))
+		return nil
+	})
 }
 
-// exportCallback calls a C export_fn/release_fn pair.
+// exportCallback calls a C export_fn.
 type exportCallback struct {
-	export  C.vmmipc_export_fn
-	release C.vmmipc_release_fn
-	user    unsafe.Pointer
+	export C.vmmipc_export_fn
+	user   unsafe.Pointer
 }
 
 func (e *exportCallback) ExportChunk(index uint64) (int, uint64, error) {
@@ -67,189 +68,256 @@ func (e *exportCallback) ExportChunk(index uint64) (int, uint64, error) {
 	return int(fd), 0, nil
 }
 
-func (e *exportCallback) Release() {
-	if e.release != nil {
-		C.vmmipc_abi_call_release(e.release, e.user)
+func (e *exportCallback) Release() {}
+
+// releaseCallback makes a C release_fn a Go func (nil for NULL).
+func releaseCallback(fn C.vmmipc_release_fn, user unsafe.Pointer) func() {
+	if fn == nil {
+		return nil
 	}
+	return func() { C.vmmipc_abi_call_release(fn, user) }
 }
 
-func register(sizes []uint64, exp core.Exporter, o core.RegisterOptions, out *C.vmmipc_ticket) error {
+// registerArgs reads the options of a register call and checks ticket_out.
+func registerArgs(fn string, opts *C.vmmipc_options, out *C.vmmipc_ticket) (options, error) {
+	o, err := readOptions(opts)
+	if err == nil && out == nil {
+		err = core.Errorf(core.EINVAL, "%s: ticket_out is NULL", fn)
+	}
+	return o, err
+}
+
+// register registers spec with this process's server and writes the ticket.
+func register(spec core.BufferSpec, o core.RegisterOptions, out *C.vmmipc_ticket) error {
 	srv, err := core.DefaultServer()
 	if err != nil {
 		return err
 	}
-	t, err := srv.Register(sizes, exp, o)
+	t, err := srv.Register(spec, o)
 	if err != nil {
 		return err
 	}
-	if err := writeTicket(t, out); err != nil {
-		_ = srv.Unregister(t)
-		return err
-	}
-	return nil
+	return writeTicket(t, out)
 }
 
 //export vmmipcgo_register
-func vmmipcgo_register(sizes *C.uint64_t, count C.uint64_t, exportFn C.vmmipc_export_fn, releaseFn C.vmmipc_release_fn, user unsafe.Pointer, opts *C.vmmipc_options, ticketOut *C.vmmipc_ticket) (rc C.int) {
-	defer guard(&rc, "vmmipc_register")
-	if exportFn == nil || ticketOut == nil {
-		return status(core.Errorf(core.EINVAL, "vmmipc_register: export_fn and ticket_out must not be NULL"))
-	}
-	o, err := readOptions(opts)
-	if err != nil {
-		return status(err)
-	}
-	sz, err := u64s(sizes, count, "vmmipc_register: sizes")
-	if err != nil {
-		return status(err)
-	}
-	if o.reg.Kind == core.MemoryHost {
-		for i, s := range sz[:len(sz)-1] {
-			if s%core.PageSize() != 0 {
-				return status(core.Errorf(core.EINVAL, "vmmipc_register: host chunk %d has size %d, not a multiple of the page size %d", i, s, core.PageSize()))
-			}
+func vmmipcgo_register(sizes *C.uint64_t, count C.uint64_t, exportFn C.vmmipc_export_fn, releaseFn C.vmmipc_release_fn, user unsafe.Pointer, opts *C.vmmipc_options, ticketOut *C.vmmipc_ticket) C.int {
+	return call("vmmipc_register", func() error {
+		if exportFn == nil {
+			return core.Errorf(core.EINVAL, "vmmipc_register: export_fn is NULL")
 		}
-	}
-	exp := &exportCallback{export: exportFn, release: releaseFn, user: user}
-	return status(register(sz, exp, o.reg, ticketOut))
+		o, err := registerArgs("vmmipc_register", opts, ticketOut)
+		if err != nil {
+			return err
+		}
+		sz, err := u64s(sizes, count, "vmmipc_register: sizes")
+		if err != nil {
+			return err
+		}
+		ro := o.register()
+		ro.OnRelease, ro.LendsExporter = releaseCallback(releaseFn, user), true
+		spec := core.BufferSpec{Sizes: sz, Kind: o.kind, Exporter: &exportCallback{export: exportFn, user: user}}
+		return register(spec, ro, ticketOut)
+	})
 }
 
 //export vmmipcgo_register_host_file
-func vmmipcgo_register_host_file(fd C.int, size, chunkSize C.uint64_t, releaseFn C.vmmipc_release_fn, user unsafe.Pointer, opts *C.vmmipc_options, ticketOut *C.vmmipc_ticket) (rc C.int) {
-	defer guard(&rc, "vmmipc_register_host_file")
-	if ticketOut == nil {
-		return status(core.Errorf(core.EINVAL, "vmmipc_register_host_file: ticket_out is NULL"))
-	}
-	o, err := readOptions(opts)
-	if err != nil {
-		return status(err)
-	}
-	sizes, err := core.FileChunks(int(fd), uint64(size), uint64(chunkSize))
-	if err != nil {
-		return status(err)
-	}
-	cb := &exportCallback{release: releaseFn, user: user}
-	exp := &core.FileExporter{FD: int(fd), ChunkSize: uint64(chunkSize), OnRelease: cb.Release}
-	o.reg.Kind = core.MemoryHost
-	return status(register(sizes, exp, o.reg, ticketOut))
+func vmmipcgo_register_host_file(fd C.int, size, chunkSize C.uint64_t, releaseFn C.vmmipc_release_fn, user unsafe.Pointer, opts *C.vmmipc_options, ticketOut *C.vmmipc_ticket) C.int {
+	return call("vmmipc_register_host_file", func() error {
+		o, err := registerArgs("vmmipc_register_host_file", opts, ticketOut)
+		if err != nil {
+			return err
+		}
+		spec, err := core.HostFile(int(fd), uint64(size), uint64(chunkSize))
+		if err != nil {
+			return err
+		}
+		ro := o.register()
+		ro.OnRelease = releaseCallback(releaseFn, user)
+		if err := register(spec, ro, ticketOut); err != nil {
+			spec.Exporter.Release() // close our duplicate
+			return err
+		}
+		return nil
+	})
 }
 
 //export vmmipcgo_register_cuda
-func vmmipcgo_register_cuda(dptr, size C.uint64_t, opts *C.vmmipc_options, ticketOut *C.vmmipc_ticket) (rc C.int) {
-	defer guard(&rc, "vmmipc_register_cuda")
-	if ticketOut == nil || size == 0 {
-		return status(core.Errorf(core.EINVAL, "vmmipc_register_cuda: ticket_out is NULL or size is 0"))
-	}
-	o, err := readOptions(opts)
-	if err != nil {
-		return status(err)
-	}
-	r, err := cuda.RegisterRange(uint64(dptr), uint64(size))
-	if err != nil {
-		return status(err)
-	}
-	o.reg.Kind, o.reg.DeviceUUID = core.MemoryCUDA, r.DeviceUUID
-	if err := register(r.Sizes, r.Exporter, o.reg, ticketOut); err != nil {
-		r.Exporter.Release() // drop the references taken above
-		return status(err)
-	}
-	return C.VMMIPC_OK
+func vmmipcgo_register_cuda(dptr, size C.uint64_t, opts *C.vmmipc_options, ticketOut *C.vmmipc_ticket) C.int {
+	return call("vmmipc_register_cuda", func() error {
+		o, err := registerArgs("vmmipc_register_cuda", opts, ticketOut)
+		if err != nil {
+			return err
+		}
+		spec, err := cuda.RegisterRange(uint64(dptr), uint64(size))
+		if err != nil {
+			return err
+		}
+		if err := register(spec, o.register(), ticketOut); err != nil {
+			spec.Exporter.Release() // drop the references taken above
+			return err
+		}
+		return nil
+	})
 }
 
 //export vmmipcgo_register_cuda_handles
-func vmmipcgo_register_cuda_handles(handles, sizes *C.uint64_t, count C.uint64_t, releaseFn C.vmmipc_release_fn, user unsafe.Pointer, opts *C.vmmipc_options, ticketOut *C.vmmipc_ticket) (rc C.int) {
-	defer guard(&rc, "vmmipc_register_cuda_handles")
-	if ticketOut == nil {
-		return status(core.Errorf(core.EINVAL, "vmmipc_register_cuda_handles: ticket_out is NULL"))
-	}
-	o, err := readOptions(opts)
-	if err != nil {
-		return status(err)
-	}
-	hs, err := u64s(handles, count, "vmmipc_register_cuda_handles: handles")
-	if err != nil {
-		return status(err)
-	}
-	sz, err := u64s(sizes, count, "vmmipc_register_cuda_handles: sizes")
-	if err != nil {
-		return status(err)
-	}
-	cb := &exportCallback{release: releaseFn, user: user}
-	r, err := cuda.RegisterHandles(hs, sz, cb.Release)
-	if err != nil {
-		return status(err)
-	}
-	o.reg.Kind, o.reg.DeviceUUID = core.MemoryCUDA, r.DeviceUUID
-	if err := register(r.Sizes, r.Exporter, o.reg, ticketOut); err != nil {
-		return status(err) // release_fn is not called when registering fails
-	}
-	return C.VMMIPC_OK
+func vmmipcgo_register_cuda_handles(handles, sizes *C.uint64_t, count C.uint64_t, releaseFn C.vmmipc_release_fn, user unsafe.Pointer, opts *C.vmmipc_options, ticketOut *C.vmmipc_ticket) C.int {
+	return call("vmmipc_register_cuda_handles", func() error {
+		o, err := registerArgs("vmmipc_register_cuda_handles", opts, ticketOut)
+		if err != nil {
+			return err
+		}
+		hs, err := u64s(handles, count, "vmmipc_register_cuda_handles: handles")
+		if err != nil {
+			return err
+		}
+		sz, err := u64s(sizes, count, "vmmipc_register_cuda_handles: sizes")
+		if err != nil {
+			return err
+		}
+		spec, err := cuda.RegisterHandles(hs, sz)
+		if err != nil {
+			return err
+		}
+		ro := o.register()
+		ro.OnRelease, ro.LendsExporter = releaseCallback(releaseFn, user), true
+		return register(spec, ro, ticketOut) // release_fn is not called when registering fails
+	})
 }
 
-//export vmmipcgo_unregister
-func vmmipcgo_unregister(ticket *C.vmmipc_ticket) (rc C.int) {
-	defer guard(&rc, "vmmipc_unregister")
+// ownTicket reads a ticket of this process's own, and its server.
+func ownTicket(fn string, ticket *C.vmmipc_ticket) (*core.Server, *core.Ticket, error) {
 	t, err := readTicket(ticket)
 	if err != nil {
-		return status(err)
+		return nil, nil, err
 	}
 	srv := core.StartedServer()
 	if srv == nil {
-		return status(core.Errorf(core.ENOENT, "vmmipc_unregister: this process has registered nothing; the ticket belongs to pid %d", t.Pid))
+		return nil, nil, core.Errorf(core.ENOENT, "%s: this process has registered nothing; the ticket belongs to pid %d", fn, t.Pid)
 	}
-	return status(srv.Unregister(t))
+	return srv, t, nil
+}
+
+//export vmmipcgo_register_again
+func vmmipcgo_register_again(ticket *C.vmmipc_ticket, releaseFn C.vmmipc_release_fn, user unsafe.Pointer, opts *C.vmmipc_options, ticketOut *C.vmmipc_ticket) C.int {
+	return call("vmmipc_register_again", func() error {
+		srv, t, err := ownTicket("vmmipc_register_again", ticket)
+		if err != nil {
+			return err
+		}
+		o, err := registerArgs("vmmipc_register_again", opts, ticketOut)
+		if err != nil {
+			return err
+		}
+		ro := o.register()
+		ro.OnRelease = releaseCallback(releaseFn, user)
+		nt, err := srv.RegisterAgain(t, ro)
+		if err != nil {
+			return err
+		}
+		return writeTicket(nt, ticketOut)
+	})
+}
+
+//export vmmipcgo_unregister
+func vmmipcgo_unregister(ticket *C.vmmipc_ticket) C.int {
+	return call("vmmipc_unregister", func() error {
+		srv, t, err := ownTicket("vmmipc_unregister", ticket)
+		if err != nil {
+			return err
+		}
+		return srv.Unregister(t)
+	})
+}
+
+//export vmmipcgo_wait
+func vmmipcgo_wait(ticket *C.vmmipc_ticket, timeoutMs C.uint32_t) C.int {
+	return call("vmmipc_wait", func() error {
+		srv, t, err := ownTicket("vmmipc_wait", ticket)
+		if err != nil {
+			return err
+		}
+		return srv.Wait(t, time.Duration(timeoutMs)*time.Millisecond)
+	})
 }
 
 //export vmmipcgo_live_registrations
-func vmmipcgo_live_registrations(out *C.uint64_t) (rc C.int) {
-	defer guard(&rc, "vmmipc_live_registrations")
-	if out == nil {
-		return status(core.Errorf(core.EINVAL, "vmmipc_live_registrations: count_out is NULL"))
-	}
-	*out = C.uint64_t(core.DefaultRegistryLive())
-	return C.VMMIPC_OK
+func vmmipcgo_live_registrations(out *C.uint64_t) C.int {
+	return call("vmmipc_live_registrations", func() error {
+		if out == nil {
+			return core.Errorf(core.EINVAL, "vmmipc_live_registrations: count_out is NULL")
+		}
+		*out = C.uint64_t(core.DefaultLive())
+		return nil
+	})
+}
+
+//export vmmipcgo_cuda_query_range
+func vmmipcgo_cuda_query_range(dptr, size C.uint64_t, info *C.vmmipc_cuda_range_info) C.int {
+	return call("vmmipc_cuda_query_range", func() error {
+		if info == nil {
+			return core.Errorf(core.EINVAL, "vmmipc_cuda_query_range: info_out is NULL")
+		}
+		base, n, types, dev, err := cuda.QueryRange(uint64(dptr), uint64(size))
+		if err != nil {
+			return err
+		}
+		*info = C.vmmipc_cuda_range_info{base: C.uint64_t(base), size: C.uint64_t(n),
+			handle_types: C.uint32_t(types), device: C.int32_t(dev)}
+		return nil
+	})
 }
 
 //export vmmipcgo_ticket_decode
-func vmmipcgo_ticket_decode(ticket *C.vmmipc_ticket, info *C.vmmipc_ticket_info) (rc C.int) {
-	defer guard(&rc, "vmmipc_ticket_decode")
-	if info == nil {
-		return status(core.Errorf(core.EINVAL, "vmmipc_ticket_decode: info_out is NULL"))
-	}
-	t, err := readTicket(ticket)
-	if err != nil {
-		return status(err)
-	}
-	*info = C.vmmipc_ticket_info{
-		memory_kind: C.uint32_t(t.Kind), exporter_pid: C.uint32_t(t.Pid),
-		chunk_count: C.uint64_t(t.Count), total_size: C.uint64_t(t.Total),
-	}
-	for i, b := range t.DeviceUUID {
-		info.device_uuid[i] = C.uchar(b)
-	}
-	return C.VMMIPC_OK
+func vmmipcgo_ticket_decode(ticket *C.vmmipc_ticket, info *C.vmmipc_ticket_info) C.int {
+	return call("vmmipc_ticket_decode", func() error {
+		if info == nil {
+			return core.Errorf(core.EINVAL, "vmmipc_ticket_decode: info_out is NULL")
+		}
+		t, err := readTicket(ticket)
+		if err != nil {
+			return err
+		}
+		*info = C.vmmipc_ticket_info{
+			memory_kind: C.uint32_t(t.Kind), exporter_pid: C.uint32_t(t.Pid),
+			chunk_count: C.uint64_t(t.Count), total_size: C.uint64_t(t.Total),
+		}
+		for i, b := range t.DeviceUUID {
+			info.device_uuid[i] = C.uchar(b)
+		}
+		return nil
+	})
 }
 
 //export vmmipcgo_open
-func vmmipcgo_open(ticket *C.vmmipc_ticket, opts *C.vmmipc_options, out **C.vmmipc_stream) (rc C.int) {
-	defer guard(&rc, "vmmipc_open")
-	if out == nil {
-		return status(core.Errorf(core.EINVAL, "vmmipc_open: stream_out is NULL"))
+func vmmipcgo_open(ticket *C.vmmipc_ticket, opts *C.vmmipc_options, out **C.vmmipc_stream) C.int {
+	return call("vmmipc_open", func() error {
+		t, o, err := receiveArgs("vmmipc_open: stream_out", ticket, opts, out == nil)
+		if err != nil {
+			return err
+		}
+		s, err := core.Open(t, o.open)
+		if err != nil {
+			return err
+		}
+		*out = (*C.vmmipc_stream)(saveHandle(s))
+		return nil
+	})
+}
+
+// receiveArgs reads the ticket and options of a receiver call, after
+// checking its output pointer (what names it; isNil says it is NULL).
+func receiveArgs(what string, ticket *C.vmmipc_ticket, opts *C.vmmipc_options, isNil bool) (*core.Ticket, options, error) {
+	if isNil {
+		return nil, options{}, core.Errorf(core.EINVAL, "%s is NULL", what)
 	}
 	t, err := readTicket(ticket)
 	if err != nil {
-		return status(err)
+		return nil, options{}, err
 	}
 	o, err := readOptions(opts)
-	if err != nil {
-		return status(err)
-	}
-	s, err := core.Open(t, o.open)
-	if err != nil {
-		return status(err)
-	}
-	*out = (*C.vmmipc_stream)(saveHandle(s))
-	return C.VMMIPC_OK
+	return t, o, err
 }
 
 func streamOf(p unsafe.Pointer) (*core.Stream, error) {
@@ -261,104 +329,108 @@ func streamOf(p unsafe.Pointer) (*core.Stream, error) {
 }
 
 //export vmmipcgo_stream_info
-func vmmipcgo_stream_info(stream *C.vmmipc_stream, count, total *C.uint64_t) (rc C.int) {
-	defer guard(&rc, "vmmipc_stream_info")
-	s, err := streamOf(unsafe.Pointer(stream))
-	if err != nil {
-		return status(err)
-	}
-	if count != nil {
-		*count = C.uint64_t(s.Ticket().Count)
-	}
-	if total != nil {
-		*total = C.uint64_t(s.Ticket().Total)
-	}
-	return C.VMMIPC_OK
+func vmmipcgo_stream_info(stream *C.vmmipc_stream, count, total *C.uint64_t) C.int {
+	return call("vmmipc_stream_info", func() error {
+		s, err := streamOf(unsafe.Pointer(stream))
+		if err != nil {
+			return err
+		}
+		if count != nil {
+			*count = C.uint64_t(s.Ticket().Count)
+		}
+		if total != nil {
+			*total = C.uint64_t(s.Ticket().Total)
+		}
+		return nil
+	})
 }
 
 //export vmmipcgo_pull_next
-func vmmipcgo_pull_next(stream *C.vmmipc_stream, out *C.vmmipc_chunk) (rc C.int) {
-	defer guard(&rc, "vmmipc_pull_next")
-	s, err := streamOf(unsafe.Pointer(stream))
-	if err != nil {
-		return status(err)
-	}
-	if out == nil {
-		return status(core.Errorf(core.EINVAL, "vmmipc_pull_next: chunk_out is NULL"))
-	}
-	ch, err := s.Next()
-	if err != nil {
-		return status(err)
-	}
-	*out = C.vmmipc_chunk{index: C.uint64_t(ch.Index), offset: C.uint64_t(ch.Offset),
-		size: C.uint64_t(ch.Size), fd: C.int(ch.FD), file_offset: C.uint64_t(ch.FileOffset)}
-	return C.VMMIPC_OK
+func vmmipcgo_pull_next(stream *C.vmmipc_stream, out *C.vmmipc_chunk) C.int {
+	return call("vmmipc_pull_next", func() error {
+		s, err := streamOf(unsafe.Pointer(stream))
+		if err != nil {
+			return err
+		}
+		if out == nil {
+			return core.Errorf(core.EINVAL, "vmmipc_pull_next: chunk_out is NULL")
+		}
+		ch, err := s.Next()
+		if err != nil {
+			return err
+		}
+		*out = C.vmmipc_chunk{index: C.uint64_t(ch.Index), offset: C.uint64_t(ch.Offset),
+			size: C.uint64_t(ch.Size), fd: C.int(ch.FD), file_offset: C.uint64_t(ch.FileOffset)}
+		return nil
+	})
 }
 
 //export vmmipcgo_close
-func vmmipcgo_close(stream *C.vmmipc_stream) (rc C.int) {
-	defer guard(&rc, "vmmipc_close")
-	s, _ := takeHandle(unsafe.Pointer(stream)).(*core.Stream)
-	if s == nil {
-		return status(core.Errorf(core.EBADF, "vmmipc_close: stream handle %p is NULL, stale or already closed", unsafe.Pointer(stream)))
-	}
-	_ = s.Close()
-	return C.VMMIPC_OK
+func vmmipcgo_close(stream *C.vmmipc_stream) C.int {
+	return call("vmmipc_close", func() error {
+		s, _ := takeHandle(unsafe.Pointer(stream)).(*core.Stream)
+		if s == nil {
+			return core.Errorf(core.EBADF, "vmmipc_close: stream handle %p is NULL, stale or already closed", unsafe.Pointer(stream))
+		}
+		_ = s.Close()
+		return nil
+	})
 }
 
 //export vmmipcgo_import_stream
-func vmmipcgo_import_stream(ticket *C.vmmipc_ticket, device C.int, opts *C.vmmipc_options, out *C.vmmipc_mapping) (rc C.int) {
-	defer guard(&rc, "vmmipc_import_stream")
-	if out == nil {
-		return status(core.Errorf(core.EINVAL, "vmmipc_import_stream: mapping_out is NULL"))
-	}
-	t, err := readTicket(ticket)
-	if err != nil {
-		return status(err)
-	}
-	o, err := readOptions(opts)
-	if err != nil {
-		return status(err)
-	}
-	var imp core.Importer
-	dev := int32(device)
-	switch {
-	case t.Kind == core.MemoryHost && device == C.VMMIPC_DEVICE_HOST:
-		imp = &core.HostImporter{}
-	case t.Kind == core.MemoryHost:
-		return status(core.Errorf(core.EINVAL, "vmmipc_import_stream: the ticket holds host memory; pass VMMIPC_DEVICE_HOST, not device %d", dev))
-	case device == C.VMMIPC_DEVICE_HOST:
-		return status(core.Errorf(core.EINVAL, "vmmipc_import_stream: the ticket holds CUDA memory; pass a device ordinal or VMMIPC_DEVICE_SAME, not VMMIPC_DEVICE_HOST"))
-	case device < C.VMMIPC_DEVICE_SAME:
-		return status(core.Errorf(core.EINVAL, "vmmipc_import_stream: device %d is neither an ordinal nor VMMIPC_DEVICE_SAME", dev))
-	default:
-		ci, err := cuda.NewImporter(dev, t.DeviceUUID, o.access)
+func vmmipcgo_import_stream(ticket *C.vmmipc_ticket, device C.int, opts *C.vmmipc_options, out *C.vmmipc_mapping) C.int {
+	return call("vmmipc_import_stream", func() error {
+		t, o, err := receiveArgs("vmmipc_import_stream: mapping_out", ticket, opts, out == nil)
 		if err != nil {
-			return status(err)
+			return err
 		}
-		imp, dev = ci, ci.Device()
-	}
-	m, err := core.ImportStream(t, imp, dev, o.open)
-	if err != nil {
-		return status(err)
-	}
-	*out = C.vmmipc_mapping{addr: C.uint64_t(m.Base), size: C.uint64_t(m.Size),
-		device: C.int32_t(m.Device), memory_kind: C.uint32_t(m.Kind)}
-	out.private_[0] = C.uint64_t(m.ID)
-	return C.VMMIPC_OK
+		r, err := core.Import(t, int32(device), o.importOptions(), cuda.NewImporter)
+		if err != nil {
+			return err
+		}
+		*out = C.vmmipc_mapping{addr: C.uint64_t(r.Base), size: C.uint64_t(r.Size),
+			device: C.int32_t(r.Device), memory_kind: C.uint32_t(r.Kind)}
+		out.private_[0] = C.uint64_t(r.ID)
+		return nil
+	})
 }
 
 //export vmmipcgo_unmap
-func vmmipcgo_unmap(m *C.vmmipc_mapping) (rc C.int) {
-	defer guard(&rc, "vmmipc_unmap")
-	if m == nil {
-		return status(core.Errorf(core.EINVAL, "vmmipc_unmap: mapping is NULL"))
-	}
-	if err := core.Unmap(uint64(m.private_[0]), uint64(m.addr)); err != nil {
-		return status(err)
-	}
-	*m = C.vmmipc_mapping{}
-	return C.VMMIPC_OK
+func vmmipcgo_unmap(m *C.vmmipc_mapping) C.int {
+	return call("vmmipc_unmap", func() error {
+		if m == nil {
+			return core.Errorf(core.EINVAL, "vmmipc_unmap: mapping is NULL")
+		}
+		err := core.Unmap(uint64(m.private_[0]), uint64(m.addr))
+		if core.CodeOf(err) != core.EINVAL {
+			*m = C.vmmipc_mapping{} // the reference is gone, even when undoing failed
+		}
+		return err
+	})
+}
+
+//export vmmipcgo_cache_set_limit
+func vmmipcgo_cache_set_limit(n C.uint64_t) C.int {
+	return call("vmmipc_cache_set_limit", func() error { return core.SetCacheLimit(uint64(n)) })
+}
+
+//export vmmipcgo_cache_get_info
+func vmmipcgo_cache_get_info(out *C.vmmipc_cache_info, size C.size_t) C.int {
+	return call("vmmipc_cache_get_info", func() error {
+		if out == nil {
+			return core.Errorf(core.EINVAL, "vmmipc_cache_get_info: info_out is NULL")
+		}
+		i := core.GetCacheInfo()
+		full := C.vmmipc_cache_info{
+			limit_bytes: C.uint64_t(i.LimitBytes), entries: C.uint64_t(i.Entries),
+			referenced_bytes: C.uint64_t(i.ReferencedBytes), unreferenced_bytes: C.uint64_t(i.UnreferencedBytes),
+			hits: C.uint64_t(i.Hits), misses: C.uint64_t(i.Misses),
+			evictions: C.uint64_t(i.Evictions), invalidations: C.uint64_t(i.Invalidations),
+		}
+		n := min(uintptr(size), unsafe.Sizeof(full))
+		copy(unsafe.Slice((*byte)(unsafe.Pointer(out)), n), unsafe.Slice((*byte)(unsafe.Pointer(&full)), n))
+		return nil
+	})
 }
 
 var strerrors = map[core.Code]*C.char{}
@@ -374,7 +446,7 @@ func vmmipcgo_strerror(code C.int) (s *C.char) {
 }
 
 func init() {
-	for c := core.EINTERNAL; c <= core.End; c++ {
+	for _, c := range core.Codes() {
 		strerrors[c] = C.CString(c.String()) // static for the process's life
 	}
 }

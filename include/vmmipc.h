@@ -586,7 +586,8 @@ typedef struct vmmipc_cache_info {
   uint64_t unreferenced_bytes; /* bytes kept mapped with no reference */
   uint64_t hits;               /* imports answered from the cache */
   uint64_t misses;             /* imports that mapped anew */
-  uint64_t evictions;          /* unreferenced mappings undone for room */
+  uint64_t evictions;          /* unreferenced mappings undone for room, or
+                                  when the cache was turned off */
   uint64_t invalidations;      /* mappings undone because the buffer ended
                                   or the exporter exited */
 } vmmipc_cache_info;

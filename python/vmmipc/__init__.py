@@ -1,8 +1,9 @@
 """vmmipc: share CUDA VMM allocations, or chunked host shared memory, between
 processes one file descriptor at a time (Python shim over libvmmipc.so).
 
-Importing vmmipc does not load libvmmipc.so: the first call that needs it
-does. The contract is include/vmmipc.h; names follow it.
+Importing vmmipc does not load libvmmipc.so: the first object or call that
+needs it does (HostBuffer(...), share(...), vmmipc.cuda_core.install()), so
+a missing library raises there, before any child process is started. The contract is include/vmmipc.h; names follow it.
 
     import vmmipc
     hb = vmmipc.HostBuffer(64 << 20, chunk_size=1 << 20)
@@ -15,30 +16,38 @@ does. The contract is include/vmmipc.h; names follow it.
 
 from ._errors import (AuthError, BadHandleError, CudaError, ExportError, InternalError,
                       InvalidError, LibraryNotFoundError, NotFoundError, OutOfDescriptorsError,
-                      VmmipcError, VmmipcForkError, VmmipcIOError, error_for)
+                      VmmipcError, VmmipcForkError, VmmipcIOError, VmmipcMemoryError,
+                      VmmipcTimeoutError, error_for)
 from ._errors import (EAUTH, EBADF, ECUDA, EEXPORT, EFORK, EINTERNAL, EINVAL, EIO, END,
-                      ENFILE, ENOENT, OK)
-from ._lib import DEVICE_HOST, DEVICE_SAME, MEMORY_CUDA, MEMORY_HOST, TICKET_SIZE
-from ._ticket import Ticket, TicketInfo
-from ._register import (live_registrations, register, register_cuda, register_cuda_handles,
-                        register_host_file, share, strerror, unregister, version)
+                      ENFILE, ENOENT, ENOMEM, ETIMEDOUT, OK)
+from ._lib import (DEVICE_HOST, DEVICE_SAME, IMPORT_NO_CACHE, MAX_ACCESS_DEVICES, MAX_CHUNKS,
+                   MAX_TTL_MS, MAX_WINDOW, MEMORY_CUDA, MEMORY_HOST, TICKET_SIZE)
+from ._ticket import Ticket, TicketInfo, wait
+from ._register import (live_registrations, register, register_again, register_cuda,
+                        register_cuda_handles, register_host_file, share, strerror, unregister,
+                        version)
+from ._cuda import CudaRange, cuda_query_range
 from ._stream import Chunk, Stream, export_chunks, export_fds, open
-from ._mapping import Mapping, import_stream
+from ._mapping import CacheInfo, Mapping, cache_info, import_stream, set_cache_limit
 from ._host import DEFAULT_CHUNK_SIZE, HostBuffer
-from . import _mp
+from . import _reductions
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
-_mp.install()
+_reductions.init_reductions()
 
 __all__ = [
-    "AuthError", "BadHandleError", "Chunk", "CudaError", "DEFAULT_CHUNK_SIZE", "DEVICE_HOST",
-    "DEVICE_SAME", "EAUTH", "EBADF", "ECUDA", "EEXPORT", "EFORK", "EINTERNAL", "EINVAL", "EIO",
-    "END", "ENFILE", "ENOENT", "ExportError", "HostBuffer", "InternalError", "InvalidError",
-    "LibraryNotFoundError", "MEMORY_CUDA", "MEMORY_HOST", "Mapping", "NotFoundError", "OK",
-    "OutOfDescriptorsError", "Stream", "TICKET_SIZE", "Ticket", "TicketInfo", "VmmipcError",
-    "VmmipcForkError", "VmmipcIOError", "error_for", "export_chunks", "export_fds",
+    "AuthError", "BadHandleError", "CacheInfo", "Chunk", "CudaError", "CudaRange",
+    "DEFAULT_CHUNK_SIZE", "DEVICE_HOST", "DEVICE_SAME", "EAUTH", "EBADF", "ECUDA", "EEXPORT",
+    "EFORK", "EINTERNAL", "EINVAL", "EIO", "END", "ENFILE", "ENOENT", "ENOMEM", "ETIMEDOUT",
+    "ExportError", "HostBuffer", "IMPORT_NO_CACHE", "InternalError", "InvalidError",
+    "LibraryNotFoundError", "MAX_ACCESS_DEVICES", "MAX_CHUNKS", "MAX_TTL_MS", "MAX_WINDOW",
+    "MEMORY_CUDA", "MEMORY_HOST", "Mapping", "NotFoundError", "OK", "OutOfDescriptorsError",
+    "Stream", "TICKET_SIZE", "Ticket", "TicketInfo", "VmmipcError", "VmmipcForkError",
+    "VmmipcIOError", "VmmipcMemoryError", "VmmipcTimeoutError", "cache_info",
+    "cuda_query_range", "error_for", "export_chunks", "export_fds",
     # not "open": `from vmmipc import *` must not shadow the builtin
-    "import_stream", "live_registrations", "register", "register_cuda", "register_cuda_handles",
-    "register_host_file", "share", "strerror", "unregister", "version",
+    "import_stream", "live_registrations", "register", "register_again", "register_cuda",
+    "register_cuda_handles", "register_host_file", "set_cache_limit", "share", "strerror",
+    "unregister", "version", "wait",
 ]

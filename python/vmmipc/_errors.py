@@ -20,6 +20,8 @@ ECUDA = -7
 ENFILE = -8
 EFORK = -9
 EINTERNAL = -10
+ENOMEM = -11
+ETIMEDOUT = -12
 
 STATUS_NAMES = {
     OK: "VMMIPC_OK",
@@ -34,6 +36,8 @@ STATUS_NAMES = {
     ENFILE: "VMMIPC_ENFILE",
     EFORK: "VMMIPC_EFORK",
     EINTERNAL: "VMMIPC_EINTERNAL",
+    ENOMEM: "VMMIPC_ENOMEM",
+    ETIMEDOUT: "VMMIPC_ETIMEDOUT",
 }
 
 
@@ -74,8 +78,13 @@ def _rebuild_error(cls, message, status, function):
     return cls(message, status, function)
 
 
-class InvalidError(VmmipcError):
-    """VMMIPC_EINVAL: bad argument, malformed ticket or message."""
+class InvalidError(VmmipcError, ValueError):
+    """VMMIPC_EINVAL: bad argument, malformed ticket or message.
+
+    Also a ValueError: an argument out of range (checked in Python before it
+    reaches the library, or by the library itself) is what Python code
+    catches as ValueError, and vmmipc code as InvalidError or VmmipcError.
+    """
     status = EINVAL
 
 
@@ -128,6 +137,25 @@ class InternalError(VmmipcError):
     status = EINTERNAL
 
 
+class VmmipcMemoryError(VmmipcError, MemoryError):
+    """VMMIPC_ENOMEM: no address space for a reservation (RLIMIT_AS, or the
+    CUDA driver's virtual address space). Also a MemoryError."""
+    status = ENOMEM
+
+
+class VmmipcTimeoutError(VmmipcError, TimeoutError):
+    """VMMIPC_ETIMEDOUT: the registration is still live (vmmipc_wait). Also a
+    TimeoutError. vmmipc.wait() and Ticket.wait() return False instead of
+    raising it."""
+    status = ETIMEDOUT
+
+    def __init__(self, message: str, status: int | None = None, function: str = ""):
+        VmmipcError.__init__(self, message, status, function)
+
+    def __str__(self) -> str:
+        return VmmipcError.__str__(self)
+
+
 class LibraryNotFoundError(VmmipcError, OSError):
     """libvmmipc.so could not be found or loaded (status is None)."""
     status = None
@@ -142,7 +170,8 @@ class LibraryNotFoundError(VmmipcError, OSError):
 _BY_STATUS = {
     cls.status: cls
     for cls in (InvalidError, BadHandleError, AuthError, NotFoundError, VmmipcIOError,
-                ExportError, CudaError, OutOfDescriptorsError, VmmipcForkError, InternalError)
+                ExportError, CudaError, OutOfDescriptorsError, VmmipcForkError, InternalError,
+                VmmipcMemoryError, VmmipcTimeoutError)
 }
 
 

@@ -1,134 +1,188 @@
 """HostBuffer: chunked host shared memory that pickles through vmmipc.
 
 The owner holds ONE memfd of `size` bytes, sealed against shrinking and
-growing, mapped once. Pickling registers the file with
-vmmipc_register_host_file (no descriptor is opened); each chunk crosses to
-the receiver as its own short-lived descriptor (a fresh dup of the memfd)
-with its file offset. Unpickling maps the chunks one at a time into one
-contiguous range (vmmipc_import_stream), so both sides hold about one
-descriptor at a time, and the receiver's writes are the sender's memory.
+growing, mapped once, and ONE anchor registration of it
+(vmmipc_register_host_file, unlimited uses) for its whole life. The library
+keeps its own duplicate of the memfd, so the owner's descriptor is only
+needed to map the memory. Each share (each pickle) is a register_again of
+the anchor: no descriptor, no new buffer identity, so a receiver that has
+the buffer cached imports it in one round trip. Each chunk crosses to the
+receiver as its own short-lived descriptor with its file offset; the
+receiver maps the chunks one at a time into one contiguous range
+(vmmipc_import_stream), so both sides hold about one descriptor at a time,
+and the receiver's writes are the sender's memory.
+
+Lifetime: close() (or collection) unregisters the anchor and closes the
+owner's memfd and mapping. Registrations already made by share() or pickling
+live on until used, expired or unregistered; the library keeps the memory
+exported until the last of them has ended, and receivers' mappings stay
+valid after that. wait() blocks until every such registration has ended.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import itertools
 import mmap
 import os
 import sys
 import threading
+import time
 import weakref
 
-from . import _errors, _lib
+from . import _args, _errors, _lib
 from ._mapping import import_stream
-from ._register import _records, register_host_file, unregister
+from ._register import register_again, register_host_file, unregister
 from ._ticket import Ticket
 
 PAGE_SIZE = mmap.PAGESIZE
 DEFAULT_CHUNK_SIZE = 2 << 20  # 2 MiB, the CUDA granularity, for symmetry
 
 
-class _SharedFD:
-    """A descriptor closed when the last of its holders lets go: the owning
-    HostBuffer and every registration not yet released."""
+class _Pending:
+    """The tickets of a HostBuffer's shares that have not ended. Kept apart
+    from the HostBuffer, so that a pending registration does not keep the
+    buffer alive; release callbacks (library threads) touch only this."""
 
-    def __init__(self, fd: int):
-        self.fd = fd
-        self._refs = 1
+    def __init__(self):
         self._lock = threading.Lock()
+        self._tickets: dict[int, Ticket | None] = {}
+        self._keys = itertools.count()
 
-    def acquire(self) -> None:
+    def register(self, make) -> Ticket:
+        """make(release) registers and returns the ticket; release() runs
+        when that registration has ended, possibly before make returns."""
+        key = next(self._keys)
         with self._lock:
-            if self._refs == 0:
-                raise ValueError("the HostBuffer's memfd is already closed")
-            self._refs += 1
+            self._tickets[key] = None  # a release that comes first removes it
 
-    def release(self) -> None:
+        def release() -> None:
+            with self._lock:
+                self._tickets.pop(key, None)
+        try:
+            ticket = make(release)
+        except BaseException:
+            release()
+            raise
         with self._lock:
-            self._refs -= 1
-            last = self._refs == 0
-        if last:
-            os.close(self.fd)
+            if key in self._tickets:
+                self._tickets[key] = ticket
+        return ticket
 
-
-class _HostRelease:
-    """Release callback of one registration: drops its hold on the memfd. Runs
-    on a library thread; must not call into vmmipc."""
-    __slots__ = ("shared",)
-
-    def __init__(self, shared: _SharedFD):
-        self.shared = shared
-
-    def __call__(self) -> None:
-        self.shared.release()
+    def tickets(self) -> list[Ticket]:
+        with self._lock:
+            return [t for t in self._tickets.values() if t is not None]
 
 
 def _memfd(name: str, size: int) -> int:
-    flags = os.MFD_CLOEXEC | getattr(os, "MFD_ALLOW_SEALING", 0)
+    flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
     fd = os.memfd_create(name, flags)
     try:
         os.ftruncate(fd, size)
-        seals = getattr(fcntl, "F_SEAL_SHRINK", 0) | getattr(fcntl, "F_SEAL_GROW", 0)
-        if seals and hasattr(fcntl, "F_ADD_SEALS"):
-            # A receiver must never see SIGBUS: the file can no longer shrink.
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+        # A receiver must never see SIGBUS: the file can no longer shrink.
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
     except BaseException:
         os.close(fd)
         raise
     return fd
 
 
+def _release_owner(fd: int, anchor: Ticket, pid: int) -> None:
+    """Finalizer of an owning HostBuffer: end the anchor, close the memfd."""
+    try:
+        if os.getpid() == pid:  # a forked child must not touch the library
+            try:
+                unregister(anchor)
+            except _errors.VmmipcError:
+                pass  # already ended (unregistered by hand)
+    finally:
+        os.close(fd)
+
+
 class HostBuffer:
     """Chunked host shared memory with a writable memoryview of the whole
-    range (``view``; also indexing, len() and, on Python 3.12+, memoryview(hb)).
+    range (``view``; also indexing, len() and, on Python 3.12+,
+    memoryview(hb)). ``numpy.frombuffer(hb.view, dtype)`` and
+    ``torch.frombuffer(hb.view, dtype=torch.uint8)`` see the same bytes
+    without a copy (close() then refuses while those arrays live).
 
-    HostBuffer(size, chunk_size) creates the memory (the owner). Pickling it
-    (pickle, multiprocessing Queue/Pipe/Pool/Process) registers it with this
-    process's vmmipc server for ``pickle_uses`` receivers (default 1) and
+    HostBuffer(size, chunk_size) creates the memory (the owner) and loads
+    libvmmipc.so. Pickling it (pickle, multiprocessing Queue/Pipe/Pool/
+    Process) registers it for ``pickle_uses`` receivers (default 1) and
     ``pickle_ttl`` seconds (default None: until used or unregistered);
     unpickling maps it, so the receiver sees and writes the same bytes.
     """
 
     def __init__(self, size: int, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
                  name: str = "vmmipc-hostbuffer", uses: int = 1, ttl: float | None = None):
-        size, chunk_size = int(size), int(chunk_size)
-        if size <= 0:
-            raise ValueError(f"HostBuffer size must be positive, got {size}")
-        if chunk_size <= 0 or chunk_size % PAGE_SIZE:
-            raise ValueError(f"chunk_size {chunk_size} must be a positive multiple of the "
-                             f"page size {PAGE_SIZE}")
+        where = "HostBuffer"
+        size = _args.integer(size, "size", 1, sys.maxsize, where)
+        chunk_size = _args.integer(chunk_size, "chunk_size", PAGE_SIZE, sys.maxsize, where,
+                                   f"a multiple of the page size {PAGE_SIZE}")
+        if chunk_size % PAGE_SIZE:
+            raise _errors.InvalidError(f"chunk_size={chunk_size} is not a multiple of the page "
+                                       f"size {PAGE_SIZE}", _errors.EINVAL, where)
+        if not isinstance(name, str):
+            raise TypeError(f"{where}: name must be a str, not {type(name).__name__}")
+        self._init(size, chunk_size, uses, ttl)
+        _lib.lib(where)  # a missing library fails here, before any child starts
         fd = _memfd(name, size)
         try:
             kw = {"trackfd": False} if sys.version_info >= (3, 13) else {}
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, **kw)
+            try:
+                mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, **kw)
+            except OSError as e:
+                if e.errno != errno.ENOMEM:
+                    raise
+                raise _errors.VmmipcMemoryError(
+                    f"cannot map a HostBuffer of size={size} bytes ({size / 2**30:.1f} GiB): "
+                    f"mmap: {e.strerror}; the address space (RLIMIT_AS) or the memory "
+                    "overcommit policy does not allow it", _errors.ENOMEM, where) from None
+            try:
+                anchor = register_host_file(fd, size, chunk_size, uses=0)
+            except BaseException:
+                mm.close()
+                raise
         except BaseException:
             os.close(fd)
             raise
-        self._init(size, chunk_size, uses, ttl)
-        self._shared = _SharedFD(fd)
+        self._fd = fd
+        self._anchor: Ticket | None = anchor
         self._mmap = mm
         self._mapping = None
         self._view = memoryview(mm)
-        self._finalizer = weakref.finalize(self, _SharedFD.release, self._shared)
+        # atexit=False: at exit a Queue feeder thread may still be pickling
+        # this buffer; the process's end closes the fd and the server anyway.
+        self._finalizer = weakref.finalize(self, _release_owner, fd, anchor, os.getpid())
+        self._finalizer.atexit = False
 
     def _init(self, size, chunk_size, uses, ttl):
         self._size = size
         self._chunk_size = chunk_size
         self.pickle_uses = uses
         self.pickle_ttl = ttl
+        self._pending = _Pending()
 
     @classmethod
     def from_ticket(cls, ticket, chunk_size: int | None = None, *,
-                    timeout: float | None = None) -> "HostBuffer":
+                    timeout: float | None = None, cache: bool = True) -> "HostBuffer":
         """Import a host ticket (what unpickling does): a HostBuffer over a
-        mapping of the sender's memory."""
-        mapping = import_stream(ticket, _lib.DEVICE_HOST, timeout=timeout)
+        mapping of the sender's memory (from the import cache if this process
+        has it mapped already)."""
+        t = Ticket(ticket)
         if chunk_size is None:
-            info = Ticket(ticket).info()
+            info = t.info()
             per = -(-info.total_size // info.chunk_count)
             chunk_size = -(-per // PAGE_SIZE) * PAGE_SIZE
+        else:
+            chunk_size = _args.integer(chunk_size, "chunk_size", PAGE_SIZE, sys.maxsize,
+                                       "HostBuffer.from_ticket")
+        mapping = import_stream(t, _lib.DEVICE_HOST, timeout=timeout, cache=cache)
         self = cls.__new__(cls)
         self._init(mapping.size, chunk_size, 1, None)
-        self._shared = None
+        self._fd = -1
+        self._anchor = None
         self._mmap = None
         self._mapping = mapping
         self._view = mapping.view
@@ -150,6 +204,27 @@ class HostBuffer:
         return -(-self._size // self._chunk_size)
 
     @property
+    def pickle_uses(self) -> int:
+        """Receivers each pickle (or share()) admits; 0 = unlimited."""
+        return self._pickle_uses
+
+    @pickle_uses.setter
+    def pickle_uses(self, uses: int) -> None:
+        self._pickle_uses = _args.u32(uses, "pickle_uses", "HostBuffer", "0 = unlimited")
+
+    @property
+    def pickle_ttl(self) -> float | None:
+        """Seconds each pickle's registration lives (None = until used)."""
+        return self._pickle_ttl
+
+    @pickle_ttl.setter
+    def pickle_ttl(self, ttl: float | None) -> None:
+        if ttl is not None:
+            _args.milliseconds(ttl, "pickle_ttl", 1, _lib.MAX_TTL_MS, "HostBuffer",
+                               "None = never")
+        self._pickle_ttl = ttl
+
+    @property
     def is_owner(self) -> bool:
         """True for the process that created the memory, False for importers."""
         return self._mapping is None
@@ -169,7 +244,7 @@ class HostBuffer:
         """The owner's memfd (borrowed; do not close it)."""
         if not self.is_owner or self.closed:
             raise ValueError("only an open owning HostBuffer has a memfd")
-        return self._shared.fd
+        return self._fd
 
     def __len__(self) -> int:
         return self._size
@@ -186,30 +261,27 @@ class HostBuffer:
     # --------------------------------------------------------------- sharing
 
     def share(self, *, uses: int | None = None, ttl: float | None = None) -> Ticket:
-        """Register this buffer once (what pickling does) and return the
-        ticket. The memfd stays open until the registration ends."""
+        """A new registration of this buffer (what pickling does): a
+        register_again of its anchor, for `uses` receivers (default
+        pickle_uses) and `ttl` seconds (default pickle_ttl). Opens no
+        descriptor. It lives on after close() until used, expired or
+        unregistered."""
         if not self.is_owner:
             raise TypeError("an imported HostBuffer cannot be shared again: this process "
                             "holds a mapping, not the memfd; share it from its owner")
         if self.closed:
-            raise ValueError("HostBuffer is closed")
-        self._shared.acquire()
-        return register_host_file(
-            self._shared.fd, self._size, self._chunk_size,
-            uses=self.pickle_uses if uses is None else uses,
-            ttl=self.pickle_ttl if ttl is None else ttl,
-            release=_HostRelease(self._shared))
+            raise ValueError("HostBuffer is closed: it can no longer be shared or pickled")
+        uses = self.pickle_uses if uses is None else uses
+        ttl = self.pickle_ttl if ttl is None else ttl
+        return self._pending.register(
+            lambda release: register_again(self._anchor, uses=uses, ttl=ttl, release=release))
 
     def pending_tickets(self) -> list[Ticket]:
-        """Tickets of this buffer's registrations that have not ended."""
-        if self._shared is None:
-            return []
-        return [rec.ticket for rec in list(_records.values())
-                if isinstance(rec.release, _HostRelease) and rec.release.shared is self._shared
-                and rec.ticket is not None]
+        """Tickets of this buffer's shares and pickles that have not ended."""
+        return self._pending.tickets()
 
     def unregister_all(self) -> int:
-        """End every pending registration of this buffer; returns how many."""
+        """End every pending share of this buffer; returns how many."""
         n = 0
         for t in self.pending_tickets():
             try:
@@ -219,16 +291,27 @@ class HostBuffer:
                 pass  # ended meanwhile
         return n
 
-    def __reduce__(self):
-        from ._mp import reduce_host_buffer
-        return reduce_host_buffer(self)
+    def wait(self, timeout: float = 30.0) -> bool:
+        """Wait until every share and pickle of this buffer made so far has
+        ended (used, expired or unregistered) and been released: True then,
+        False after `timeout` seconds. "Ended" means every chunk was sent,
+        not that receivers are done with the memory."""
+        deadline = time.monotonic() + _args.milliseconds(
+            timeout, "timeout", 0, _args.U32_MAX, "HostBuffer.wait", "0 = just check") / 1000
+        while True:
+            pending = self.pending_tickets()
+            if not pending:
+                return True
+            if not pending[0].wait(max(0.0, deadline - time.monotonic())):
+                return False
 
     # --------------------------------------------------------------- closing
 
     def close(self) -> None:
         """Drop this process's view of the memory (BufferError while exported
-        memoryviews are alive). The owner's memfd stays open until pending
-        registrations end; receivers' mappings stay valid."""
+        memoryviews are alive). The owner also ends its anchor registration
+        and closes its memfd; shares already made stay fetchable until they
+        end, and receivers' mappings stay valid."""
         view, self._view = self._view, None
         if view is None:
             return
@@ -244,6 +327,7 @@ class HostBuffer:
             raise
         if self._finalizer is not None:
             self._finalizer()
+        self._anchor = None
 
     def __enter__(self) -> "HostBuffer":
         return self
@@ -256,8 +340,3 @@ class HostBuffer:
         state = " closed" if self.closed else ""
         return (f"<vmmipc.HostBuffer {role} size={self._size} chunk_size={self._chunk_size} "
                 f"n_chunks={self.n_chunks}{state}>")
-
-
-def rebuild_host_buffer(ticket, chunk_size):
-    """Unpickling side of a HostBuffer."""
-    return HostBuffer.from_ticket(ticket, chunk_size)

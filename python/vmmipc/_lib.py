@@ -1,11 +1,24 @@
 """Finding, loading and declaring libvmmipc.so (ctypes).
 
-The library is loaded lazily, on the first call that needs it, never at
-import: a module the multiprocessing forkserver preloads may import vmmipc
-without starting the Go runtime inside the forkserver (whose forked children
-could then never use it). The pid at load time is recorded; any call from
-another pid (a child made by fork() without exec) raises VmmipcForkError
-before entering the library.
+The library is loaded lazily, by the first object or call that needs it
+(HostBuffer(...), share(...), an explicit reducer install), never at import:
+a module the multiprocessing forkserver preloads may import vmmipc without
+starting the Go runtime inside the forkserver (whose forked children could
+then never use it). The pid at load time is recorded; any call from another
+pid (a child made by fork() without exec) raises VmmipcForkError before
+entering the library.
+
+Where the library is looked for, in order (candidate_paths):
+  1. $VMMIPC_LIBRARY, if set: an explicit choice, and the only one tried.
+  2. Next to the package, vmmipc/libvmmipc.so: where a wheel built by
+     `pip install ./python` puts it.
+  3. The checkout's build/libvmmipc.so (`make lib`), only when this package
+     is the python/ directory of a libvmmipc checkout.
+  4. <prefix>/lib*/libvmmipc.so for sys.prefix and /usr/local (`make
+     install`, PREFIX=/usr/local by default), then the system loader
+     (ctypes.util.find_library, LD_LIBRARY_PATH, ld.so.cache).
+The first file that exists and loads is the library; one that loads but
+lacks a function of this package's contract is an error, not skipped.
 """
 
 from __future__ import annotations
@@ -13,20 +26,28 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import sys
+import sysconfig
 import threading
 from ctypes import (CFUNCTYPE, POINTER, Structure, c_char_p, c_int, c_int32, c_uint8,
                     c_uint32, c_uint64, c_void_p)
 
-from . import _errors
+from . import _args, _errors
 
 LIBRARY_ENV = "VMMIPC_LIBRARY"
 LIBRARY_NAME = "libvmmipc.so"
+CONTRACT_VERSION = "0.2"  # the include/vmmipc.h this package binds
 
 TICKET_SIZE = 256
 DEVICE_HOST = -1
 DEVICE_SAME = -2
 MEMORY_HOST = 1
 MEMORY_CUDA = 2
+MAX_WINDOW = 1024
+MAX_ACCESS_DEVICES = 64
+MAX_TTL_MS = 1 << 40
+MAX_CHUNKS = 1 << 26
+IMPORT_NO_CACHE = 0x1
 
 
 class vmmipc_ticket(Structure):
@@ -43,6 +64,8 @@ class vmmipc_options(Structure):
         ("memory_kind", c_uint32),
         ("access_device_count", c_uint32),
         ("access_devices", POINTER(c_int32)),
+        ("import_flags", c_uint32),
+        ("reserved_", c_uint32),
     ]
 
 
@@ -77,6 +100,28 @@ class vmmipc_mapping(Structure):
     ]
 
 
+class vmmipc_cuda_range_info(Structure):
+    _fields_ = [
+        ("base", c_uint64),
+        ("size", c_uint64),
+        ("handle_types", c_uint32),
+        ("device", c_int32),
+    ]
+
+
+class vmmipc_cache_info(Structure):
+    _fields_ = [
+        ("limit_bytes", c_uint64),
+        ("entries", c_uint64),
+        ("referenced_bytes", c_uint64),
+        ("unreferenced_bytes", c_uint64),
+        ("hits", c_uint64),
+        ("misses", c_uint64),
+        ("evictions", c_uint64),
+        ("invalidations", c_uint64),
+    ]
+
+
 # typedef int (*vmmipc_export_fn)(void *user, uint64_t index, int *fd_out);
 EXPORT_FN = CFUNCTYPE(c_int, c_void_p, c_uint64, POINTER(c_int))
 # typedef void (*vmmipc_release_fn)(void *user);
@@ -96,8 +141,11 @@ SIGNATURES = {
     "vmmipc_register_cuda": (c_int, [c_uint64, c_uint64, _O, _T]),
     "vmmipc_register_cuda_handles": (c_int, [POINTER(c_uint64), POINTER(c_uint64), c_uint64,
                                              RELEASE_FN, c_void_p, _O, _T]),
+    "vmmipc_register_again": (c_int, [_T, RELEASE_FN, c_void_p, _O, _T]),
     "vmmipc_unregister": (c_int, [_T]),
+    "vmmipc_wait": (c_int, [_T, c_uint32]),
     "vmmipc_live_registrations": (c_int, [POINTER(c_uint64)]),
+    "vmmipc_cuda_query_range": (c_int, [c_uint64, c_uint64, POINTER(vmmipc_cuda_range_info)]),
     "vmmipc_ticket_decode": (c_int, [_T, POINTER(vmmipc_ticket_info)]),
     "vmmipc_open": (c_int, [_T, _O, POINTER(_STREAM)]),
     "vmmipc_stream_info": (c_int, [_STREAM, POINTER(c_uint64), POINTER(c_uint64)]),
@@ -105,6 +153,8 @@ SIGNATURES = {
     "vmmipc_close": (c_int, [_STREAM]),
     "vmmipc_import_stream": (c_int, [_T, c_int, _O, POINTER(vmmipc_mapping)]),
     "vmmipc_unmap": (c_int, [POINTER(vmmipc_mapping)]),
+    "vmmipc_cache_set_limit": (c_int, [c_uint64]),
+    "vmmipc_cache_get_info": (c_int, [POINTER(vmmipc_cache_info), ctypes.c_size_t]),
     "vmmipc_strerror": (c_char_p, [c_int]),
     "vmmipc_last_error": (c_char_p, []),
     "vmmipc_version": (c_char_p, []),
@@ -113,68 +163,97 @@ SIGNATURES = {
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _load_pid: int | None = None
-_load_path: str | None = None
+
+_HOW_TO_FIX = (
+    "To fix: from a libvmmipc checkout, `make lib` builds build/libvmmipc.so (found "
+    "automatically when vmmipc is imported from the checkout's python/ directory) and "
+    "`pip install ./python` then installs vmmipc with the library inside; or `make install` "
+    f"(PREFIX=/usr/local by default); or set {LIBRARY_ENV} to the path of a libvmmipc.so")
+
+
+def _checkout_root() -> str | None:
+    """The libvmmipc checkout this package sits in (python/vmmipc/ of it), or
+    None when it is installed elsewhere (a venv, site-packages)."""
+    pkg = os.path.dirname(os.path.abspath(__file__))
+    python_dir = os.path.dirname(pkg)
+    root = os.path.dirname(python_dir)
+    if (os.path.basename(python_dir) == "python"
+            and os.path.isfile(os.path.join(root, "include", "vmmipc.h"))
+            and os.path.isfile(os.path.join(root, "go.mod"))):
+        return root
+    return None
 
 
 def candidate_paths() -> list[str]:
-    """Where libvmmipc.so is looked for, in order."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    paths = []
+    """Where libvmmipc.so is looked for, in order (see the module docstring).
+    Entries without a slash are names for the system loader."""
     env = os.environ.get(LIBRARY_ENV)
     if env:
-        paths.append(env)
-    paths.append(os.path.join(here, LIBRARY_NAME))  # installed next to the package
-    # A checkout: python/vmmipc/ -> <root>/build/libvmmipc.so
-    paths.append(os.path.join(os.path.dirname(os.path.dirname(here)), "build", LIBRARY_NAME))
-    found = ctypes.util.find_library("vmmipc")
-    if found:
-        paths.append(found)
-    paths.append(LIBRARY_NAME)  # let the dynamic loader search
-    return paths
+        return [env]
+    paths = [os.path.join(os.path.dirname(os.path.abspath(__file__)), LIBRARY_NAME)]
+    root = _checkout_root()
+    if root is not None:
+        paths.append(os.path.join(root, "build", LIBRARY_NAME))
+    libdirs = ["lib", "lib64"]
+    multiarch = sysconfig.get_config_var("MULTIARCH")
+    if multiarch:
+        libdirs.append(os.path.join("lib", multiarch))
+    for prefix in dict.fromkeys([sys.prefix, "/usr/local"]):
+        paths.extend(os.path.join(prefix, d, LIBRARY_NAME) for d in libdirs)
+    paths.append(ctypes.util.find_library("vmmipc") or LIBRARY_NAME)
+    return list(dict.fromkeys(paths))
 
 
 def _open() -> tuple[ctypes.CDLL, str]:
     env = os.environ.get(LIBRARY_ENV)
-    if env and not os.path.exists(env):
-        raise _errors.LibraryNotFoundError(
-            f"{LIBRARY_ENV}={env!r} does not exist; point it at a built libvmmipc.so "
-            "(make lib builds build/libvmmipc.so)")
     tried = []
     for path in candidate_paths():
         if os.sep in path and not os.path.exists(path):
-            tried.append(f"{path} (missing)")
+            tried.append(f"{path} (does not exist)")
             continue
         try:
             return ctypes.CDLL(path), path
         except OSError as e:
             tried.append(f"{path} ({e})")
-            if path == env:
-                break  # an explicit choice that fails is an error, not a hint
+    if env:
+        raise _errors.LibraryNotFoundError(
+            f"cannot load libvmmipc.so from {LIBRARY_ENV}={env!r}: {tried[0]}. Point "
+            f"{LIBRARY_ENV} at a libvmmipc.so (`make lib` in a checkout builds "
+            "build/libvmmipc.so), or unset it to search the usual places")
     raise _errors.LibraryNotFoundError(
-        "cannot load libvmmipc.so; tried: " + "; ".join(tried) +
-        f". Build it with `make lib`, install it, or set {LIBRARY_ENV} to its path")
+        "cannot find libvmmipc.so; tried: " + "; ".join(tried) + ". " + _HOW_TO_FIX)
 
 
-def _declare(lib: ctypes.CDLL) -> None:
+def _declare(handle: ctypes.CDLL, path: str) -> None:
+    missing = [name for name in SIGNATURES if not hasattr(handle, name)]
+    if missing:
+        try:
+            version = handle.vmmipc_version
+            version.restype = c_char_p
+            found = "libvmmipc " + version().decode()
+        except (AttributeError, UnicodeDecodeError):
+            found = "a library"
+        raise _errors.LibraryNotFoundError(
+            f"{path} is {found} without {', '.join(missing)}: this vmmipc package binds the "
+            f"libvmmipc {CONTRACT_VERSION} contract (include/vmmipc.h); rebuild the library "
+            f"(`make lib`) or point {LIBRARY_ENV} at a matching one")
     for name, (restype, argtypes) in SIGNATURES.items():
-        fn = getattr(lib, name)
+        fn = getattr(handle, name)
         fn.restype = restype
         fn.argtypes = argtypes
 
 
 def lib(function: str = "") -> ctypes.CDLL:
-    """The loaded library, loading it on first use. Raises VmmipcForkError in
-    a child created by fork() after the parent loaded it."""
-    global _lib, _load_pid, _load_path
-    if _lib is not None:
-        if os.getpid() != _load_pid:
-            raise _errors.fork_error(function or "vmmipc")
-        return _lib
-    with _lock:
-        if _lib is None:
-            handle, path = _open()
-            _declare(handle)
-            _lib, _load_pid, _load_path = handle, os.getpid(), path
+    """The loaded library, loading it on first use. Raises
+    LibraryNotFoundError if it cannot be loaded, and VmmipcForkError in a
+    child created by fork() after the parent loaded it."""
+    global _lib, _load_pid
+    if _lib is None:
+        with _lock:
+            if _lib is None:
+                handle, path = _open()
+                _declare(handle, path)
+                _lib, _load_pid = handle, os.getpid()
     if os.getpid() != _load_pid:
         raise _errors.fork_error(function or "vmmipc")
     return _lib
@@ -183,10 +262,6 @@ def lib(function: str = "") -> ctypes.CDLL:
 def loaded() -> bool:
     """Whether this process has loaded the library (without loading it)."""
     return _lib is not None and _load_pid == os.getpid()
-
-
-def loaded_path() -> str | None:
-    return _load_path
 
 
 def last_error() -> str:
@@ -210,38 +285,37 @@ def call(function: str, *args) -> int:
     return check(function, fn(*args))
 
 
-def options(*, uses: int | None = None, ttl: float | None = None, timeout: float | None = None,
-            window: int | None = None, memory_kind: int | None = None,
-            access_devices=()) -> vmmipc_options:
+def options(function: str, *, uses=None, ttl=None, timeout=None, window=None,
+            memory_kind=None, access_devices=(), import_flags: int = 0) -> vmmipc_options:
     """A vmmipc_options filled with the library's defaults, then the given
-    fields. ttl and timeout are seconds. access_devices is kept alive by the
+    fields. Every field is checked before the library is touched (errors
+    name the parameter and `function`). ttl and timeout are seconds; None
+    keeps the default (never, 30 s). access_devices is kept alive by the
     returned struct (``_keep``)."""
+    fields = {}
+    if uses is not None:
+        fields["uses"] = _args.u32(uses, "uses", function, "0 = unlimited")
+    if ttl is not None:
+        fields["ttl_ms"] = _args.milliseconds(ttl, "ttl", 1, MAX_TTL_MS, function,
+                                              "None = never")
+    if timeout is not None:
+        fields["timeout_ms"] = _args.milliseconds(timeout, "timeout", 1, _args.U32_MAX, function,
+                                                  "None = the default, 30 s")
+    if window is not None:
+        fields["window"] = _args.integer(window, "window", 0, MAX_WINDOW, function,
+                                         "0 = the library's choice, 1 = lockstep")
+    if memory_kind is not None:
+        fields["memory_kind"] = _args.u32(memory_kind, "memory_kind", function)
+    devs = _args.integers(access_devices or (), "access_devices", _args.I32_MIN, _args.I32_MAX,
+                          function, MAX_ACCESS_DEVICES)
     o = vmmipc_options()
     call("vmmipc_options_init", ctypes.byref(o), ctypes.sizeof(o))
-    if uses is not None:
-        if not 0 <= uses < 2**32:
-            raise _errors.InvalidError(f"uses={uses} must be in [0, 2**32) (0 = unlimited)",
-                                       _errors.EINVAL)
-        o.uses = uses
-    if ttl is not None:
-        if ttl <= 0:
-            raise _errors.InvalidError(f"ttl={ttl} must be positive seconds (None = never)",
-                                       _errors.EINVAL)
-        o.ttl_ms = max(1, int(round(ttl * 1000)))
-    if timeout is not None:
-        ms = int(round(timeout * 1000))
-        if not 0 < ms < 2**32:
-            raise _errors.InvalidError(f"timeout={timeout} must be positive seconds",
-                                       _errors.EINVAL)
-        o.timeout_ms = ms
-    if window is not None:
-        o.window = window
-    if memory_kind is not None:
-        o.memory_kind = memory_kind
-    devs = list(access_devices or ())
+    for name, value in fields.items():
+        setattr(o, name, value)
     if devs:
         arr = (c_int32 * len(devs))(*devs)
         o.access_device_count = len(devs)
         o.access_devices = ctypes.cast(arr, POINTER(c_int32))
         o._keep = arr
+    o.import_flags = import_flags
     return o

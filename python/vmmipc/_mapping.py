@@ -1,5 +1,14 @@
 """The receiver's high level: import_stream maps a whole buffer, one chunk
-at a time, into one contiguous range; a Mapping undoes it."""
+at a time, into one contiguous range; a Mapping holds one reference to it.
+
+The import cache (include/vmmipc.h, vmmipc_import_stream): a process keeps
+what it imported, keyed by the exporter and the buffer identity. Importing a
+ticket of a buffer mapped here already still authenticates and spends a use,
+then returns another reference to the same mapping (same addr, no
+descriptor, no driver call). Closing the last Mapping of it leaves it mapped,
+unreferenced, while the exporter says the buffer lives on, within a byte
+bound (set_cache_limit; cache_info tells what is held).
+"""
 
 from __future__ import annotations
 
@@ -7,10 +16,11 @@ import ctypes
 import os
 import sys
 import weakref
+from typing import NamedTuple
 
-from . import _lib
-from ._lib import DEVICE_HOST, DEVICE_SAME, MEMORY_HOST
-from ._ticket import _as_ticket
+from . import _args, _dlpack, _lib
+from ._lib import DEVICE_HOST, DEVICE_SAME, IMPORT_NO_CACHE, MEMORY_HOST
+from ._ticket import as_ticket
 
 
 def _unmap(struct: _lib.vmmipc_mapping, pid: int) -> None:
@@ -34,23 +44,37 @@ def _host_bytes(addr: int, size: int):
 
 
 class Mapping:
-    """A buffer mapped into this process by import_stream. Close it (or use
-    ``with``) to unmap; it is also unmapped when collected. For host memory,
-    ``view`` is a writable memoryview of the whole range; the mapping stays
-    until the last memoryview of it is gone, and close() refuses (BufferError)
-    while one is alive."""
+    """One reference to a buffer mapped into this process by import_stream.
+    Close it (or use ``with``) to drop the reference; it is also dropped when
+    the Mapping is collected. Two Mappings of the same cached import share
+    one address.
+
+    Host memory: ``view`` is a writable memoryview of the whole range (so
+    ``numpy.frombuffer(m.view, dtype)``, ``torch.frombuffer(m.view,
+    dtype=torch.uint8)``); the mapping stays until the last memoryview of it
+    is gone, and close() refuses (BufferError) while one is alive.
+
+    CUDA memory: ``__cuda_array_interface__`` (version 3) and ``__dlpack__``
+    describe the range as a 1-D uint8 array on ``device``, so
+    ``cupy.asarray(m)``, ``torch.from_dlpack(m)`` or ``cupy.from_dlpack(m)``
+    see it without a copy. The array interface carries no lifetime: keep the
+    Mapping open while the array is used. A DLPack export keeps the Mapping
+    alive until its consumer lets go, and close() refuses (BufferError)
+    while one is alive. Host mappings export DLPack too (kDLCPU).
+    """
 
     def __init__(self, struct: _lib.vmmipc_mapping):
         self._struct = struct
-        self.addr: int = struct.addr
+        self._addr: int = struct.addr
         self.size: int = struct.size
         self.device: int = struct.device
         self.memory_kind: int = struct.memory_kind
         self._view: memoryview | None = None
         self._mem = None
+        self._dlpack_exports = 0
         pid = os.getpid()
         if self.memory_kind == MEMORY_HOST:
-            self._mem = _host_bytes(self.addr, self.size)
+            self._mem = _host_bytes(self._addr, self.size)
             self._finalizer = weakref.finalize(self._mem, _unmap, struct, pid)
         else:
             self._finalizer = weakref.finalize(self, _unmap, struct, pid)
@@ -60,25 +84,92 @@ class Mapping:
         return not self._finalizer.alive
 
     @property
+    def addr(self) -> int:
+        """Start of the mapping: a host pointer, or a CUdeviceptr. ValueError
+        once closed (the address may already belong to something else)."""
+        self._check_open()
+        return self._addr
+
+    @property
     def is_host(self) -> bool:
         return self.memory_kind == MEMORY_HOST
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ValueError("mapping is closed")
 
     @property
     def view(self) -> memoryview:
         """Writable memoryview (format 'B') of a host mapping."""
-        if self.closed:
-            raise ValueError("mapping is closed")
+        self._check_open()
         if self._mem is None:
-            raise TypeError("a CUDA mapping has no host memoryview; use addr "
-                            "(a CUdeviceptr) or vmmipc.cuda_core")
+            raise TypeError("a CUDA mapping has no host memoryview; use addr (a "
+                            "CUdeviceptr), __cuda_array_interface__, __dlpack__ or "
+                            "vmmipc.cuda_core")
         if self._view is None:
             self._view = memoryview(self._mem).cast("B")
         return self._view
 
+    # ------------------------------------------------------- array protocols
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        """CUDA Array Interface v3: the range as a 1-D uint8 device array. No
+        pending work to wait for (``stream`` absent)."""
+        if self.is_host:
+            # AttributeError, so that hasattr() tells host mappings apart
+            raise AttributeError("a host mapping has no __cuda_array_interface__; use view")
+        return {"shape": (self.size,), "typestr": "|u1", "data": (self.addr, False),
+                "strides": None, "version": 3}
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        if self.is_host:
+            return (_dlpack.KDL_CPU, 0)
+        return (_dlpack.KDL_CUDA, self.device)
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        """A DLPack capsule of the range as a 1-D uint8 tensor, writable:
+        DLPack 1.0 ("dltensor_versioned") when max_version >= (1, 0) is asked
+        for, else unversioned ("dltensor"). The memory has no pending work in
+        this process, so `stream` needs no synchronization; copy=True is
+        refused (BufferError), as is a dl_device other than
+        __dlpack_device__()."""
+        self._check_open()
+        if stream is not None and (isinstance(stream, bool)
+                                   or not hasattr(type(stream), "__index__")):
+            raise TypeError(f"__dlpack__: stream must be an integer or None, not "
+                            f"{type(stream).__name__}")
+        if copy:
+            raise BufferError("vmmipc mappings are exported without a copy (copy=True)")
+        device = self.__dlpack_device__()
+        if dl_device is not None and tuple(dl_device) != device:
+            raise BufferError(f"this mapping lives on DLPack device {device}, not {dl_device}")
+        self._dlpack_exports += 1
+        try:
+            return _dlpack.export_bytes(self._addr, self.size, device[0], device[1],
+                                        self._dlpack_released,
+                                        versioned=max_version is not None
+                                        and tuple(max_version) >= (1, 0))
+        except BaseException:
+            self._dlpack_exports -= 1
+            raise
+
+    def _dlpack_released(self) -> None:
+        # Called once per export, by its deleter (any thread, GIL held). The
+        # bound method is what kept this Mapping alive for the export.
+        self._dlpack_exports -= 1
+
+    # --------------------------------------------------------------- closing
+
     def close(self) -> None:
-        """Unmap now. Idempotent."""
+        """Drop this reference now (the mapping itself may stay in the import
+        cache). Idempotent. BufferError while memoryviews or DLPack exports
+        of it are alive."""
         if self.closed:
             return
+        if self._dlpack_exports:
+            raise BufferError(f"cannot unmap: {self._dlpack_exports} DLPack export(s) of this "
+                              "mapping are still alive; let their consumers go first")
         if self._mem is not None:
             if self._view is not None:
                 self._view.release()  # BufferError if exported (e.g. numpy)
@@ -98,21 +189,60 @@ class Mapping:
 
     def __repr__(self) -> str:
         kind = "host" if self.is_host else f"cuda device {self.device}"
-        state = "closed" if self.closed else f"addr={self.addr:#x}"
+        state = "closed" if self.closed else f"addr={self._addr:#x}"
         return f"<vmmipc.Mapping {kind} size={self.size} {state}>"
 
 
 def import_stream(ticket, device: int | None = None, *, timeout: float | None = None,
-                  window: int | None = None, access_devices=()) -> Mapping:
+                  window: int | None = None, access_devices=(), cache: bool = True) -> Mapping:
     """Map the whole buffer named by the ticket (vmmipc_import_stream): reserve
-    the range, then receive, map and close one chunk at a time. device: None
-    picks DEVICE_HOST for host tickets and DEVICE_SAME (the exporter's GPU,
-    by UUID) for CUDA tickets; or a CUDA ordinal."""
-    t = _as_ticket(ticket)
+    the range, then receive, map and close one chunk at a time; or, when
+    this process has the buffer cached, another reference to that mapping.
+
+    device: None picks DEVICE_HOST for host tickets and DEVICE_SAME (the
+    exporter's GPU, by UUID) for CUDA tickets; or a CUDA ordinal.
+    access_devices: more ordinals that get read-write access (CUDA).
+    timeout: seconds to wait on a silent peer (None: 30). window: chunk
+    requests in flight (None: the library's choice; 1 = lockstep).
+    cache=False neither reuses nor keeps a cached mapping
+    (VMMIPC_IMPORT_NO_CACHE). VmmipcMemoryError if the address range cannot
+    be reserved."""
+    fn = "vmmipc_import_stream"
+    t = as_ticket(ticket)
+    if device is not None:
+        device = _args.integer(device, "device", DEVICE_SAME, _args.I32_MAX, fn,
+                               "DEVICE_HOST = -1, DEVICE_SAME = -2, or a CUDA ordinal")
+    opts = _lib.options(fn, timeout=timeout, window=window, access_devices=access_devices,
+                        import_flags=0 if cache else IMPORT_NO_CACHE)
     if device is None:
         device = DEVICE_HOST if t.info().memory_kind == MEMORY_HOST else DEVICE_SAME
-    opts = _lib.options(timeout=timeout, window=window, access_devices=access_devices)
     out = _lib.vmmipc_mapping()
-    _lib.call("vmmipc_import_stream", ctypes.byref(t._c()), int(device), ctypes.byref(opts),
-              ctypes.byref(out))
+    _lib.call(fn, ctypes.byref(t._c()), device, ctypes.byref(opts), ctypes.byref(out))
     return Mapping(out)
+
+
+class CacheInfo(NamedTuple):
+    limit_bytes: int         # bound on unreferenced bytes; 0 = off
+    entries: int             # mappings the cache knows, referenced or not
+    referenced_bytes: int    # bytes of mappings with references
+    unreferenced_bytes: int  # bytes kept mapped with no reference
+    hits: int                # imports answered from the cache
+    misses: int              # imports that mapped anew
+    evictions: int           # unreferenced mappings undone for room
+    invalidations: int       # mappings undone because the buffer ended or the exporter exited
+
+
+def set_cache_limit(nbytes: int) -> None:
+    """Bound the bytes of unreferenced cached mappings of this process (0
+    turns the cache off); mappings beyond it are undone before this returns.
+    The default is 32 GiB, or $VMMIPC_CACHE_BYTES."""
+    fn = "vmmipc_cache_set_limit"
+    _lib.call(fn, _args.u64(nbytes, "nbytes", fn))
+
+
+def cache_info() -> CacheInfo:
+    """This process's import cache: its bound, what it holds, and its
+    counters."""
+    out = _lib.vmmipc_cache_info()
+    _lib.call("vmmipc_cache_get_info", ctypes.byref(out), ctypes.sizeof(out))
+    return CacheInfo(*(getattr(out, name) for name in CacheInfo._fields))

@@ -1,4 +1,4 @@
-"""multiprocessing integration: ForkingPickler reducers and fork detection.
+"""multiprocessing integration: fork detection and guarded reducers.
 
 Pickling registers (no descriptor is opened); the receiver streams. A
 spawned or forkserver child fetches from the parent's server like any other
@@ -6,16 +6,28 @@ receiver. Under the "fork" start method the child cannot use libvmmipc (the
 Go runtime and CUDA do not survive fork): the child fails at once with
 VmmipcForkError when it unpickles, and where the sender can tell that the
 pickle is bound for a forked child, it refuses before registering anything.
+
+A multiprocessing Queue pickles in a feeder thread: an exception raised
+there is printed and dropped, and the receiver waits in get() for an object
+that never comes. guarded_reduce turns such a failure into a pickle whose
+unpickling raises the same error in the receiver. This module knows no
+vmmipc type: the reducers (_reductions, cuda_core, torch) use it.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import pickle
 import threading
 from multiprocessing import context as _mpcontext
 from multiprocessing import popen_fork as _popen_fork
-from multiprocessing.reduction import ForkingPickler
+from multiprocessing import pool as _pool
+from multiprocessing import queues as _queues
 
 from . import _errors
+
+log = logging.getLogger("vmmipc")
 
 _FORK_ADVICE = ("libvmmipc cannot run in a child made by fork() (its Go runtime and CUDA do "
                 "not survive fork); use multiprocessing.get_context('spawn') or "
@@ -35,6 +47,14 @@ def _is_fork_lock(lock) -> bool:
     return semlock is not None and getattr(semlock, "name", "") is None
 
 
+def _queue_feeder_args():
+    """The Queue._feed arguments if this thread is a Queue's feeder, else None."""
+    t = threading.current_thread()
+    if getattr(t, "_target", None) is _queues.Queue._feed:
+        return getattr(t, "_args", ())
+    return None
+
+
 def fork_destination() -> str | None:
     """Best effort: why the pickle being made is bound for a forked child
     ("pool", "queue", "process"), or None if it is not (or we cannot tell,
@@ -43,15 +63,14 @@ def fork_destination() -> str | None:
         if _is_fork_popen(_mpcontext.get_spawning_popen()):
             return "process"
         t = threading.current_thread()
-        target = getattr(t, "_target", None)
         args = getattr(t, "_args", ())
-        from multiprocessing import pool as _pool, queues as _queues
-        if target is _pool.Pool._handle_tasks and len(args) >= 4:
+        if getattr(t, "_target", None) is _pool.Pool._handle_tasks and len(args) >= 4:
             workers = args[3]
             if any(_is_fork_popen(getattr(p, "_popen", None)) for p in list(workers)):
                 return "pool"
-        if target is _queues.Queue._feed and len(args) >= 4 and args[3] is not None:
-            if _is_fork_lock(args[3]):  # the queue's write lock, made by its context
+        feeder = _queue_feeder_args()
+        if feeder is not None and len(feeder) >= 4 and feeder[3] is not None:
+            if _is_fork_lock(feeder[3]):  # the queue's write lock, made by its context
                 return "queue"
     except Exception:  # noqa: BLE001 - detection must never break pickling
         return None
@@ -65,30 +84,43 @@ def refuse_fork(where: str):
                                   _errors.EFORK, "unpickle")
 
 
-def check_not_fork(what: str):
-    """For reducers: None if fine; else a reduce tuple (queue: the receiver
-    raises at once) or an exception (pool, process: the sender's call
-    fails). Nothing is registered either way."""
+def raise_sender_error(what: str, pid: int, error: BaseException):
+    """Unpickling side of a reducer that failed in the sender's Queue feeder
+    thread: raises the sender's error here, in the receiver's get()."""
+    if hasattr(error, "add_note"):  # Python 3.11+
+        error.add_note(f"raised in the sending process (pid {pid}) while it pickled a "
+                       f"{what} for this queue; nothing was registered for it")
+    raise error
+
+
+def _portable(error: Exception) -> Exception:
+    """error itself if it survives pickling, else a VmmipcError that carries
+    its type and message."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # noqa: BLE001 - any failure means: not portable
+        return _errors.VmmipcError(f"{type(error).__name__}: {error}", None, "pickle")
+
+
+def guarded_reduce(what: str, reduce_fn):
+    """For reducers: refuse a pickle bound for a forked child (a Queue's
+    receiver then raises VmmipcForkError in get(); a Pool or Process fails
+    in the sender), else return reduce_fn(). If reduce_fn raises while a
+    Queue feeder thread pickles, return a reduce tuple that raises the same
+    error in the receiver's get() (and log it here); elsewhere the error
+    propagates to the caller (Pipe.send, Pool.map, pickle.dumps...)."""
     where = fork_destination()
-    if where is None:
-        return None
     if where == "queue":
-        # Raising here would only print in the feeder thread and leave the
-        # child waiting in get(); make the child's get() raise instead.
         return (refuse_fork, (where,))
-    raise _errors.VmmipcForkError(f"cannot send a {what} to a fork-context {where}: "
-                                  + _FORK_ADVICE, _errors.EFORK, "pickle")
-
-
-def reduce_host_buffer(hb):
-    from ._host import rebuild_host_buffer
-    refused = check_not_fork("HostBuffer")
-    if refused is not None:
-        return refused
-    ticket = hb.share()
-    return (rebuild_host_buffer, (ticket, hb.chunk_size))
-
-
-def install() -> None:
-    from ._host import HostBuffer
-    ForkingPickler.register(HostBuffer, reduce_host_buffer)
+    if where is not None:
+        raise _errors.VmmipcForkError(f"cannot send a {what} to a fork-context {where}: "
+                                      + _FORK_ADVICE, _errors.EFORK, "pickle")
+    try:
+        return reduce_fn()
+    except Exception as e:
+        if _queue_feeder_args() is None:
+            raise
+        log.error("vmmipc: pickling a %s for a multiprocessing Queue failed (the receiver's "
+                  "get() raises it): %s: %s", what, type(e).__name__, e)
+        return (raise_sender_error, (what, os.getpid(), _portable(e)))

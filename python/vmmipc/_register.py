@@ -1,8 +1,19 @@
 """The sender side: registrations, their callbacks, and their end.
 
-Registering opens no descriptor. Descriptors handed in (the file of
-register_host_file, the handles of register_cuda_handles) stay the caller's
-but must stay valid until the registration's release callback has run.
+Registering opens no descriptor. What the caller hands in stays the
+caller's: the fd of register_host_file may be closed right after the call
+(the library keeps one duplicate of its own), the handles of
+register_cuda_handles must stay valid until the registration's release
+callback has run.
+
+When release runs (include/vmmipc.h, "Lifetime"): a registration ends when
+its uses are consumed (a use is consumed once every chunk was sent to a
+receiver, or a receiver with a cached mapping was confirmed), its ttl
+expires, or it is unregistered. "Sent" is not "done": release can run before
+a receiver has finished with the memory, whose mappings hold their own
+references. wait(ticket) blocks until a registration has ended and its
+release callback has returned. The sender's process must stay alive until
+every receiver has imported: the server lives in it.
 """
 
 from __future__ import annotations
@@ -13,10 +24,10 @@ import logging
 from ctypes import c_uint64, c_void_p
 from typing import Callable
 
-from . import _errors, _lib
+from . import _args, _errors, _lib
 from ._errors import InvalidError
-from ._lib import MEMORY_HOST
-from ._ticket import Ticket, _as_ticket
+from ._lib import MAX_CHUNKS, MEMORY_HOST
+from ._ticket import Ticket, as_ticket
 
 log = logging.getLogger("vmmipc")
 
@@ -31,10 +42,11 @@ class _Record:
         self.ticket: Ticket | None = None
 
 
-# user-pointer key -> _Record. Keys are never reused. The two trampolines
-# below live as long as the module, so the library can never call a ctypes
-# callback object that was freed; per-registration state is looked up by key
-# and dropped when release runs (exactly once, on a library thread).
+# user-pointer key -> _Record, only for registrations with a Python callback.
+# Keys are never reused. The two trampolines below live as long as the
+# module, so the library can never call a ctypes callback object that was
+# freed; per-registration state is looked up by key and dropped when release
+# runs (exactly once, on a library thread).
 _records: dict[int, _Record] = {}
 _keys = itertools.count(1)
 
@@ -71,24 +83,40 @@ def _release_trampoline(user):
 
 _EXPORT_CB = _lib.EXPORT_FN(_export_trampoline)
 _RELEASE_CB = _lib.RELEASE_FN(_release_trampoline)
+_NO_RELEASE = _lib.RELEASE_FN()  # NULL: the library calls nothing
 
 
-def _registered(function: str, rec: _Record, do_register) -> Ticket:
-    """Run a register call with a fresh key for rec; undo on failure."""
+def _callable(value, name: str, function: str):
+    if value is not None and not callable(value):
+        raise TypeError(f"{function}: {name} must be callable or None, not "
+                        f"{type(value).__name__}")
+    return value
+
+
+def _registered(rec: _Record | None, do_register) -> Ticket:
+    """Run do_register(release_fn, user, ticket_out) and return the ticket.
+    With a record (a Python callback to run), it is filed under a fresh key
+    that the trampolines find; without one the library gets NULL and calls
+    nothing back. On failure the library calls nothing (the header says
+    so), and neither does Python: the record is dropped, release is not run."""
+    out = _lib.vmmipc_ticket()
+    if rec is None:
+        do_register(_NO_RELEASE, None, ctypes.byref(out))
+        return Ticket(bytes(out.bytes))
     key = next(_keys)
     _records[key] = rec
-    out = _lib.vmmipc_ticket()
     try:
-        do_register(c_void_p(key), ctypes.byref(out))
+        do_register(_RELEASE_CB, c_void_p(key), ctypes.byref(out))
     except BaseException:
-        # release_fn is not called when registering fails: drop what we pinned.
-        failed = _records.pop(key, None)
-        if failed is not None and failed.release is not None:
-            failed.release()
+        del _records[key]
         raise
     ticket = Ticket(bytes(out.bytes))
     rec.ticket = ticket
     return ticket
+
+
+def _record_for(release) -> _Record | None:
+    return None if release is None else _Record(None, release)
 
 
 def register(sizes, export_fn: Callable[[int], int], *, uses: int = 1,
@@ -99,46 +127,62 @@ def register(sizes, export_fn: Callable[[int], int], *, uses: int = 1,
     export_fn(index) is called on a library thread when a receiver asks for
     chunk `index`; it returns a NEW descriptor whose bytes start at offset 0,
     which the library sends and closes. release() runs exactly once, on a
-    library thread, when the registration ends (uses consumed, ttl expired,
-    unregister); it must not call back into vmmipc. uses=0 means unlimited;
-    ttl is in seconds (None = never)."""
-    sizes = [int(s) for s in sizes]
+    library thread, when the registration has ended (uses consumed, ttl
+    expired, unregister) and no export_fn call is in flight; it must not call
+    back into vmmipc; it is not run when registering fails (the call raises
+    instead). uses=0 means unlimited; ttl is in seconds (None = never). Each
+    call makes a new buffer identity; register_again gives more tickets of
+    the same one."""
+    fn = "vmmipc_register"
+    sizes = _args.integers(sizes, "sizes", 0, _args.U64_MAX, fn, MAX_CHUNKS)
     if not sizes:
-        raise InvalidError("register: sizes is empty", _errors.EINVAL, "vmmipc_register")
+        raise InvalidError("sizes is empty: a buffer has at least one chunk", _errors.EINVAL, fn)
     if not callable(export_fn):
-        raise InvalidError("register: export_fn is not callable", _errors.EINVAL,
-                           "vmmipc_register")
+        raise TypeError(f"{fn}: export_fn must be callable, not {type(export_fn).__name__}")
+    _callable(release, "release", fn)
     arr = (c_uint64 * len(sizes))(*sizes)
-    opts = _lib.options(uses=uses, ttl=ttl, memory_kind=memory_kind)
+    opts = _lib.options(fn, uses=uses, ttl=ttl, memory_kind=memory_kind)
 
-    def do(user, out):
-        _lib.call("vmmipc_register", arr, len(sizes), _EXPORT_CB, _RELEASE_CB, user,
-                  ctypes.byref(opts), out)
-    return _registered("vmmipc_register", _Record(export_fn, release), do)
+    def do(release_fn, user, out):
+        _lib.call(fn, arr, len(sizes), _EXPORT_CB, release_fn, user, ctypes.byref(opts), out)
+    # export_fn is called through the trampoline: this always has a record.
+    return _registered(_Record(export_fn, release), do)
 
 
 def register_host_file(fd: int, size: int, chunk_size: int, *, uses: int = 1,
                        ttl: float | None = None,
                        release: Callable[[], None] | None = None) -> Ticket:
-    """Register bytes [0, size) of an mmap-able file (a memfd) as chunks of
-    chunk_size bytes. fd is borrowed: keep it open until release() runs."""
-    opts = _lib.options(uses=uses, ttl=ttl)
+    """Register bytes [0, size) of a memfd sealed against shrinking as chunks
+    of chunk_size bytes. The library keeps one duplicate of fd of its own
+    (until the last registration of that file has ended), so fd may be
+    closed right after this returns. Registering the same file with the same
+    size and chunk_size as a live registration gives the same buffer
+    identity."""
+    fn = "vmmipc_register_host_file"
+    fd = _args.integer(fd, "fd", _args.I32_MIN, _args.I32_MAX, fn)
+    size = _args.u64(size, "size", fn)
+    chunk_size = _args.u64(chunk_size, "chunk_size", fn)
+    _callable(release, "release", fn)
+    opts = _lib.options(fn, uses=uses, ttl=ttl)
 
-    def do(user, out):
-        _lib.call("vmmipc_register_host_file", int(fd), int(size), int(chunk_size),
-                  _RELEASE_CB, user, ctypes.byref(opts), out)
-    return _registered("vmmipc_register_host_file", _Record(None, release), do)
+    def do(release_fn, user, out):
+        _lib.call(fn, fd, size, chunk_size, release_fn, user, ctypes.byref(opts), out)
+    return _registered(_record_for(release), do)
 
 
 def share(dptr: int, size: int, *, uses: int = 1, ttl: float | None = None) -> Ticket:
-    """Register the CUDA VMM range [dptr, dptr + size) (vmmipc_register_cuda).
-    The library retains every allocation, so the caller may free its buffer
-    right after; the memory stays valid for receivers until the registration
-    ends."""
-    opts = _lib.options(uses=uses, ttl=ttl)
+    """Register the CUDA VMM range [dptr, dptr + size) (vmmipc_register_cuda),
+    which must start and end on allocation boundaries (cuda_query_range finds
+    them). The library retains every allocation, so the caller may free its
+    buffer right after; the memory stays valid for receivers until the last
+    registration of it ends. Registering the same allocations again gives the
+    same buffer identity; register_again is the cheap way."""
+    fn = "vmmipc_register_cuda"
+    dptr = _args.u64(dptr, "dptr", fn)
+    size = _args.u64(size, "size", fn)
+    opts = _lib.options(fn, uses=uses, ttl=ttl)
     out = _lib.vmmipc_ticket()
-    _lib.call("vmmipc_register_cuda", int(dptr), int(size), ctypes.byref(opts),
-              ctypes.byref(out))
+    _lib.call(fn, dptr, size, ctypes.byref(opts), ctypes.byref(out))
     return Ticket(bytes(out.bytes))
 
 
@@ -149,26 +193,47 @@ def register_cuda_handles(handles, sizes, *, uses: int = 1, ttl: float | None = 
                           release: Callable[[], None] | None = None) -> Ticket:
     """Register CUmemGenericAllocationHandle values (borrowed until release()
     runs) of the given sizes, in order, as one buffer."""
-    handles = [int(h) for h in handles]
-    sizes = [int(s) for s in sizes]
+    fn = "vmmipc_register_cuda_handles"
+    handles = _args.integers(handles, "handles", 0, _args.U64_MAX, fn, MAX_CHUNKS)
+    sizes = _args.integers(sizes, "sizes", 0, _args.U64_MAX, fn, MAX_CHUNKS)
     if len(handles) != len(sizes) or not handles:
-        raise InvalidError(f"register_cuda_handles: {len(handles)} handles and {len(sizes)} "
-                           "sizes (need the same non-zero count)", _errors.EINVAL,
-                           "vmmipc_register_cuda_handles")
+        raise InvalidError(f"{len(handles)} handles and {len(sizes)} sizes (need the same "
+                           "non-zero count)", _errors.EINVAL, fn)
+    _callable(release, "release", fn)
     h = (c_uint64 * len(handles))(*handles)
     s = (c_uint64 * len(sizes))(*sizes)
-    opts = _lib.options(uses=uses, ttl=ttl)
+    opts = _lib.options(fn, uses=uses, ttl=ttl)
 
-    def do(user, out):
-        _lib.call("vmmipc_register_cuda_handles", h, s, len(handles), _RELEASE_CB, user,
-                  ctypes.byref(opts), out)
-    return _registered("vmmipc_register_cuda_handles", _Record(None, release), do)
+    def do(release_fn, user, out):
+        _lib.call(fn, h, s, len(handles), release_fn, user, ctypes.byref(opts), out)
+    return _registered(_record_for(release), do)
+
+
+def register_again(ticket, *, uses: int = 1, ttl: float | None = None,
+                   release: Callable[[], None] | None = None) -> Ticket:
+    """A new registration of the memory named by `ticket`, a live
+    registration of this process (vmmipc_register_again): a new ticket with
+    its own uses, ttl and secret and the same buffer identity, so a receiver
+    that has the buffer cached imports it in one round trip. Opens no
+    descriptor and makes no driver call. The memory stays exported while any
+    registration made from it lives, even after `ticket` itself has ended.
+    NotFoundError if `ticket` is not a live registration of this process."""
+    fn = "vmmipc_register_again"
+    t = as_ticket(ticket)
+    _callable(release, "release", fn)
+    opts = _lib.options(fn, uses=uses, ttl=ttl)
+
+    def do(release_fn, user, out):
+        _lib.call(fn, ctypes.byref(t._c()), release_fn, user, ctypes.byref(opts), out)
+    return _registered(_record_for(release), do)
 
 
 def unregister(ticket) -> None:
     """End a registration of this process early (NotFoundError if it is not
-    ours or has already ended). Memory already imported stays valid."""
-    _lib.call("vmmipc_unregister", ctypes.byref(_as_ticket(ticket)._c()))
+    ours or has already ended). Memory already imported stays valid. Its
+    release callback runs once no export is in flight: before this returns,
+    or shortly after on a library thread (wait() tells when)."""
+    _lib.call("vmmipc_unregister", ctypes.byref(as_ticket(ticket)._c()))
 
 
 def live_registrations() -> int:
@@ -179,20 +244,22 @@ def live_registrations() -> int:
 
 
 def version() -> str:
-    """The library's version, e.g. "0.1.0"."""
+    """The library's version, e.g. "0.2.0"."""
     return _lib.lib("vmmipc_version").vmmipc_version().decode()
 
 
 def strerror(status: int) -> str:
     """Name and describe a status ("VMMIPC_EAUTH: authentication failed")."""
-    return _lib.lib("vmmipc_strerror").vmmipc_strerror(int(status)).decode()
+    status = _args.i32(status, "status", "vmmipc_strerror")
+    return _lib.lib("vmmipc_strerror").vmmipc_strerror(status).decode()
 
 
 def _unregister_all_at_exit() -> None:
-    # Ends this process's registrations while Python is still whole, so that
-    # no release callback has to enter an interpreter that is finalizing.
-    # Runs after multiprocessing has joined the children (exitpriority < 0),
-    # which may still be fetching what was pickled for them.
+    # Ends this process's registrations that call back into Python while
+    # Python is still whole, so that no release callback has to enter an
+    # interpreter that is finalizing. Runs after multiprocessing has joined
+    # the children (exitpriority < 0), which may still be fetching what was
+    # pickled for them, and after Queue feeder threads were flushed.
     if not _lib.loaded():
         return
     for rec in list(_records.values()):

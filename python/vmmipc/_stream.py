@@ -16,7 +16,7 @@ from typing import Iterator
 from . import _errors, _lib
 from ._lib import TICKET_SIZE
 from ._register import share, unregister
-from ._ticket import Ticket, _as_ticket
+from ._ticket import Ticket, as_ticket
 
 
 class Chunk:
@@ -127,8 +127,8 @@ def open(ticket, *, timeout: float | None = None, window: int | None = None) -> 
     """Connect to the ticket's exporter and claim one use (vmmipc_open).
     timeout: seconds to wait on a silent peer; window: chunk requests kept in
     flight (1 = lockstep)."""
-    t = _as_ticket(ticket)
-    opts = _lib.options(timeout=timeout, window=window)
+    t = as_ticket(ticket)
+    opts = _lib.options("vmmipc_open", timeout=timeout, window=window)
     handle = c_void_p()
     _lib.call("vmmipc_open", ctypes.byref(t._c()), ctypes.byref(opts), ctypes.byref(handle))
     try:
@@ -171,12 +171,12 @@ def export_fds(source, **kw) -> Iterator[int]:
 def _ticket_for(source) -> tuple[Ticket, bool]:
     """(ticket, whether we registered it) for export_chunks."""
     if isinstance(source, (bytes, bytearray)) and len(source) == TICKET_SIZE:
-        return _as_ticket(source), False
+        return as_ticket(source), False
     if hasattr(source, "share") and callable(source.share) and hasattr(source, "chunk_size"):
         return source.share(uses=1), True          # HostBuffer
     if isinstance(source, tuple) and len(source) == 2:
-        return share(int(source[0]), int(source[1]), uses=1), True
+        return share(source[0], source[1], uses=1), True
     if hasattr(source, "handle") and hasattr(source, "size"):
-        return share(int(source.handle), int(source.size), uses=1), True  # cuda.core Buffer
+        return share(int(source.handle), source.size, uses=1), True  # cuda.core Buffer
     raise TypeError(f"cannot export {type(source).__name__}: pass a HostBuffer, a cuda.core "
                     "Buffer, a (dptr, size) tuple or a Ticket")

@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import ctypes
 
-from . import _errors, _lib
+from . import _args, _errors, _lib
 from ._errors import InvalidError
 from ._lib import MEMORY_CUDA, MEMORY_HOST, TICKET_SIZE
 
@@ -25,6 +25,9 @@ class Ticket(bytes):
     (its repr never shows the bytes)."""
 
     def __new__(cls, data) -> "Ticket":
+        if hasattr(type(data), "__index__"):  # bytes(256) would be 256 zeros
+            raise TypeError(f"a Ticket is made from {TICKET_SIZE} bytes, not "
+                            f"{type(data).__name__}")
         b = bytes(data)
         if len(b) != TICKET_SIZE:
             raise InvalidError(f"a ticket is {TICKET_SIZE} bytes, got {len(b)}",
@@ -45,6 +48,20 @@ class Ticket(bytes):
         return TicketInfo(out.memory_kind, out.exporter_pid, out.chunk_count,
                           out.total_size, bytes(out.device_uuid))
 
+    def wait(self, timeout: float = 30.0) -> bool:
+        """Wait until this registration (one of this process's) has ended and
+        its release callback has returned (vmmipc_wait): True then, False if
+        it is still live after `timeout` seconds (0: just check). After True
+        the library holds nothing this registration lent it. NotFoundError if
+        this process did not issue the ticket."""
+        ms = _args.milliseconds(timeout, "timeout", 0, _args.U32_MAX, "vmmipc_wait",
+                                "0 = just check")
+        status = _lib.lib("vmmipc_wait").vmmipc_wait(ctypes.byref(self._c()), ms)
+        if status == _errors.ETIMEDOUT:
+            return False
+        _lib.check("vmmipc_wait", status)
+        return True
+
     def __repr__(self) -> str:
         try:
             i = self.info()
@@ -57,5 +74,12 @@ class Ticket(bytes):
     __str__ = __repr__
 
 
-def _as_ticket(ticket) -> Ticket:
+def as_ticket(ticket) -> Ticket:
     return ticket if isinstance(ticket, Ticket) else Ticket(ticket)
+
+
+def wait(ticket, timeout: float = 30.0) -> bool:
+    """Wait until the registration named by `ticket` has ended and its
+    release callback has returned; False if it is still live after `timeout`
+    seconds. Same as Ticket(ticket).wait(timeout)."""
+    return as_ticket(ticket).wait(timeout)

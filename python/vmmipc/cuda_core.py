@@ -1,15 +1,26 @@
 """cuda.core integration: share VirtualMemoryResource buffers through vmmipc.
 
 cuda.core cannot share VirtualMemoryResource buffers across processes by
-itself. After ``import vmmipc.cuda_core`` (which installs the reducer when
-cuda.core is importable; call install() to get an ImportError otherwise),
-``queue.put(buf)`` works for such a buffer under spawn/forkserver: pickling
-registers the range with this process's vmmipc server (no descriptor is
-opened; the library retains every allocation, so the sender may free its
-buffer right away), and the receiver streams the chunks one descriptor at a
-time and gets a cuda.core Buffer over the imported mapping. That Buffer is
-unmapped when it is closed or collected. Other buffers keep cuda.core's own
-pickling.
+itself. After ``import vmmipc.cuda_core`` (which registers the reducer when
+cuda.core is importable, without loading libvmmipc.so, so that a forkserver
+may preload it; call install() to load the library at once and get an
+ImportError without cuda.core), ``queue.put(buf)`` works for such a buffer
+under spawn/forkserver. The receiver streams the chunks one descriptor at a
+time and gets a cuda.core Buffer over the imported mapping (unmapped when
+that Buffer is closed or collected); cuda.core's own __dlpack__ works on it,
+and ``buffer_mapping(buf)`` gives the Mapping with __cuda_array_interface__.
+Other buffers keep cuda.core's own pickling.
+
+Registrations: the first pickle (or share_buffer) of a Buffer registers its
+range once as an anchor (vmmipc_register_cuda, unlimited uses: the library
+retains every allocation), kept while that Buffer object lives and is not
+closed; every pickle is then a register_again of the anchor (no driver
+call), so a receiver that has the buffer cached imports it in one round
+trip. The anchor belongs to that very Buffer object: it is dropped when the
+Buffer is collected, when a later pickle finds it closed or resized, or by
+drop_anchor(buf). A freed Buffer can never match a new one at the same
+address. The sender may free its buffer right after put(): what was pickled
+stays valid until received.
 
 cuda.core is imported lazily: importing vmmipc never imports it.
 """
@@ -17,14 +28,12 @@ cuda.core is imported lazily: importing vmmipc never imports it.
 from __future__ import annotations
 
 import threading
+import weakref
 
-from . import _lib, _mp
+from . import _errors, _lib, _mp, _reductions
 from ._mapping import Mapping, import_stream
-from ._register import share
+from ._register import register_again, share, unregister
 from ._ticket import Ticket
-
-_installed = False
-_install_lock = threading.Lock()
 
 
 def _core():
@@ -50,12 +59,97 @@ def is_vmm_buffer(buf) -> bool:
         getattr(buf, "memory_resource", None), core.VirtualMemoryResource)
 
 
+class _Anchor:
+    __slots__ = ("ref", "ptr", "size", "ticket")
+
+    def __init__(self, ref, ptr: int, size: int, ticket: Ticket):
+        self.ref, self.ptr, self.size, self.ticket = ref, ptr, size, ticket
+
+    def stale(self) -> bool:
+        """The Buffer is gone, closed, or no longer the range anchored."""
+        buf = self.ref()
+        return buf is None or _is_closed(buf) or (int(buf.handle), int(buf.size)) != (
+            self.ptr, self.size)
+
+
+# id(buf) -> the anchor of that live Buffer. An entry is trusted only while
+# its weak reference still gives that object (ids are reused). Reentrant: a
+# finalizer (_drop) may run during a garbage collection inside the lock.
+_anchors: dict[int, _Anchor] = {}
+_anchors_lock = threading.RLock()
+
+
+def _is_closed(buf) -> bool:
+    closed = getattr(buf, "is_closed", None)
+    return bool(closed) if closed is not None else int(buf.handle) == 0
+
+
+def _end(ticket: Ticket) -> None:
+    try:
+        unregister(ticket)
+    except _errors.VmmipcError:
+        pass  # ended already (drop_anchor, exit), or a forked child
+
+
+def _drop(key: int, ticket: Ticket) -> None:
+    """Finalizer of an anchored Buffer."""
+    with _anchors_lock:
+        if key in _anchors and _anchors[key].ticket == ticket:
+            del _anchors[key]
+    _end(ticket)
+
+
+def _anchor_of(buf) -> Ticket | None:
+    """buf's anchor registration, made on first use; None when buf cannot be
+    tracked (a cuda.core without weak references to Buffers)."""
+    ended = []
+    try:
+        with _anchors_lock:
+            for key, a in list(_anchors.items()):
+                if a.stale():
+                    ended.append(_anchors.pop(key).ticket)
+            a = _anchors.get(id(buf))
+            if a is not None and a.ref() is buf:
+                return a.ticket
+            try:
+                ref = weakref.ref(buf)
+            except TypeError:
+                return None
+            ptr, size = int(buf.handle), int(buf.size)
+            ticket = share(ptr, size, uses=0)
+            _anchors[id(buf)] = _Anchor(ref, ptr, size, ticket)
+            # atexit=False: at exit a Queue feeder may still pickle buf.
+            weakref.finalize(buf, _drop, id(buf), ticket).atexit = False
+            return ticket
+    finally:
+        for t in ended:
+            _end(t)
+
+
 def share_buffer(buf, *, uses: int = 1, ttl: float | None = None) -> Ticket:
-    """Register a VirtualMemoryResource buffer (its whole [ptr, ptr + size)
-    range, which must end on an allocation boundary) and return its ticket."""
-    if getattr(buf, "is_closed", False):
+    """A new registration of a VirtualMemoryResource buffer (its whole
+    [ptr, ptr + size) range, which must end on an allocation boundary) for
+    `uses` receivers and `ttl` seconds: what pickling does. Returns its
+    ticket."""
+    if _is_closed(buf):
         raise ValueError("cannot share a closed Buffer")
-    return share(int(buf.handle), int(buf.size), uses=uses, ttl=ttl)
+    anchor = _anchor_of(buf)
+    if anchor is None:
+        return share(int(buf.handle), int(buf.size), uses=uses, ttl=ttl)
+    return register_again(anchor, uses=uses, ttl=ttl)
+
+
+def drop_anchor(buf) -> bool:
+    """End buf's anchor registration now (shares already made stay valid
+    until received), so the library lets go of the allocations as soon as
+    those have ended. Returns whether buf had one."""
+    with _anchors_lock:
+        a = _anchors.get(id(buf))
+        if a is None or a.ref() is not buf:
+            return False
+        del _anchors[id(buf)]
+    _end(a.ticket)
+    return True
 
 
 _resource_cls = None  # made on first use: cuda.core is imported lazily
@@ -112,14 +206,16 @@ def _resource_class():
     return _resource_cls
 
 
-def import_buffer(ticket, device: int | None = None, *, timeout: float | None = None):
+def import_buffer(ticket, device: int | None = None, *, timeout: float | None = None,
+                  cache: bool = True):
     """Import a CUDA ticket and return a cuda.core Buffer over the mapping
     (unmapped when the Buffer is closed or collected). device: None = the
-    exporter's GPU (found by UUID), or a CUDA ordinal."""
+    exporter's GPU (found by UUID), or a CUDA ordinal; cache as for
+    vmmipc.import_stream."""
     core = _core()
     if device is None:
         device = _lib.DEVICE_SAME
-    mapping = import_stream(ticket, device, timeout=timeout)
+    mapping = import_stream(ticket, device, timeout=timeout, cache=cache)
     try:
         _ensure_context(core, mapping.device)
         mr = _resource_class()(mapping)
@@ -146,6 +242,15 @@ def _ensure_context(core, device: int) -> None:
     core.Device(device).set_current()
 
 
+def buffer_mapping(buf) -> Mapping:
+    """The vmmipc Mapping under a Buffer that import_buffer returned (for
+    its __cuda_array_interface__); TypeError for any other Buffer."""
+    mr = getattr(buf, "memory_resource", None)
+    if mr is None or type(mr) is not _resource_class():
+        raise TypeError("not a Buffer imported by vmmipc.cuda_core")
+    return mr.mapping
+
+
 def _rebuild_buffer(ticket):
     return import_buffer(ticket)
 
@@ -155,27 +260,27 @@ def reduce_buffer(buf):
     vmmipc, all others through cuda.core's own __reduce__."""
     if not is_vmm_buffer(buf):
         return buf.__reduce__()
-    refused = _mp.check_not_fork("cuda.core Buffer")
-    if refused is not None:
-        return refused
-    return (_rebuild_buffer, (share_buffer(buf),))
+    return _mp.guarded_reduce("cuda.core Buffer",
+                              lambda: (_rebuild_buffer, (share_buffer(buf),)))
+
+
+def _register_reducer() -> None:
+    _reductions.register(_core().Buffer, reduce_buffer)
 
 
 def install() -> None:
-    """Register reduce_buffer for cuda.core's Buffer with ForkingPickler
-    (idempotent). Raises ImportError if cuda.core is missing."""
-    global _installed
-    with _install_lock:
-        if _installed:
-            return
-        from multiprocessing.reduction import ForkingPickler
-        ForkingPickler.register(_core().Buffer, reduce_buffer)
-        _installed = True
+    """Register reduce_buffer for cuda.core's Buffer with multiprocessing and
+    load libvmmipc.so, so that a missing library raises here, before any
+    child is started. Raises ImportError if cuda.core is missing,
+    LibraryNotFoundError if the library cannot be loaded."""
+    _register_reducer()
+    _lib.lib("vmmipc.cuda_core.install")
 
 
 try:
-    install()
+    _register_reducer()  # loads no library: a forkserver may preload this module
 except ImportError:
     pass  # no cuda.core: the functions above raise a clear ImportError when used
 
-__all__ = ["import_buffer", "install", "is_vmm_buffer", "reduce_buffer", "share_buffer"]
+__all__ = ["buffer_mapping", "drop_anchor", "import_buffer", "install", "is_vmm_buffer",
+           "reduce_buffer", "share_buffer"]

@@ -2,7 +2,8 @@
 """GPU test of the Python shim with cuda.core VirtualMemoryResource buffers.
 
 Run from the repository root on a machine with a CUDA GPU, cuda.core (1.2,
-VirtualMemoryResource), cuda.bindings and CuPy, after `make lib`:
+VirtualMemoryResource), cuda.bindings, CuPy and torch (the array-protocol
+scenario), after `make lib`:
 
     python3 tests/gpu/test_python_cuda.py [scenario ...]
 
@@ -14,7 +15,12 @@ spawn and forkserver into a child whose RLIMIT_NOFILE is 64; the child checks
 every word on the GPU (CuPy), writes a new pattern, and the parent checks it.
 Descriptor counts of both processes must stay within 8 of their baselines.
 Also: the sender frees its buffer right after pickling; the fork start method
-fails at once with VmmipcForkError.
+fails at once with VmmipcForkError; a CUDA Mapping is read and written through
+__cuda_array_interface__ (CuPy, torch.as_tensor) and __dlpack__ (CuPy,
+torch.from_dlpack), and the received cuda.core Buffer through its own
+__dlpack__; repeated sends of one Buffer are one anchor registration and
+cache hits in the receiver (same address); cuda_query_range finds allocation
+boundaries and refuses cudaMalloc memory.
 
 Prints one PASS/FAIL/SKIP line per check and "N passed, M failed".
 """
@@ -111,9 +117,14 @@ def fill(buf, seed):
 
 
 def count_bad(buf, seed):
-    """Words that differ from the seed pattern (checked block by block)."""
+    """Words of a cuda.core Buffer that differ from the seed pattern."""
+    return count_bad_words(words(buf), seed)
+
+
+def count_bad_words(w, seed):
+    """Words of a CuPy uint32 array that differ from the seed pattern
+    (checked block by block)."""
     import cupy as cp
-    w = words(buf)
     scratch = cp.empty(min(BLOCK_WORDS, w.size), dtype=cp.uint32)
     bad = 0
     for start in range(0, w.size, BLOCK_WORDS):
@@ -304,6 +315,29 @@ def child_after_free(conn, seed):
     conn.send(_guard(run))
 
 
+def child_repeated(q, results, n, seed):
+    """Receive the same Buffer n times: check it through cuda.core's own
+    __dlpack__ and the Mapping's array interface; report the addresses and
+    the import cache's counters."""
+    child_prepare()
+
+    def run():
+        import cupy as cp
+        import vmmipc.cuda_core as vc
+        addrs, bad, problems = [], 0, []
+        for _ in range(n):
+            buf = q.get(timeout=TIMEOUT)
+            addrs.append(int(buf.handle))
+            bad += count_bad_words(cp.from_dlpack(buf).view(cp.uint32), seed)
+            cai = vc.buffer_mapping(buf).__cuda_array_interface__
+            if cai["data"][0] != int(buf.handle) or cai["shape"] != (buf.size,):
+                problems.append(f"array interface {cai} does not describe the Buffer")
+            buf.close()
+        return {"addrs": addrs, "bad": bad, "problems": problems,
+                "cache": tuple(vmmipc.cache_info())}
+    results.put(_guard(run))
+
+
 def fork_child_queue(q, results):
     try:
         q.get(timeout=TIMEOUT)
@@ -449,6 +483,126 @@ def export_one_at_a_time(buf, n_chunks):
     return ok, f"{count} fds, peak baseline+{peak - base}, after {fd_count() - base:+d}"
 
 
+def array_protocols():
+    """A CUDA Mapping seen by CuPy and torch without a copy, through
+    __cuda_array_interface__ and __dlpack__: bytes read, bytes written (the
+    exporter's buffer sees them), close() refused under a DLPack consumer."""
+    import gc
+    import cupy as cp
+    import torch
+    import vmmipc.cuda_core as vc
+    buf = chunked_buffer(_owning_vmr(), n_chunks=32)
+    fill(buf, 7)
+    ticket = vc.share_buffer(buf, uses=0)
+    problems = []
+    m = vmmipc.import_stream(ticket, cache=False)  # the server lives here too
+    try:
+        cai = m.__cuda_array_interface__
+        if (cai["data"], cai["shape"], cai["typestr"], cai["version"]) != (
+                (m.addr, False), (buf.size,), "|u1", 3):
+            problems.append(f"array interface {cai}")
+        a = cp.asarray(m)
+        if (a.dtype, a.size, a.data.ptr) != (cp.uint8, buf.size, m.addr):
+            problems.append(f"cupy.asarray: {a.dtype} {a.size} {a.data.ptr:#x}")
+        if count_bad_words(a.view(cp.uint32), 7):
+            problems.append("cupy.asarray (CAI) reads wrong bytes")
+        t_cai = torch.as_tensor(m, device=f"cuda:{m.device}")
+        if t_cai.data_ptr() != m.addr or t_cai.dtype != torch.uint8:
+            problems.append("torch.as_tensor (CAI) is not a view of the mapping")
+        x = cp.from_dlpack(m)
+        if x.data.ptr != m.addr or count_bad_words(x.view(cp.uint32), 7):
+            problems.append("cupy.from_dlpack reads wrong bytes")
+        t = torch.from_dlpack(m)
+        if (t.device.type, t.dtype, t.numel(), t.data_ptr()) != (
+                "cuda", torch.uint8, buf.size, m.addr):
+            problems.append(f"torch.from_dlpack: {t.device} {t.dtype} {t.numel()}")
+        if count_bad_words(cp.from_dlpack(t).view(cp.uint32), 7):
+            problems.append("torch.from_dlpack reads wrong bytes")
+        _fill_kernel()(cp.uint64(0), cp.uint32(8), x.view(cp.uint32))  # write through DLPack
+        cp.cuda.runtime.deviceSynchronize()
+        if count_bad(buf, 8):
+            problems.append("writes through the DLPack view did not reach the exporter")
+        try:
+            m.close()
+            problems.append("close() succeeded under live DLPack consumers")
+        except BufferError:
+            pass
+        del a, t_cai, x, t
+        gc.collect()
+        torch.cuda.synchronize()
+        m.close()  # the consumers let go: now it closes
+        try:
+            m.addr
+            problems.append("a closed Mapping gave its addr")
+        except ValueError:
+            pass
+    finally:
+        if not m.closed:
+            m.close()
+        vmmipc.unregister(ticket)
+        buf.close()
+    return not problems, "; ".join(problems) or "CAI (CuPy, torch) and DLPack (CuPy, torch) ok"
+
+
+def repeated_sends(method):
+    """One Buffer sent three times: one anchor registration, one register_again
+    per send, one miss and two hits in the receiver at one address."""
+    import vmmipc.cuda_core as vc
+    buf = chunked_buffer(_owning_vmr(), n_chunks=64)
+    fill(buf, 9)
+    live = vmmipc.live_registrations()
+    ctx = mp.get_context(method)
+    q, res = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=child_repeated, args=(q, res, 3, 9))
+    p.start()
+    for _ in range(3):
+        q.put(buf)
+    r = res.get(timeout=TIMEOUT)
+    p.join(TIMEOUT)
+    if "error" in r:
+        return False, "child failed:\n" + r["error"]
+    problems = list(r["problems"])
+    info = vmmipc.CacheInfo(*r["cache"])
+    if r["bad"]:
+        problems.append(f"{r['bad']} words differ in the child")
+    if (info.misses, info.hits) != (1, 2):
+        problems.append(f"child cache: {info}")
+    if len(set(r["addrs"])) != 1:
+        problems.append(f"cache hits at other addresses: {r['addrs']}")
+    deadline = time.monotonic() + 10
+    while vmmipc.live_registrations() != live + 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if vmmipc.live_registrations() != live + 1:
+        problems.append(f"{vmmipc.live_registrations() - live} registrations left, want the anchor")
+    if not vc.drop_anchor(buf) or vmmipc.live_registrations() != live:
+        problems.append("drop_anchor did not end the anchor")
+    buf.close()
+    return not problems, "; ".join(problems) or f"1 miss, 2 hits at {r['addrs'][0]:#x}"
+
+
+def query_range():
+    import cupy as cp
+    buf = chunked_buffer(_owning_vmr(), n_chunks=4)
+    ptr = int(buf.handle)
+    problems = []
+    try:
+        one = vmmipc.cuda_query_range(ptr + CHUNK + 100, 10)
+        if (one.base, one.size, one.device) != (ptr + CHUNK, CHUNK, 0) or not one.handle_types & 1:
+            problems.append(f"inside chunk 1: {one}")
+        span = vmmipc.cuda_query_range(ptr + 100, 2 * CHUNK)
+        if (span.base, span.size) != (ptr, 3 * CHUNK):
+            problems.append(f"across chunks 0-2: {span}")
+        plain = cp.empty(1 << 20, dtype=cp.uint8)  # cudaMalloc (CuPy's pool)
+        try:
+            vmmipc.cuda_query_range(plain.data.ptr, 1)
+            problems.append("cudaMalloc memory was taken for VMM memory")
+        except vmmipc.NotFoundError:
+            pass
+    finally:
+        buf.close()
+    return not problems, "; ".join(problems) or "boundaries found, cudaMalloc refused"
+
+
 def fork_refused():
     vmr, buf = make_buffer("grown")
     ctx = mp.get_context("fork")
@@ -516,6 +670,15 @@ def main(argv):
                 run_case(f"{kind}: {mech} under {method}",
                          lambda: transfer(kind, buf, mech, method))
         buf.close()
+    if not only or "protocols" in only:
+        run_case("CUDA Mapping through __cuda_array_interface__ and __dlpack__ (CuPy, torch)",
+                 array_protocols)
+    if not only or "cache" in only:
+        for method in ("spawn", "forkserver"):
+            run_case(f"repeated sends of one Buffer hit the receiver's cache ({method})",
+                     lambda: repeated_sends(method))
+    if not only or "query" in only:
+        run_case("cuda_query_range", query_range)
     if not only or "free" in only:
         run_case("sender frees its buffer right after pickling (spawn)",
                  lambda: sender_frees_after_pickling("spawn"))

@@ -4,16 +4,34 @@ apart from the test module so children import only this and vmmipc)."""
 import os
 import resource
 import struct
+import sys
 import threading
 import time
 
 import vmmipc
 
 CHILD_NOFILE = 64
+# Descriptors mmap.mmap keeps of its own (a dup of the file) before Python
+# 3.13, where HostBuffer passes trackfd=False.
+MMAP_DUP = 1 if sys.version_info < (3, 13) else 0
 
 
 def fd_count() -> int:
     return len(os.listdir("/proc/self/fd"))
+
+
+def settled_fd_count(timeout: float = 2.0) -> int:
+    """fd_count() once earlier tests' leftovers are gone: objects in cycles
+    collected (Queues hold pipes), and the count unchanged over 3 samples
+    (a server closes its end of a finished stream on its own thread)."""
+    import gc
+    gc.collect()
+    deadline = time.monotonic() + timeout
+    seen = [fd_count()]
+    while time.monotonic() < deadline and (len(seen) < 3 or len(set(seen[-3:])) > 1):
+        time.sleep(0.02)
+        seen.append(fd_count())
+    return seen[-1]
 
 
 def pattern(n_chunks: int, chunk_size: int, seed: int) -> bytes:
@@ -180,3 +198,34 @@ def fork_child_process_args(hb, results):
 
 def fork_pool_task(hb):
     return "unreachable: the parent must refuse to send this"
+
+
+# -- the import cache across repeated sends ----------------------------------
+
+def child_repeated(q, results, n, seed):
+    """Receive the same HostBuffer n times; report where each was mapped and
+    the cache's counters."""
+    import ctypes
+    try:
+        addrs, ok = [], True
+        for _ in range(n):
+            hb = q.get(timeout=60)
+            anchor = ctypes.c_char.from_buffer(hb.view)
+            addrs.append(ctypes.addressof(anchor))
+            del anchor
+            ok = ok and hb.view == pattern(hb.n_chunks, hb.chunk_size, seed)
+            hb.close()
+        results.put({"addrs": addrs, "ok": ok, "cache": tuple(vmmipc.cache_info())})
+    except BaseException as e:
+        results.put({"error": repr(e)})
+
+
+# -- a reducer that fails in the Queue's feeder thread -----------------------
+
+def child_get_error(q, results):
+    try:
+        q.get(timeout=30)
+        results.put({"type": None})
+    except BaseException as e:
+        results.put({"type": type(e).__name__, "message": str(e),
+                     "notes": list(getattr(e, "__notes__", []))})

@@ -7,6 +7,7 @@ import gc
 import mmap
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -19,9 +20,23 @@ import pytest
 import conftest
 import vmmipc
 from vmmipc import _lib
-from _mp_helpers import fd_count, pattern
+from _mp_helpers import fd_count, pattern, settled_fd_count
 
 PAGE = mmap.PAGESIZE
+
+
+def header_text():
+    with open(os.path.join(conftest.ROOT, "include", "vmmipc.h")) as f:
+        return f.read()
+
+
+def header_define(name):
+    """The value of a numeric #define of vmmipc.h ("(1ull << 40)" included)."""
+    m = re.search(rf"^#define {name}\s+([^/\n]+)", header_text(), re.M)
+    assert m, name
+    expr = re.sub(r"(\d)(?:ull|u)\b", r"\1", m.group(1).strip())
+    assert re.fullmatch(r"[-()<\d\sx]+", expr), expr
+    return eval(expr)
 
 
 def wait_for(pred, timeout=5.0):
@@ -29,6 +44,16 @@ def wait_for(pred, timeout=5.0):
     while not pred() and time.monotonic() < deadline:
         time.sleep(0.01)
     return pred()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def server_running():
+    # Start this process's server (its listening socket) and the receiver's
+    # once, so that per-test descriptor baselines do not count them.
+    b = vmmipc.HostBuffer(PAGE)
+    with vmmipc.import_stream(b.share(), cache=False):
+        pass
+    b.close()
 
 
 @pytest.fixture
@@ -57,7 +82,8 @@ def test_import_does_not_load_the_library():
         assert 'libvmmipc' in maps()
     """, VMMIPC_LIBRARY=conftest.LIBRARY)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "0.1.0"
+    want = ".".join(str(header_define(f"VMMIPC_VERSION_{p}")) for p in ("MAJOR", "MINOR", "PATCH"))
+    assert r.stdout.strip() == want
 
 
 def test_missing_library_is_a_clear_error():
@@ -70,7 +96,8 @@ def test_missing_library_is_a_clear_error():
             print(e)
     """, VMMIPC_LIBRARY="/nonexistent/libvmmipc.so")
     assert r.returncode == 0, r.stderr
-    assert "VMMIPC_LIBRARY='/nonexistent/libvmmipc.so' does not exist" in r.stdout
+    assert "VMMIPC_LIBRARY='/nonexistent/libvmmipc.so'" in r.stdout
+    assert "/nonexistent/libvmmipc.so (does not exist)" in r.stdout and "make lib" in r.stdout
 
 
 def test_every_symbol_is_declared():
@@ -78,41 +105,66 @@ def test_every_symbol_is_declared():
     for name, (restype, argtypes) in _lib.SIGNATURES.items():
         fn = getattr(lib, name)
         assert fn.restype is restype and fn.argtypes == argtypes, name
-    with open(os.path.join(conftest.ROOT, "include", "vmmipc.h")) as f:
-        header = f.read()
-    import re
-    declared = set(re.findall(r"^(?:int|const char \*)\s*(vmmipc_\w+)\(", header, re.M))
+    declared = set(re.findall(r"^(?:int|const char \*)\s*(vmmipc_\w+)\(", header_text(), re.M))
     assert declared == set(_lib.SIGNATURES), declared ^ set(_lib.SIGNATURES)
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler to read the header")
 def test_struct_layout_matches_header(tmp_path):
-    fields = {
-        "vmmipc_options": ["uses", "ttl_ms", "timeout_ms", "window", "memory_kind",
-                           "access_device_count", "access_devices"],
-        "vmmipc_ticket_info": ["exporter_pid", "chunk_count", "total_size", "device_uuid"],
-        "vmmipc_chunk": ["index", "offset", "size", "fd", "file_offset"],
+    fields = {  # every field, in the header's order
+        "vmmipc_options": ["struct_size", "uses", "ttl_ms", "timeout_ms", "window",
+                           "memory_kind", "access_device_count", "access_devices",
+                           "import_flags", "reserved_"],
+        "vmmipc_ticket_info": ["memory_kind", "exporter_pid", "chunk_count", "total_size",
+                               "device_uuid"],
+        "vmmipc_chunk": ["index", "offset", "size", "fd", "reserved_", "file_offset"],
         "vmmipc_mapping": ["addr", "size", "device", "memory_kind", "private_"],
         "vmmipc_ticket": ["bytes"],
+        "vmmipc_cuda_range_info": ["base", "size", "handle_types", "device"],
+        "vmmipc_cache_info": ["limit_bytes", "entries", "referenced_bytes",
+                              "unreferenced_bytes", "hits", "misses", "evictions",
+                              "invalidations"],
     }
     lines = []
     for struct, names in fields.items():
         lines.append(f'printf("{struct} %zu\\n", sizeof({struct}));')
         for n in names:
-            lines.append(f'printf("{struct}.{n} %zu\\n", offsetof({struct}, {n}));')
+            lines.append(f'printf("{struct}.{n} %zu %zu\\n", offsetof({struct}, {n}), '
+                         f'sizeof((({struct} *)0)->{n}));')
     src = tmp_path / "layout.c"
     src.write_text("#include <stdio.h>\n#include <stddef.h>\n#include \"vmmipc.h\"\n"
                    "int main(void) {\n" + "\n".join(lines) + "\nreturn 0; }\n")
     exe = tmp_path / "layout"
     subprocess.run(["cc", "-I", os.path.join(conftest.ROOT, "include"), str(src), "-o", str(exe)],
                    check=True)
-    want = dict(line.rsplit(" ", 1) for line in
+    want = dict(line.split(" ", 1) for line in
                 subprocess.run([str(exe)], capture_output=True, text=True).stdout.splitlines())
     for struct, names in fields.items():
         cls = getattr(_lib, struct)
+        assert [f[0] for f in cls._fields_] == names, struct
         assert ctypes.sizeof(cls) == int(want[struct]), struct
         for n in names:
-            assert getattr(cls, n).offset == int(want[f"{struct}.{n}"]), f"{struct}.{n}"
+            got = f"{getattr(cls, n).offset} {getattr(cls, n).size}"
+            assert got == want[f"{struct}.{n}"], f"{struct}.{n}"
+
+
+def test_constants_match_the_header():
+    for name in ("TICKET_SIZE", "DEVICE_HOST", "DEVICE_SAME", "MEMORY_HOST", "MEMORY_CUDA",
+                 "MAX_WINDOW", "MAX_ACCESS_DEVICES", "MAX_TTL_MS", "MAX_CHUNKS",
+                 "IMPORT_NO_CACHE"):
+        assert getattr(vmmipc, name) == header_define(f"VMMIPC_{name}"), name
+
+
+def test_status_tables_match_the_header():
+    statuses = {m.group(1): int(m.group(2)) for m in re.finditer(
+        r"^#define VMMIPC_(OK|END|E[A-Z]+) \(?(-?\d+)\)?", header_text(), re.M)}
+    assert statuses == {n: getattr(vmmipc, n) for n in statuses}
+    from vmmipc import _errors
+    assert set(_errors.STATUS_NAMES) == set(statuses.values())
+    assert {v: f"VMMIPC_{k}" for k, v in statuses.items()} == _errors.STATUS_NAMES
+    for name, status in statuses.items():
+        if status < 0:  # one exception class per error status
+            assert type(vmmipc.error_for(status, "m")) is not vmmipc.VmmipcError, name
 
 
 # -- errors ------------------------------------------------------------------
@@ -123,6 +175,7 @@ def test_struct_layout_matches_header(tmp_path):
     (vmmipc.EIO, vmmipc.VmmipcIOError), (vmmipc.EEXPORT, vmmipc.ExportError),
     (vmmipc.ECUDA, vmmipc.CudaError), (vmmipc.ENFILE, vmmipc.OutOfDescriptorsError),
     (vmmipc.EFORK, vmmipc.VmmipcForkError), (vmmipc.EINTERNAL, vmmipc.InternalError),
+    (vmmipc.ENOMEM, vmmipc.VmmipcMemoryError), (vmmipc.ETIMEDOUT, vmmipc.VmmipcTimeoutError),
 ])
 def test_error_class_per_status(status, cls):
     e = vmmipc.error_for(status, "chunk 17 of 4096: what failed", "vmmipc_fn")
@@ -134,6 +187,14 @@ def test_error_class_per_status(status, cls):
     back = pickle.loads(pickle.dumps(e))  # errors cross processes intact
     assert (type(back), back.status, back.message, back.function) == (cls, status, e.message,
                                                                       e.function)
+
+
+def test_errors_are_also_the_builtin_kind():
+    assert isinstance(vmmipc.error_for(vmmipc.EINVAL, "m"), ValueError)
+    assert isinstance(vmmipc.error_for(vmmipc.ENOMEM, "m"), MemoryError)
+    e = vmmipc.error_for(vmmipc.ETIMEDOUT, "still live", "vmmipc_wait")
+    assert isinstance(e, TimeoutError) and str(e) == "vmmipc_wait: still live [VMMIPC_ETIMEDOUT]"
+    assert isinstance(vmmipc.LibraryNotFoundError("m"), OSError)
 
 
 def test_library_message_reaches_the_exception():
@@ -162,10 +223,14 @@ def test_invalid_arguments():
 
 
 def test_cuda_entry_points_without_a_usable_gpu():
-    # No GPU here: the driver is missing (ECUDA); with one, a bogus range is EINVAL.
+    # No GPU here: the driver is missing (ECUDA); with one, a bogus range is
+    # EINVAL (share) or ENOENT (query: not VMM memory).
     with pytest.raises((vmmipc.CudaError, vmmipc.InvalidError)) as e:
         vmmipc.share(1 << 40, 2 << 20)
     assert e.value.message
+    with pytest.raises((vmmipc.CudaError, vmmipc.NotFoundError)) as e:
+        vmmipc.cuda_query_range(1 << 40, 2 << 20)
+    assert e.value.message and e.value.function == "vmmipc_cuda_query_range"
 
 
 # -- tickets -----------------------------------------------------------------
@@ -194,11 +259,12 @@ def test_bad_tickets(hb):
         vmmipc.import_stream(tampered(t, 0, b"XXXX"))
     with pytest.raises(vmmipc.InvalidError):
         vmmipc.Ticket(bytes(256)).info()
-    secret = bytes(b ^ 0xFF for b in t[24:56])  # the 256-bit secret
+    secret = bytes(b ^ 0xFF for b in t[40:72])  # the 256-bit secret (ticket format 2)
     with pytest.raises(vmmipc.AuthError, match="secret"):
-        vmmipc.open(tampered(t, 24, secret))
+        vmmipc.open(tampered(t, 40, secret))
     wrong_pid = (os.getpid() + 1).to_bytes(4, "little")
-    with pytest.raises(vmmipc.AuthError, match="pid"):
+    # That pid is gone (EIO), or another process that cannot have our socket (EAUTH).
+    with pytest.raises((vmmipc.VmmipcIOError, vmmipc.AuthError), match="pid"):
         vmmipc.open(tampered(t, 12, wrong_pid))
     with pytest.raises(vmmipc.InvalidError, match="host memory"):
         vmmipc.import_stream(t, 0)  # host ticket onto a GPU
@@ -380,7 +446,7 @@ def test_mapping_refuses_to_unmap_under_a_live_view(hb):
 
 
 def test_mapping_is_unmapped_when_collected(hb):
-    m = vmmipc.import_stream(hb.share())
+    m = vmmipc.import_stream(hb.share(), cache=False)  # a cached one would stay mapped
     addr = m.addr
     view = m.view[:PAGE]
     del m
@@ -432,7 +498,7 @@ def test_hostbuffer_close_refuses_while_exported():
 
 
 def test_hostbuffer_memfd_outlives_owner_until_release():
-    base = fd_count()
+    base = settled_fd_count()
     b = vmmipc.HostBuffer(4 * PAGE, chunk_size=PAGE)
     b[:4] = b"keep"
     t = b.share()

@@ -5,6 +5,7 @@ counts of both processes stay within 8 of their baselines. Under fork every
 use fails at once with VmmipcForkError."""
 
 import multiprocessing as mp
+import os
 import pickle
 import time
 from multiprocessing.reduction import ForkingPickler
@@ -22,9 +23,12 @@ TIMEOUT = 60
 
 @pytest.fixture(scope="module", autouse=True)
 def warm_contexts():
-    # Load the library, start the forkserver and the resource tracker once,
-    # so per-test baselines do not count their long-lived descriptors.
-    vmmipc.live_registrations()
+    # Load the library, start this process's vmmipc server, the forkserver
+    # and the resource tracker once, so per-test baselines do not count their
+    # long-lived descriptors.
+    b = vmmipc.HostBuffer(4096)
+    vmmipc.import_stream(b.share(), cache=False).close()
+    b.close()
     for method in ("spawn", "forkserver"):
         ctx = mp.get_context(method)
         p = ctx.Process(target=h.fd_count)
@@ -122,6 +126,71 @@ def test_process_args(method, hb):
     assert p.exitcode == 0
 
 
+# -- one anchor, a registration per send, cache hits in the receiver ---------
+
+@pytest.mark.parametrize("method", METHODS)
+def test_repeated_sends_hit_the_receivers_cache(method):
+    sends = 5
+    b = vmmipc.HostBuffer(64 * CHUNK, chunk_size=CHUNK)
+    b.view[:] = h.pattern(64, CHUNK, seed=4)
+    live = vmmipc.live_registrations()
+    ctx = mp.get_context(method)
+    q, results = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=h.child_repeated, args=(q, results, sends, 4))
+    p.start()
+    for _ in range(sends):
+        q.put(b)  # each pickle: register_again of the anchor
+    r = results.get(timeout=TIMEOUT)
+    p.join(TIMEOUT)
+    assert r.get("error") is None, r["error"]
+    assert r["ok"], "the child saw wrong bytes"
+    info = vmmipc.CacheInfo(*r["cache"])
+    assert (info.misses, info.hits) == (1, sends - 1), info
+    assert len(set(r["addrs"])) == 1, "a cache hit maps at the same address"
+    assert b.wait(10) and b.pending_tickets() == []
+    assert vmmipc.live_registrations() == live  # only the anchor is left
+    b.close()
+    close_queues(q, results)
+
+
+def close_queues(*queues):
+    # Now, not at some later garbage collection: their pipes would move the
+    # descriptor baselines of the tests that follow.
+    for q in queues:
+        q.close()
+        q.join_thread()
+
+
+# -- a pickle that fails in the Queue's feeder thread -------------------------
+
+@pytest.mark.parametrize("what", ["closed", "imported"])
+def test_feeder_thread_error_reaches_the_receiver(what):
+    b = vmmipc.HostBuffer(4 * CHUNK, chunk_size=CHUNK)
+    if what == "closed":
+        b.close()
+        bad, expect = b, ("ValueError", "closed")
+    else:
+        bad, expect = pickle.loads(pickle.dumps(b)), ("TypeError", "imported")
+        assert b.wait(5)  # that pickle's registration has ended (on the server's thread)
+    live = vmmipc.live_registrations()
+    ctx = mp.get_context("spawn")
+    q, results = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=h.child_get_error, args=(q, results))
+    p.start()
+    t0 = time.monotonic()
+    q.put(bad)
+    r = results.get(timeout=TIMEOUT)
+    p.join(TIMEOUT)
+    assert (r["type"], expect[1] in r["message"]) == (expect[0], True), r
+    assert any(f"pid {os.getpid()}" in n for n in r["notes"]), r["notes"]
+    assert time.monotonic() - t0 < 20, "the receiver waited instead of raising"
+    assert vmmipc.live_registrations() == live
+    if what == "imported":
+        bad.close()
+        b.close()
+    close_queues(q, results)
+
+
 # -- pickled and never unpickled ----------------------------------------------
 
 def _wait_live(n, timeout=5.0):
@@ -133,16 +202,20 @@ def _wait_live(n, timeout=5.0):
 
 @pytest.mark.parametrize("how", ["ttl", "unregister"])
 def test_never_unpickled_is_released(how):
-    live, fds = vmmipc.live_registrations(), h.fd_count()
+    live, fds = vmmipc.live_registrations(), h.settled_fd_count()
     hb = vmmipc.HostBuffer(N_CHUNKS * CHUNK, chunk_size=CHUNK)
+    # The anchor: one registration, and one duplicate of the memfd in the
+    # library next to the HostBuffer's own (and, before Python 3.13, the one
+    # the mmap module keeps).
+    assert (vmmipc.live_registrations(), h.fd_count()) == (live + 1, fds + 2 + h.MMAP_DUP)
     if how == "ttl":
         hb.pickle_ttl = 0.3
-    data = ForkingPickler.dumps(hb)  # registers; opens nothing
-    assert vmmipc.live_registrations() == live + 1
+    data = ForkingPickler.dumps(hb)  # registers again; opens nothing
+    assert (vmmipc.live_registrations(), h.fd_count()) == (live + 2, fds + 2 + h.MMAP_DUP)
     [ticket] = hb.pending_tickets()
-    hb.close()
-    # The pending registration still holds the memfd, and only that.
-    assert h.fd_count() == fds + 1
+    hb.close()  # ends the anchor, closes its own memfd
+    # The pending registration still holds the library's duplicate, and only that.
+    assert (vmmipc.live_registrations(), h.fd_count()) == (live + 1, fds + 1)
     if how == "unregister":
         vmmipc.unregister(ticket)
     assert _wait_live(live) == live

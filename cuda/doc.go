@@ -5,13 +5,10 @@
 //
 // Driver calls run with the device's primary context pushed on the calling
 // OS thread and popped afterwards, so callers may hold any context, or none.
+//
+// Files: driver.go loads the driver and turns CUresults into errors;
+// context.go holds primary contexts; register.go prepares registrations
+// (core.BufferSpec) and exports chunks; importer.go maps imported chunks;
+// walk.go, handletypes.go and devices.go hold the logic that needs no
+// driver, unit tested without a GPU.
 package cuda
-
-import "github.com/libvmmipc/libvmmipc/core"
-
-// Registered is what a CUDA registration hands to the core.
-type Registered struct {
-	Sizes      []uint64
-	Exporter   core.Exporter
-	DeviceUUID [16]byte
-}

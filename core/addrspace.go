@@ -1,0 +1,68 @@
+package core
+
+import (
+	"bytes"
+	"fmt"
+	"os"
+	"strconv"
+
+	"golang.org/x/sys/unix"
+)
+
+// runtimeHeadroom is the address space an import leaves free under
+// RLIMIT_AS for the Go runtime inside this process: the runtime reserves its
+// heap in 64 MiB arenas and each new thread takes a stack, and it cannot
+// survive failing to get them (it aborts the whole process). A reservation
+// that would leave less is refused with ENOMEM instead.
+const runtimeHeadroom = 128 << 20
+
+// checkAddressSpace refuses a reservation of need bytes that RLIMIT_AS
+// leaves no room for. (CUDA reservations count too: the driver keeps the
+// unified address space by reserving the same range in the host.)
+func checkAddressSpace(need uint64) error {
+	var lim unix.Rlimit
+	if err := unix.Getrlimit(unix.RLIMIT_AS, &lim); err != nil || lim.Cur == unix.RLIM_INFINITY {
+		return nil
+	}
+	used, err := addressSpaceInUse()
+	if err != nil {
+		return nil // cannot tell: let the reservation itself fail cleanly
+	}
+	if need <= lim.Cur && used <= lim.Cur-need && lim.Cur-need-used >= runtimeHeadroom {
+		return nil
+	}
+	free := uint64(0)
+	if lim.Cur > used {
+		free = lim.Cur - used
+	}
+	return Errorf(ENOMEM, "import: reserving %s needs that much address space plus %s kept for the Go runtime, but RLIMIT_AS (%s) leaves %s free (%s in use): raise RLIMIT_AS (ulimit -v) or import less at a time",
+		sizeStr(need), sizeStr(runtimeHeadroom), sizeStr(lim.Cur), sizeStr(free), sizeStr(used))
+}
+
+// addressSpaceInUse is this process's virtual size, what RLIMIT_AS counts.
+func addressSpaceInUse() (uint64, error) {
+	b, err := os.ReadFile("/proc/self/statm")
+	if err != nil {
+		return 0, err
+	}
+	f := bytes.Fields(b)
+	if len(f) == 0 {
+		return 0, fmt.Errorf("/proc/self/statm is empty")
+	}
+	pages, err := strconv.ParseUint(string(f[0]), 10, 64)
+	if err != nil {
+		return 0, err
+	}
+	return pages * pageSize, nil
+}
+
+func sizeStr(n uint64) string {
+	switch {
+	case n >= 1<<30:
+		return fmt.Sprintf("%.1f GiB", float64(n)/(1<<30))
+	case n >= 1<<20:
+		return fmt.Sprintf("%.1f MiB", float64(n)/(1<<20))
+	default:
+		return fmt.Sprintf("%d bytes", n)
+	}
+}

@@ -1,0 +1,244 @@
+package core
+
+import (
+	"container/list"
+	"errors"
+	"net"
+	"sync"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// Admission: how many connections the server holds, and which wait.
+//
+//   - At most connLimit() connections are held at once (a quarter of the
+//     host's soft RLIMIT_NOFILE, between minConns and maxConns), so that a
+//     flood of receivers cannot take the host's descriptors. At the limit
+//     the server stops accepting: the rest wait in the listen backlog and
+//     are served in turn (receivers retry a full backlog themselves).
+//   - Connections that have not authenticated yet are "pending": at most
+//     pendingLimit() of them, each with handshakeTimeout to prove itself.
+//     When that bound (or the whole limit) is full, the oldest pending one,
+//     if older than evictAge, is told "busy" and dropped to make room; a
+//     libvmmipc receiver told so retries. So idle peers cannot lock out
+//     receivers that authenticate, and an honest handshake, which takes
+//     microseconds, is almost never evicted.
+//   - Peers of a foreign uid are told why and dropped at once; at most
+//     maxRefusing of those are being told at a time, the rest get no word.
+var (
+	handshakeTimeout = 2 * time.Second
+	evictAge         = 100 * time.Millisecond
+	idleTimeout      = 2 * time.Minute
+	minConns         = 16
+	maxConns         = 1024
+	maxRefusing      = 64
+)
+
+// connLimit is how many connections the server holds at once.
+func connLimit() int {
+	var lim unix.Rlimit
+	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &lim); err != nil {
+		return minConns
+	}
+	return int(max(uint64(minConns), min(uint64(maxConns), lim.Cur/4)))
+}
+
+// pendingLimit is how many unauthenticated connections may be held.
+func pendingLimit(limit int) int { return max(4, limit/4) }
+
+type admission struct {
+	mu       sync.Mutex
+	cond     *sync.Cond
+	held     int        // connections being served, pending or not
+	leaving  int        // held connections evicted and closing
+	pending  *list.List // of *pendingConn, oldest first
+	refusing int
+	closed   bool
+	wake     *time.Timer // rouses room() when the oldest pending may be evicted
+}
+
+// pendingConn is a held connection; elem is set while it is unauthenticated.
+type pendingConn struct {
+	uc      *net.UnixConn
+	since   time.Time
+	elem    *list.Element
+	evicted bool
+}
+
+func newAdmission() *admission {
+	a := &admission{pending: list.New()}
+	a.cond = sync.NewCond(&a.mu)
+	return a
+}
+
+// room blocks until another connection may be accepted, evicting the oldest
+// pending connection when that makes room. It returns false once closed.
+func (a *admission) room() bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	for !a.closed {
+		limit := connLimit()
+		if a.held-a.leaving < limit && a.pending.Len() < pendingLimit(limit) {
+			return true
+		}
+		if front := a.pending.Front(); front != nil {
+			p := front.Value.(*pendingConn)
+			if age := time.Since(p.since); age >= evictAge {
+				a.evict(p)
+				continue
+			} else {
+				a.wakeIn(evictAge - age)
+			}
+		}
+		a.cond.Wait()
+	}
+	return false
+}
+
+func (a *admission) wakeIn(d time.Duration) {
+	if a.wake == nil {
+		a.wake = time.AfterFunc(d, func() {
+			a.mu.Lock()
+			a.cond.Broadcast()
+			a.mu.Unlock()
+		})
+		return
+	}
+	a.wake.Reset(d)
+}
+
+// evict drops a pending connection: it is told to retry and closed. Called
+// with a.mu held; the session serving it sees its socket close and ends.
+func (a *admission) evict(p *pendingConn) {
+	p.evicted = true
+	a.pending.Remove(p.elem)
+	p.elem = nil
+	a.leaving++
+	go func() {
+		defer func() { _ = recover() }()
+		if c, err := newConn(p.uc, 100*time.Millisecond, "server"); err == nil {
+			_ = c.send(encodeMsg(msgBusy, nil), -1)
+		}
+		_ = p.uc.Close()
+	}()
+}
+
+// admit counts a newly accepted connection as held and pending.
+func (a *admission) admit(uc *net.UnixConn) *pendingConn {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	p := &pendingConn{uc: uc, since: time.Now()}
+	p.elem = a.pending.PushBack(p)
+	a.held++
+	return p
+}
+
+// authenticated takes p out of the pending set, unless it was evicted.
+func (a *admission) authenticated(p *pendingConn) bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if p.evicted {
+		return false
+	}
+	a.pending.Remove(p.elem)
+	p.elem = nil
+	a.cond.Broadcast()
+	return true
+}
+
+// done uncounts a connection whose session has ended.
+func (a *admission) done(p *pendingConn) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.held--
+	if p.elem != nil {
+		a.pending.Remove(p.elem)
+		p.elem = nil
+	}
+	if p.evicted {
+		a.leaving--
+	}
+	a.cond.Broadcast()
+}
+
+// takeRefusal counts a connection being refused, unless too many are.
+func (a *admission) takeRefusal() bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.refusing >= maxRefusing {
+		return false
+	}
+	a.refusing++
+	return true
+}
+
+func (a *admission) doneRefusal() {
+	a.mu.Lock()
+	a.refusing--
+	a.mu.Unlock()
+}
+
+func (a *admission) close() {
+	a.mu.Lock()
+	a.closed = true
+	if a.wake != nil {
+		a.wake.Stop()
+	}
+	a.cond.Broadcast()
+	a.mu.Unlock()
+}
+
+func (s *Server) acceptLoop() {
+	for s.adm.room() {
+		uc, err := s.ln.AcceptUnix()
+		if err != nil {
+			if errors.Is(err, net.ErrClosed) {
+				return
+			}
+			// EMFILE and friends: back off instead of spinning.
+			time.Sleep(10 * time.Millisecond)
+			continue
+		}
+		// The uid is checked before the connection is counted: abstract
+		// sockets have no permissions, so a process of any uid can
+		// connect, and its connections must not take the slots of ours.
+		if err := s.checkPeer(uc); err != nil {
+			if !s.adm.takeRefusal() {
+				_ = uc.Close()
+				continue
+			}
+			go func() {
+				defer s.adm.doneRefusal()
+				s.refuseConn(uc, err)
+			}()
+			continue
+		}
+		p := s.adm.admit(uc)
+		go s.serve(p)
+	}
+}
+
+// checkPeer admits receivers of our own uid, and root.
+func (s *Server) checkPeer(uc *net.UnixConn) error {
+	cred, err := peerCred(uc)
+	if err != nil {
+		return Errorf(EAUTH, "cannot read the receiver's credentials (SO_PEERCRED): %v", err)
+	}
+	if int(cred.Uid) != s.uid && cred.Uid != 0 {
+		return Errorf(EAUTH, "receiver uid %d is not allowed: only the exporter's own uid or root may import", cred.Uid)
+	}
+	return nil
+}
+
+// refuseConn tells a peer that may not connect why, and hangs up. It does
+// not wait for the peer: the message fits in the socket buffer.
+func (s *Server) refuseConn(uc *net.UnixConn, err error) {
+	defer func() { _ = recover() }()
+	defer uc.Close()
+	c, cerr := newConn(uc, 100*time.Millisecond, "server")
+	if cerr != nil {
+		return
+	}
+	_ = c.send(errorMsg{Code: CodeOf(err), Text: err.Error()}.encode(), -1)
+}

@@ -1,0 +1,416 @@
+package core
+
+import (
+	"container/list"
+	"errors"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+)
+
+// The import cache. A process keeps the mappings it imported, keyed by the
+// exporter (address, pid, start time), the buffer id and the placement
+// (device, access devices). Every Import returns a reference (a Ref); a hit
+// hands out another reference to the same mapping, but only after an
+// authenticated session with the exporter for the very ticket being
+// imported spent a use and confirmed the buffer (stream.go's confirm). So a
+// hit can never be stale: a buffer id names memory the exporter holds
+// references to for as long as any registration of it lives, ids are never
+// reused in an exporter's life, and the exporter's start time tells a
+// restarted exporter with the same pid apart.
+//
+// Mappings with no reference stay mapped in an LRU bounded in bytes
+// (DefaultCacheBytes, VMMIPC_CACHE_BYTES, SetCacheLimit; 0 = off), and are
+// undone when the exporter says their buffer ended or the exporter exits:
+// a poller asks the exporters of unreferenced mappings every pollInterval
+// while there are any.
+
+// CacheBytesEnv overrides DefaultCacheBytes.
+const CacheBytesEnv = "VMMIPC_CACHE_BYTES"
+
+// DefaultCacheBytes is the default bound on unreferenced cached bytes.
+const DefaultCacheBytes = 32 << 30
+
+var (
+	pollInterval = 250 * time.Millisecond
+	pollTimeout  = time.Second
+)
+
+type cacheKey struct {
+	exporter  string
+	buffer    uint64
+	placement string
+}
+
+// entry is one mapping in this process.
+type entry struct {
+	key      cacheKey
+	exporter *Ticket // the ticket it was imported with: names the exporter
+	base     uint64
+	size     uint64
+	kind     uint8
+	device   int32
+	imp      Importer
+	lives    bool          // the exporter said the buffer lives on
+	refs     int           // references handed out, and hits in progress
+	indexed  bool          // in byKey: may be hit
+	elem     *list.Element // in the LRU while unreferenced
+}
+
+// CacheInfo is vmmipc_cache_info.
+type CacheInfo struct {
+	LimitBytes, Entries, ReferencedBytes, UnreferencedBytes uint64
+	Hits, Misses, Evictions, Invalidations                  uint64
+}
+
+type importCache struct {
+	mu         sync.Mutex
+	limit      uint64
+	limitErr   error
+	configured bool
+	byKey      map[cacheKey]*entry
+	all        map[*entry]struct{}
+	refs       map[uint64]*entry
+	nextRef    uint64
+	lru        *list.List // unreferenced entries, most recently used first
+	unrefBytes uint64
+	stats      CacheInfo
+	polling    bool
+}
+
+var imports = importCache{
+	byKey: map[cacheKey]*entry{}, all: map[*entry]struct{}{}, refs: map[uint64]*entry{},
+	nextRef: 1, lru: list.New(),
+}
+
+// configure reads VMMIPC_CACHE_BYTES once. Called with c.mu held.
+func (c *importCache) configure() {
+	if c.configured {
+		return
+	}
+	c.configured = true
+	c.limit = DefaultCacheBytes
+	if v, ok := os.LookupEnv(CacheBytesEnv); ok {
+		n, err := ParseBytes(v)
+		if err != nil {
+			c.limitErr = Errorf(EINVAL, "%s=%q: %v (e.g. 8G, 1073741824, or 0 to turn the import cache off)", CacheBytesEnv, v, err)
+			return
+		}
+		c.limit = n
+	}
+}
+
+// enabled reports whether imports use the cache.
+func (c *importCache) enabled() (bool, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.configure()
+	if c.limitErr != nil {
+		return false, c.limitErr
+	}
+	return c.limit > 0, nil
+}
+
+// ParseBytes reads a byte count: digits with an optional K, M, G or T
+// (powers of 1024, optionally followed by "iB" or "B").
+func ParseBytes(s string) (uint64, error) {
+	s = strings.TrimSpace(s)
+	mult := uint64(1)
+	up := strings.ToUpper(s)
+	for _, suf := range []string{"IB", "B"} {
+		if strings.HasSuffix(up, suf) && len(up) > len(suf) {
+			up = up[:len(up)-len(suf)]
+			break
+		}
+	}
+	if n := len(up); n > 0 {
+		if i := strings.IndexByte("KMGT", up[n-1]); i >= 0 {
+			mult = 1 << (10 * (i + 1))
+			up = up[:n-1]
+		}
+	}
+	n, err := strconv.ParseUint(up, 10, 64)
+	if err != nil {
+		return 0, errors.New("not a byte count")
+	}
+	if n > ^uint64(0)/mult {
+		return 0, errors.New("too large")
+	}
+	return n * mult, nil
+}
+
+// hit returns another reference to the cached mapping for key, after the
+// exporter confirmed t; hit is false when there is none (then import anew).
+func (c *importCache) hit(key cacheKey, t *Ticket, timeout time.Duration) (Ref, bool, error) {
+	c.mu.Lock()
+	e := c.byKey[key]
+	if e == nil {
+		c.mu.Unlock()
+		return Ref{}, false, nil
+	}
+	c.pin(e) // no eviction while we confirm
+	c.mu.Unlock()
+
+	lives, err := confirm(t, timeout)
+
+	c.mu.Lock()
+	if err != nil {
+		var victims []*entry
+		if CodeOf(err) == EIO && checkExporterAlive(t) != nil {
+			victims = c.invalidateExporter(t.exporterKey())
+		}
+		victims = append(victims, c.unref(e)...)
+		c.mu.Unlock()
+		undoAll(victims)
+		return Ref{}, true, wrapErr(CodeOf(err), err, "import (cached mapping at %#x)", e.base)
+	}
+	e.lives = lives
+	c.stats.Hits++
+	ref := c.newRef(e) // the pin becomes the caller's reference
+	c.mu.Unlock()
+	return ref, true, nil
+}
+
+// add records a new mapping with one reference; cacheable mappings are
+// indexed for hits (unless a concurrent import indexed the same key first).
+func (c *importCache) add(e *entry, cacheable bool) Ref {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.stats.Misses++
+	c.all[e] = struct{}{}
+	if cacheable && e.lives && c.byKey[e.key] == nil {
+		c.byKey[e.key] = e
+		e.indexed = true
+	}
+	e.refs = 1
+	return c.newRef(e)
+}
+
+// newRef hands out a reference to e, whose refs already counts it.
+func (c *importCache) newRef(e *entry) Ref {
+	id := c.nextRef
+	c.nextRef++
+	c.refs[id] = e
+	return Ref{ID: id, Base: e.base, Size: e.size, Kind: e.kind, Device: e.device}
+}
+
+// pin takes a reference without handing it out. Called with c.mu held.
+func (c *importCache) pin(e *entry) {
+	if e.elem != nil {
+		c.lru.Remove(e.elem)
+		e.elem = nil
+		c.unrefBytes -= e.size
+	}
+	e.refs++
+}
+
+// unref drops one reference; an unreferenced mapping is kept in the LRU or
+// returned for undoing, with any mappings evicted for room. Called with
+// c.mu held.
+func (c *importCache) unref(e *entry) []*entry {
+	e.refs--
+	if e.refs > 0 {
+		return nil
+	}
+	if !e.indexed || !e.lives || c.limit == 0 || e.size > c.limit {
+		c.forget(e)
+		return []*entry{e}
+	}
+	e.elem = c.lru.PushFront(e)
+	c.unrefBytes += e.size
+	var victims []*entry
+	for c.unrefBytes > c.limit {
+		v := c.lru.Back().Value.(*entry)
+		c.forget(v)
+		c.stats.Evictions++
+		victims = append(victims, v)
+	}
+	c.startPolling()
+	return victims
+}
+
+// forget removes e from every table. Called with c.mu held.
+func (c *importCache) forget(e *entry) {
+	if e.elem != nil {
+		c.lru.Remove(e.elem)
+		e.elem = nil
+		c.unrefBytes -= e.size
+	}
+	if e.indexed {
+		delete(c.byKey, e.key)
+		e.indexed = false
+	}
+	delete(c.all, e)
+}
+
+// invalidate stops hits on e because its buffer ended or its exporter
+// exited. Called with c.mu held; returns what to undo.
+func (c *importCache) invalidate(e *entry) []*entry {
+	if !e.indexed {
+		return nil
+	}
+	c.stats.Invalidations++
+	return c.unindex(e)
+}
+
+// unindex stops hits on e: undone now if unreferenced, else once its last
+// reference goes. Called with c.mu held; returns what to undo.
+func (c *importCache) unindex(e *entry) []*entry {
+	delete(c.byKey, e.key)
+	e.indexed = false
+	if e.refs == 0 {
+		c.forget(e)
+		return []*entry{e}
+	}
+	return nil
+}
+
+// invalidateExporter invalidates every mapping of one exporter. Called with
+// c.mu held.
+func (c *importCache) invalidateExporter(exporter string) []*entry {
+	var victims []*entry
+	for e := range c.all {
+		if e.key.exporter == exporter {
+			victims = append(victims, c.invalidate(e)...)
+		}
+	}
+	return victims
+}
+
+func undoAll(victims []*entry) {
+	for _, v := range victims {
+		_ = v.imp.Unmap()
+	}
+}
+
+// Unmap drops the reference id (whose mapping starts at base).
+func Unmap(id, base uint64) error {
+	c := &imports
+	c.mu.Lock()
+	e := c.refs[id]
+	if e == nil || e.base != base {
+		c.mu.Unlock()
+		return Errorf(EINVAL, "unmap: %#x is not a live mapping reference of this process (already unmapped, or not from vmmipc_import_stream)", base)
+	}
+	delete(c.refs, id)
+	victims := c.unref(e)
+	c.mu.Unlock()
+	var first error
+	for _, v := range victims {
+		if err := v.imp.Unmap(); err != nil && v == e && first == nil {
+			first = wrapErr(EIO, err, "unmap %#x", base)
+		}
+	}
+	return first
+}
+
+// SetCacheLimit sets the bound on unreferenced cached bytes (0 = off) and
+// undoes what no longer fits.
+func SetCacheLimit(n uint64) error {
+	c := &imports
+	c.mu.Lock()
+	c.configure()
+	c.limit, c.limitErr = n, nil
+	var victims []*entry
+	if n == 0 { // off: no more hits; what is unreferenced goes now
+		for e := range c.all {
+			if e.indexed {
+				if e.refs == 0 {
+					c.stats.Evictions++
+				}
+				victims = append(victims, c.unindex(e)...)
+			}
+		}
+	}
+	for c.unrefBytes > c.limit {
+		v := c.lru.Back().Value.(*entry)
+		c.forget(v)
+		c.stats.Evictions++
+		victims = append(victims, v)
+	}
+	c.mu.Unlock()
+	var first error
+	for _, v := range victims {
+		if err := v.imp.Unmap(); err != nil && first == nil {
+			first = wrapErr(EIO, err, "cache: unmap %#x", v.base)
+		}
+	}
+	return first
+}
+
+// GetCacheInfo reports the cache's state.
+func GetCacheInfo() CacheInfo {
+	c := &imports
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.configure()
+	info := c.stats
+	info.LimitBytes = c.limit
+	info.Entries = uint64(len(c.all))
+	info.UnreferencedBytes = c.unrefBytes
+	for e := range c.all {
+		if e.refs > 0 {
+			info.ReferencedBytes += e.size
+		}
+	}
+	return info
+}
+
+// startPolling starts the poller unless it runs. Called with c.mu held.
+func (c *importCache) startPolling() {
+	if c.polling || c.lru.Len() == 0 {
+		return
+	}
+	c.polling = true
+	go c.poll()
+}
+
+// poll asks the exporters of unreferenced mappings whether their buffers
+// live, and undoes those that do not, until no unreferenced mapping is left.
+func (c *importCache) poll() {
+	for {
+		time.Sleep(pollInterval)
+		c.mu.Lock()
+		if c.lru.Len() == 0 {
+			c.polling = false
+			c.mu.Unlock()
+			return
+		}
+		byExporter := map[string][]*entry{}
+		for el := c.lru.Front(); el != nil; el = el.Next() {
+			e := el.Value.(*entry)
+			byExporter[e.key.exporter] = append(byExporter[e.key.exporter], e)
+		}
+		c.mu.Unlock()
+		for _, es := range byExporter {
+			c.check(es)
+		}
+	}
+}
+
+// check polls one exporter about its buffers.
+func (c *importCache) check(es []*entry) {
+	t := es[0].exporter
+	ids := make([]uint64, len(es))
+	for i, e := range es {
+		ids[i] = e.key.buffer
+	}
+	alive, err := bufferStatus(t, ids, pollTimeout)
+	gone := err != nil && (checkExporterAlive(t) != nil ||
+		errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ENOENT))
+	if err != nil && !gone {
+		return // busy or slow: ask again next time
+	}
+	c.mu.Lock()
+	var victims []*entry
+	for _, e := range es {
+		if gone || !alive[e.key.buffer] {
+			victims = append(victims, c.invalidate(e)...)
+		}
+	}
+	c.mu.Unlock()
+	undoAll(victims)
+}

@@ -1,0 +1,152 @@
+package core
+
+// Importer maps the chunks of one import into a single reserved range. The
+// CUDA backend (package cuda) and the host backend (HostImporter) implement
+// it; Import drives it.
+type Importer interface {
+	// Reserve reserves total bytes of address space and returns its start.
+	Reserve(total uint64) (base uint64, err error)
+	// Map imports the chunk's descriptor and maps it at base+c.Offset. The
+	// descriptor stays the caller's, who closes it right after.
+	Map(c Chunk) error
+	// Finish runs once after every chunk is mapped (CUDA: set access).
+	Finish() error
+	// Unmap undoes everything done so far, whatever state the import is in:
+	// mapped chunks are unmapped and the reservation is freed.
+	Unmap() error
+	// Device is DeviceHost or the CUDA ordinal the mapping lives on.
+	Device() int32
+	// Placement names where and how the memory is mapped (device and
+	// access devices): part of the import cache's key.
+	Placement() string
+}
+
+// NewGPUImporter prepares an import onto a CUDA device (an ordinal, or
+// DeviceSame for the GPU whose UUID is uuid) with read-write access for the
+// access devices too. Package cuda provides one; it reserves nothing yet.
+type NewGPUImporter func(device int32, uuid [16]byte, access []int32) (Importer, error)
+
+// Ref is one reference to an imported mapping, as handed to the caller.
+type Ref struct {
+	ID     uint64 // what Unmap takes
+	Base   uint64
+	Size   uint64
+	Kind   uint8
+	Device int32
+}
+
+// Import maps the buffer named by t into this process and returns one
+// reference to the mapping: a cached one after an authenticated
+// confirmation (cache.go), or a new one, reserved whole and then received,
+// mapped and closed one chunk at a time. On any failure everything is undone
+// and the error names the chunk. gpu may be nil where CUDA is not built in.
+func Import(t *Ticket, device int32, opts ImportOptions, gpu NewGPUImporter) (Ref, error) {
+	if err := opts.Validate(); err != nil {
+		return Ref{}, err
+	}
+	opts.OpenOptions = opts.OpenOptions.withDefaults()
+	imp, err := importerFor(t, device, opts.Access, gpu)
+	if err != nil {
+		return Ref{}, err
+	}
+	useCache := !opts.NoCache
+	if useCache {
+		on, err := imports.enabled()
+		if err != nil {
+			return Ref{}, err
+		}
+		useCache = on
+	}
+	key := cacheKey{exporter: t.exporterKey(), buffer: t.BufferID, placement: imp.Placement()}
+	if useCache {
+		if ref, hit, err := imports.hit(key, t, opts.Timeout); hit || err != nil {
+			return ref, err
+		}
+	}
+	base, lives, err := importNew(t, imp, opts.OpenOptions)
+	if err != nil {
+		return Ref{}, err
+	}
+	e := &entry{key: key, exporter: t, base: base, size: t.Total, kind: t.Kind, device: imp.Device(), imp: imp, lives: lives}
+	return imports.add(e, useCache), nil
+}
+
+// importerFor picks the backend the ticket's memory and the device call for.
+func importerFor(t *Ticket, device int32, access []int32, gpu NewGPUImporter) (Importer, error) {
+	switch {
+	case t.Kind == MemoryHost && device == DeviceHost:
+		if len(access) > 0 {
+			return nil, Errorf(EINVAL, "import: access devices apply to CUDA memory only; this ticket holds host memory")
+		}
+		return &HostImporter{}, nil
+	case t.Kind == MemoryHost:
+		return nil, Errorf(EINVAL, "import: the ticket holds host memory; pass VMMIPC_DEVICE_HOST, not device %d", device)
+	case device == DeviceHost:
+		return nil, Errorf(EINVAL, "import: the ticket holds CUDA memory; pass a device ordinal or VMMIPC_DEVICE_SAME, not VMMIPC_DEVICE_HOST")
+	case device < DeviceSame:
+		return nil, Errorf(EINVAL, "import: device %d is neither an ordinal nor VMMIPC_DEVICE_SAME", device)
+	case gpu == nil:
+		return nil, Errorf(ECUDA, "import: this build of libvmmipc has no CUDA support")
+	}
+	return gpu(device, t.DeviceUUID, access)
+}
+
+// importNew authenticates with the exporter and claims a use, then
+// reserves the whole range, then receives, maps and closes one chunk at a
+// time; it reports whether the exporter said the buffer lives on after this
+// use (then the mapping may be cached). Nothing is reserved for a ticket
+// the exporter does not vouch for.
+func importNew(t *Ticket, imp Importer, opts OpenOptions) (base uint64, lives bool, err error) {
+	s, err := Open(t, opts)
+	if err != nil {
+		return 0, false, err
+	}
+	defer s.Close() // before the last chunk is sent, this gives the use back
+	if err := checkAddressSpace(t.Total); err != nil {
+		return 0, false, err
+	}
+	base, err = imp.Reserve(t.Total)
+	if err != nil {
+		return 0, false, wrapErr(ENOMEM, err, "import: reserving %d bytes", t.Total)
+	}
+	lives, err = mapAll(s, imp)
+	if err != nil {
+		if uerr := imp.Unmap(); uerr != nil {
+			err = wrapErr(CodeOf(err), err, "import failed (and undoing it failed too: %v)", uerr)
+		}
+		return 0, false, err
+	}
+	return base, lives, nil
+}
+
+// mapAll receives, maps and closes every chunk of s, finishes the mapping
+// and reads the exporter's done-ack.
+func mapAll(s *Stream, imp Importer) (bool, error) {
+	t := s.t
+	for i := uint64(0); i < t.Count; i++ {
+		ch, err := s.Next()
+		if err != nil {
+			if IsEnd(err) {
+				err = Errorf(EINVAL, "protocol: stream ended after %d of %d chunks", i, t.Count)
+			}
+			return false, err
+		}
+		err = imp.Map(ch)
+		closeFD(&ch.FD)
+		if err != nil {
+			return false, wrapErr(EIO, err, "chunk %d of %d", ch.Index, t.Count)
+		}
+	}
+	if err := imp.Finish(); err != nil {
+		return false, err
+	}
+	// Says done and reads the done-ack, which tells whether the buffer
+	// lives on after this use.
+	if _, err := s.Next(); !IsEnd(err) {
+		if err == nil {
+			err = Errorf(EINVAL, "protocol: more chunks than the ticket's %d", t.Count)
+		}
+		return false, err
+	}
+	return s.bufferLives, nil
+}

@@ -1,0 +1,132 @@
+package core
+
+import (
+	"time"
+)
+
+// Bounds of the options and of a registration: one constant per bound,
+// mirrored by the VMMIPC_MAX_* macros of vmmipc.h. The C ABI layer only
+// copies fields; the checks are the Validate methods below, so Go callers of
+// this package get them too.
+const (
+	MaxWindow        = 1024                         // OpenOptions.Window
+	MaxAccessDevices = 64                           // ImportOptions.Access
+	MaxTTL           = (1 << 40) * time.Millisecond // RegisterOptions.TTL
+	MaxChunks        = 1 << 26                      // chunks of one registration: 128 TiB of 2 MiB chunks
+)
+
+// Defaults of the receiver options.
+const (
+	// DefaultTimeout is how long a receiver waits on a silent exporter.
+	DefaultTimeout = 30 * time.Second
+	// DefaultWindow is how many chunk requests a receiver keeps in flight.
+	// Descriptors in flight sit in the socket (the kernel's), not in
+	// either process's table.
+	DefaultWindow = 16
+)
+
+// Device arguments of an import, as VMMIPC_DEVICE_* in vmmipc.h; values >= 0
+// are CUDA ordinals.
+const (
+	DeviceHost int32 = -1
+	DeviceSame int32 = -2
+)
+
+// RegisterOptions are the sender-side options of one registration. The zero
+// value means unlimited uses, no ttl and no callback (the C ABI's defaults,
+// from vmmipc_options_init, are uses = 1).
+type RegisterOptions struct {
+	Uses uint32        // receivers allowed to finish; 0 = unlimited
+	TTL  time.Duration // 0 = never expires
+	// OnRelease runs exactly once, when the library needs nothing this
+	// registration lent any more: after it ended and, with LendsExporter,
+	// after its buffer's Exporter was released.
+	OnRelease func()
+	// LendsExporter says that what the buffer's Exporter exports from
+	// belongs to this registration's owner (a C export_fn, borrowed CUDA
+	// handles): OnRelease then waits until no registration of the buffer
+	// lives.
+	LendsExporter bool
+}
+
+// Validate checks the bounds of o.
+func (o RegisterOptions) Validate() error {
+	if o.TTL < 0 || o.TTL > MaxTTL {
+		return Errorf(EINVAL, "options: ttl %v is out of range (at most %d ms)", o.TTL, MaxTTL.Milliseconds())
+	}
+	return nil
+}
+
+// OpenOptions are the receiver-side options of a stream.
+type OpenOptions struct {
+	Timeout time.Duration // 0 = DefaultTimeout
+	Window  uint32        // 0 = DefaultWindow; 1 = lockstep
+}
+
+// Validate checks the bounds of o.
+func (o OpenOptions) Validate() error {
+	if o.Window > MaxWindow {
+		return Errorf(EINVAL, "options: window %d is larger than %d", o.Window, MaxWindow)
+	}
+	if o.Timeout < 0 {
+		return Errorf(EINVAL, "options: timeout %v is negative", o.Timeout)
+	}
+	return nil
+}
+
+func (o OpenOptions) withDefaults() OpenOptions {
+	if o.Timeout == 0 {
+		o.Timeout = DefaultTimeout
+	}
+	if o.Window == 0 {
+		o.Window = DefaultWindow
+	}
+	return o
+}
+
+// ImportOptions are the options of Import.
+type ImportOptions struct {
+	OpenOptions
+	Access  []int32 // CUDA: extra devices given read-write access
+	NoCache bool    // neither reuse nor keep a cached mapping
+}
+
+// Validate checks the bounds of o.
+func (o ImportOptions) Validate() error {
+	if err := CheckAccessCount(uint64(len(o.Access))); err != nil {
+		return err
+	}
+	return o.OpenOptions.Validate()
+}
+
+// CheckAccessCount checks a count of access devices (before they are copied).
+func CheckAccessCount(n uint64) error {
+	if n > MaxAccessDevices {
+		return Errorf(EINVAL, "options: %d access devices exceed the limit of %d", n, MaxAccessDevices)
+	}
+	return nil
+}
+
+// TTLFromMillis converts vmmipc_options.ttl_ms, checking its bound.
+func TTLFromMillis(ms uint64) (time.Duration, error) {
+	if ms > uint64(MaxTTL/time.Millisecond) {
+		return 0, Errorf(EINVAL, "options: ttl_ms %d is larger than %d", ms, uint64(MaxTTL/time.Millisecond))
+	}
+	return time.Duration(ms) * time.Millisecond, nil
+}
+
+// CheckCount checks a chunk count before anything of that size is copied.
+func CheckCount(n uint64, what string) error {
+	if n == 0 || n > MaxChunks {
+		return Errorf(EINVAL, "%s: count %d is 0 or above the limit of %d", what, n, MaxChunks)
+	}
+	return nil
+}
+
+// KindOf checks a memory kind given as vmmipc_options.memory_kind.
+func KindOf(k uint32) (uint8, error) {
+	if k == uint32(MemoryHost) || k == uint32(MemoryCUDA) {
+		return uint8(k), nil
+	}
+	return 0, Errorf(EINVAL, "options: memory_kind %d is neither VMMIPC_MEMORY_HOST (1) nor VMMIPC_MEMORY_CUDA (2)", k)
+}

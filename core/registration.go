@@ -1,0 +1,295 @@
+package core
+
+import (
+	"fmt"
+	"sync"
+	"time"
+)
+
+// Exporter produces chunk descriptors on demand for one buffer.
+type Exporter interface {
+	// ExportChunk returns a new descriptor for chunk index, and the offset
+	// inside it where the chunk's bytes start. The caller sends and closes fd.
+	ExportChunk(index uint64) (fd int, fileOffset uint64, err error)
+	// Release runs exactly once when the buffer ends (no registration of it
+	// lives), after the last ExportChunk call has returned.
+	Release()
+}
+
+// BufferSpec describes memory to register.
+type BufferSpec struct {
+	Sizes      []uint64
+	Kind       uint8    // MemoryHost or MemoryCUDA
+	DeviceUUID [16]byte // CUDA: the GPU holding the memory; host: zeros
+	Exporter   Exporter
+	// Key names the memory where the library holds its own references to it
+	// (a CUDA range's retained allocations, a memfd's duplicate). A live
+	// buffer with the same key is the same memory: the registration joins
+	// it, and Exporter is released at once, unused. "" never matches.
+	Key string
+}
+
+// validate checks the spec and returns the chunks' offsets and total size.
+func (s *BufferSpec) validate() (offsets []uint64, total uint64, err error) {
+	if err := CheckCount(uint64(len(s.Sizes)), "register: chunks"); err != nil {
+		return nil, 0, err
+	}
+	switch {
+	case s.Exporter == nil:
+		return nil, 0, Errorf(EINVAL, "register: no exporter")
+	case s.Kind != MemoryHost && s.Kind != MemoryCUDA:
+		return nil, 0, Errorf(EINVAL, "register: unknown memory kind %d (want 1 = host or 2 = cuda)", s.Kind)
+	case s.Kind == MemoryHost && s.DeviceUUID != [16]byte{}:
+		return nil, 0, Errorf(EINVAL, "register: host memory has no device UUID")
+	}
+	offsets = make([]uint64, len(s.Sizes))
+	for i, n := range s.Sizes {
+		if n == 0 {
+			return nil, 0, Errorf(EINVAL, "register: chunk %d has size 0", i)
+		}
+		if s.Kind == MemoryHost && i < len(s.Sizes)-1 && n%pageSize != 0 {
+			return nil, 0, Errorf(EINVAL, "register: host chunk %d has size %d, not a multiple of the page size %d", i, n, pageSize)
+		}
+		if total+n < total {
+			return nil, 0, Errorf(EINVAL, "register: sizes overflow 64 bits at chunk %d", i)
+		}
+		offsets[i] = total
+		total += n
+	}
+	return offsets, total, nil
+}
+
+// buffer is one registered piece of memory: its chunks and the Exporter
+// that makes their descriptors. Registrations are grants on a buffer (uses,
+// ttl, secret); those of the same memory share one buffer, whose id is what
+// receivers cache by.
+type buffer struct {
+	id       uint64
+	key      string
+	kind     uint8
+	uuid     [16]byte
+	sizes    []uint64
+	offsets  []uint64
+	total    uint64
+	exporter Exporter
+
+	regs int // live registrations; guarded by the registry's mu
+
+	mu        sync.Mutex
+	over      bool // no registration lives any more
+	exporting int  // ExportChunk calls in flight
+	released  bool
+	lenders   []*registration // released together with the exporter
+}
+
+// export runs the exporter for one chunk unless the buffer was released.
+func (b *buffer) export(index uint64) (fd int, fileOffset uint64, err error) {
+	b.mu.Lock()
+	if b.released {
+		b.mu.Unlock()
+		return -1, 0, Errorf(ENOENT, "buffer %d has been released", b.id)
+	}
+	b.exporting++
+	b.mu.Unlock()
+	defer b.doneExporting()
+	defer func() {
+		if p := recover(); p != nil {
+			fd, err = -1, Errorf(EINTERNAL, "exporter panicked: %v", p)
+		}
+	}()
+	return b.exporter.ExportChunk(index)
+}
+
+func (b *buffer) doneExporting() {
+	b.mu.Lock()
+	b.exporting--
+	b.mu.Unlock()
+	b.maybeRelease()
+}
+
+// finish marks the buffer over (its last registration ended) and releases
+// it once no export is in flight.
+func (b *buffer) finish() {
+	b.mu.Lock()
+	b.over = true
+	b.mu.Unlock()
+	b.maybeRelease()
+}
+
+func (b *buffer) maybeRelease() {
+	b.mu.Lock()
+	if !b.over || b.exporting > 0 || b.released {
+		b.mu.Unlock()
+		return
+	}
+	b.released = true
+	lenders := b.lenders
+	b.lenders = nil
+	b.mu.Unlock()
+	safely(b.exporter.Release)
+	for _, g := range lenders {
+		g.release()
+	}
+}
+
+// safely runs a callback of the library's user; a panic in it must not
+// take the server down.
+func safely(fn func()) {
+	if fn == nil {
+		return
+	}
+	defer func() { _ = recover() }()
+	fn()
+}
+
+// claimGrace is how long a receiver that finds every use claimed waits for a
+// claim to settle. A stream that its receiver closed early (or whose
+// receiver died) gives its use back as soon as the server reads the EOF,
+// which can be just after the next receiver arrives.
+const claimGrace = time.Second
+
+// registration is one grant on a buffer: its secret, uses and ttl. It owns
+// its use accounting: claim (a receiver starts), spend (every chunk was
+// sent, or a cached mapping confirmed), drop (the session is over; an
+// unspent claim gives its use back) and end.
+type registration struct {
+	id            uint64
+	secret        Secret
+	ticket        *Ticket
+	digest        [32]byte
+	buf           *buffer
+	reg           *Registry
+	onRelease     func()
+	lendsExporter bool
+
+	mu       sync.Mutex
+	uses     uint32 // 0 = unlimited
+	consumed uint32 // uses spent
+	claimed  uint32 // claims neither spent nor dropped
+	claims   map[*claim]struct{}
+	settled  chan struct{} // closed and replaced whenever a claim settles
+	ended    string        // why it ended; "" while live
+	timer    *time.Timer
+
+	releaseOnce sync.Once
+	releasedCh  chan struct{} // closed once onRelease has returned
+}
+
+// claim is one receiver's hold on a use. cancel cuts its session when the
+// registration ends under it.
+type claim struct {
+	cancel func()
+	spent  bool
+}
+
+func (g *registration) why() string { return fmt.Sprintf("registration %d %s", g.id, g.ended) }
+
+// claim reserves one use for a receiver that is about to be served.
+func (g *registration) claim(cancel func()) (*claim, error) {
+	deadline := time.Now().Add(claimGrace)
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	for {
+		if g.ended != "" {
+			return nil, Errorf(ENOENT, "%s", g.why())
+		}
+		if g.uses == 0 || g.consumed+g.claimed < g.uses {
+			c := &claim{cancel: cancel}
+			g.claimed++
+			g.claims[c] = struct{}{}
+			return c, nil
+		}
+		wait := time.Until(deadline)
+		if g.claimed == 0 || wait <= 0 {
+			return nil, Errorf(ENOENT, "registration %d allows %d receiver(s); %d finished and %d being served now", g.id, g.uses, g.consumed, g.claimed)
+		}
+		settled := g.settled
+		g.mu.Unlock()
+		select {
+		case <-settled:
+		case <-time.After(wait):
+		}
+		g.mu.Lock()
+	}
+}
+
+// notifySettled wakes receivers waiting in claim. Called with g.mu held.
+func (g *registration) notifySettled() {
+	close(g.settled)
+	g.settled = make(chan struct{})
+}
+
+// spend consumes c's use and reports whether that used the registration
+// up. The caller ends it then (g.end), once the receiver has its answer.
+func (g *registration) spend(c *claim) (usedUp bool) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if c.spent {
+		return false
+	}
+	c.spent = true
+	g.claimed--
+	g.consumed++
+	g.notifySettled()
+	return g.uses != 0 && g.consumed >= g.uses
+}
+
+// drop ends c's session: an unspent use is given back for a retry.
+func (g *registration) drop(c *claim) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if _, ok := g.claims[c]; !ok {
+		return
+	}
+	delete(g.claims, c)
+	if !c.spent {
+		g.claimed--
+		g.notifySettled()
+	}
+}
+
+// end ends the registration (the first caller wins and gets true): it
+// refuses new receivers, cuts the sessions being served, leaves its buffer
+// and releases what it lent.
+func (g *registration) end(why string) bool {
+	g.mu.Lock()
+	if g.ended != "" {
+		g.mu.Unlock()
+		return false
+	}
+	g.ended = why
+	g.notifySettled()
+	if g.timer != nil {
+		g.timer.Stop()
+	}
+	cancels := make([]func(), 0, len(g.claims))
+	for c := range g.claims {
+		cancels = append(cancels, c.cancel)
+	}
+	g.mu.Unlock()
+
+	g.reg.forget(g)
+	for _, cancel := range cancels {
+		cancel() // wakes the session; it sees the end and stops
+	}
+	if !g.lendsExporter {
+		g.release()
+	}
+	return true
+}
+
+// release runs the owner's callback once and tells waiters.
+func (g *registration) release() {
+	g.releaseOnce.Do(func() {
+		safely(g.onRelease)
+		g.reg.released(g)
+		close(g.releasedCh)
+	})
+}
+
+// live reports whether the registration has not ended.
+func (g *registration) live() bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.ended == ""
+}

@@ -1,0 +1,267 @@
+package core
+
+import (
+	"fmt"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// maxStatusQueries bounds the status queries one connection may ask.
+const maxStatusQueries = 4096
+
+// session is one receiver's connection, from its hello to its done-ack.
+type session struct {
+	srv     *Server
+	c       *conn
+	p       *pendingConn
+	peerPid uint32
+}
+
+// serve runs one connection: status queries, or a handshake and then the
+// chunks of one use.
+func (s *Server) serve(p *pendingConn) {
+	defer s.adm.done(p)
+	c, err := newConn(p.uc, 0, "server")
+	if err != nil {
+		_ = p.uc.Close()
+		return
+	}
+	defer c.Close()
+	defer func() { _ = recover() }() // a bug here must not take the host down
+	c.deadline = p.since.Add(handshakeTimeout)
+	ss := &session{srv: s, c: c, p: p}
+	if cred, err := peerCred(p.uc); err == nil {
+		ss.peerPid = uint32(cred.Pid)
+	}
+	ss.run()
+}
+
+func (ss *session) run() {
+	f, ok := ss.recv()
+	if !ok {
+		return
+	}
+	switch f.Type {
+	case msgStatus:
+		ss.answerStatus(f)
+		return
+	case msgHello:
+	default:
+		ss.refuse(Errorf(EINVAL, "protocol: expected hello, got %s", msgName(f.Type)))
+		return
+	}
+	hello, err := parseHello(f.Body)
+	if err != nil {
+		ss.refuse(err)
+		return
+	}
+	g, err := ss.srv.reg.lookup(hello.RegID)
+	if err != nil {
+		ss.refuse(err)
+		return
+	}
+	if !ss.authenticate(g, hello) {
+		return
+	}
+	cl, err := g.claim(func() { _ = ss.c.Close() })
+	if err != nil {
+		ss.refuse(err)
+		return
+	}
+	defer g.drop(cl)
+	ss.c.deadline = time.Time{}
+	ss.c.timeout = idleTimeout
+	b := g.buf
+	if err := ss.c.send(welcomeMsg{Count: uint64(len(b.sizes)), Total: b.total, Kind: b.kind, BufferID: b.id}.encode(), -1); err != nil {
+		return
+	}
+	// The use is spent once every chunk is on its way (or a cached mapping
+	// is confirmed), whether or not the receiver says done: counting only
+	// "done" would let a receiver pull everything, hang up and pull again.
+	// A used-up registration ends after the receiver has its answer (or has
+	// gone): its release (dropping CUDA references, say) may take a while.
+	var spent, usedUp bool
+	spend := func() {
+		if !spent {
+			spent, usedUp = true, g.spend(cl)
+		}
+	}
+	defer func() {
+		if usedUp {
+			g.end(usedUpWhy(g))
+		}
+	}()
+	if hello.Flags&helloConfirm != 0 {
+		spend()
+	} else if !ss.stream(g, spend) {
+		return
+	}
+	var flags uint64
+	if !usedUp || ss.srv.reg.bufferHasOthers(g) {
+		flags |= ackBufferLives
+	}
+	_ = ss.c.send(doneAckMsg{Flags: flags}.encode(), -1)
+}
+
+func usedUpWhy(g *registration) string {
+	return fmt.Sprintf("was used up: all %d use(s) consumed", g.uses)
+}
+
+// authenticate runs the server's half of the handshake (handshake.go) and
+// then takes the connection out of the pending set.
+func (ss *session) authenticate(g *registration, hello helloMsg) bool {
+	ns, err := newNonce()
+	if err != nil {
+		ss.refuse(err)
+		return false
+	}
+	tr := transcript{
+		RegID: hello.RegID, Flags: hello.Flags, ServerPid: ss.srv.pid, ReceiverPid: ss.peerPid,
+		TicketDigest: g.digest, ReceiverNonce: hello.Nonce, ServerNonce: ns,
+	}
+	if err := ss.c.send(challengeMsg{Nonce: ns, Proof: tr.proof(g.secret, roleServer)}.encode(), -1); err != nil {
+		return false
+	}
+	f, ok := ss.recv()
+	if !ok {
+		return false
+	}
+	if f.Type != msgProof {
+		ss.refuse(Errorf(EINVAL, "protocol: expected proof, got %s", msgName(f.Type)))
+		return false
+	}
+	pm, err := parseProof(f.Body)
+	if err != nil {
+		ss.refuse(err)
+		return false
+	}
+	if !tr.verify(g.secret, roleReceiver, pm.Proof) {
+		ss.refuse(Errorf(EAUTH, "the receiver's proof for registration %d does not check out: its ticket is corrupted or forged", g.id))
+		return false
+	}
+	return ss.srv.adm.authenticated(ss.p)
+}
+
+// recv reads one message from the receiver; on failure it says why when
+// the receiver broke the protocol.
+func (ss *session) recv() (frame, bool) {
+	f, err := ss.c.recv()
+	if err != nil {
+		closeFD(&f.FD)
+		if CodeOf(err) == EINVAL { // a malformed message: say why we hang up
+			ss.refuse(err)
+		}
+		return f, false
+	}
+	if f.FD >= 0 { // receivers never send descriptors
+		closeFD(&f.FD)
+		ss.refuse(Errorf(EINVAL, "protocol: receivers must not send descriptors"))
+		return f, false
+	}
+	return f, true
+}
+
+// answerStatus answers status queries until the peer stops asking.
+func (ss *session) answerStatus(f frame) {
+	for n := 0; n < maxStatusQueries; n++ {
+		q, err := parseStatus(f.Body)
+		if err != nil {
+			ss.refuse(err)
+			return
+		}
+		alive := ss.srv.reg.bufferLives(q.BufferID)
+		if ss.c.send(statusAckMsg{BufferID: q.BufferID, Alive: alive}.encode(), -1) != nil {
+			return
+		}
+		var ok bool
+		if f, ok = ss.recv(); !ok {
+			return
+		}
+		if f.Type != msgStatus {
+			ss.refuse(Errorf(EINVAL, "protocol: only status queries may follow a status query, got %s", msgName(f.Type)))
+			return
+		}
+	}
+}
+
+// stream answers pull requests until done (true) or failure (false); it
+// calls spend once the last chunk has been sent.
+func (ss *session) stream(g *registration, spend func()) bool {
+	b := g.buf
+	count := uint64(len(b.sizes))
+	next := uint64(0) // the next index we expect to be asked for
+	for {
+		f, ok := ss.recv()
+		if !ok {
+			return false
+		}
+		switch f.Type {
+		case msgPull:
+			p, err := parsePull(f.Body)
+			if err == nil && (p.First != next || p.Count == 0 || p.Count > count-next) {
+				err = Errorf(EINVAL, "protocol: pull of chunks [%d, %d+%d) out of order or out of range (next is %d of %d)", p.First, p.First, p.Count, next, count)
+			}
+			if err != nil {
+				ss.refuse(err)
+				return false
+			}
+			for i := p.First; i < p.First+p.Count; i++ {
+				if err := ss.sendChunk(g, i); err != nil {
+					ss.refuse(err)
+					return false
+				}
+			}
+			next += p.Count
+			if next == count {
+				spend()
+			}
+		case msgDone:
+			if next != count {
+				ss.refuse(Errorf(EINVAL, "protocol: done after %d of %d chunks", next, count))
+				return false
+			}
+			return true
+		default:
+			ss.refuse(Errorf(EINVAL, "protocol: unexpected %s message while streaming", msgName(f.Type)))
+			return false
+		}
+	}
+}
+
+// sendChunk exports chunk i, sends its descriptor with the chunk header in
+// one message, and closes the descriptor whatever happens.
+func (ss *session) sendChunk(g *registration, i uint64) error {
+	b := g.buf
+	if !g.live() {
+		return Errorf(ENOENT, "%s while streaming", g.why())
+	}
+	fd, fileOff, err := b.export(i)
+	if err != nil {
+		if CodeOf(err) == ENOENT {
+			return err
+		}
+		return wrapErr(EEXPORT, err, "chunk %d of %d: export failed", i, len(b.sizes))
+	}
+	if fd < 0 {
+		return Errorf(EEXPORT, "chunk %d of %d: exporter returned no descriptor", i, len(b.sizes))
+	}
+	defer unix.Close(fd)
+	if _, err := unix.FcntlInt(uintptr(fd), unix.F_GETFD, 0); err != nil {
+		return Errorf(EEXPORT, "chunk %d of %d: exporter returned %d, which is not an open descriptor", i, len(b.sizes), fd)
+	}
+	msg := chunkMsg{Index: i, Offset: b.offsets[i], Size: b.sizes[i], FileOffset: fileOff}
+	return ss.c.send(msg.encode(), fd)
+}
+
+// refuse tells the receiver why it gets nothing (best effort) and lets the
+// caller close the connection. No descriptor is ever sent with it.
+func (ss *session) refuse(err error) {
+	code := CodeOf(err)
+	if !code.IsError() {
+		code = EINTERNAL
+	}
+	ss.c.deadline = time.Time{}
+	ss.c.timeout = time.Second // never block long on a receiver that does not read
+	_ = ss.c.send(errorMsg{Code: code, Text: err.Error()}.encode(), -1)
+}

@@ -1,0 +1,141 @@
+/* cuda_sender: shares 64 MiB of GPU memory, made of cuMemCreate allocations
+ * of the device's allocation granularity (2 MiB on most GPUs) mapped side by
+ * side, with one receiver, which imports it one descriptor at a time.
+ *
+ *   cuda_sender | cuda_receiver        (examples/cuda/run.sh builds and runs it)
+ *
+ * GPU 0 of this process; byte i of the buffer is i % 251; the receiver
+ * checks every byte. The ticket goes to stdout as one line of hex, messages
+ * to stderr. The sender stays until the receiver has pulled every chunk, or
+ * gives up after a minute. Exit status 0 once the receiver has it all. */
+#include <stdlib.h>
+
+/* readme-snippet: cuda-sender */
+#include <stdio.h>
+#include <cuda.h>
+#include <vmmipc.h>
+
+/* serve registers the CUDA VMM range [dptr, dptr + size) for one receiver,
+ * prints the ticket, and waits until the receiver has pulled every chunk.
+ * The range must be mapped from cuMemCreate allocations that allow
+ * CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, and start and end on allocation
+ * boundaries. */
+int serve(CUdeviceptr dptr, size_t size) {
+  vmmipc_options opts;
+  vmmipc_options_init(&opts, sizeof opts);
+  opts.uses = 1; /* one receiver may import it (0 = until unregistered) */
+  vmmipc_ticket ticket;
+  int rc = vmmipc_register_cuda(dptr, size, &opts, &ticket);
+  if (rc != VMMIPC_OK) {
+    fprintf(stderr, "vmmipc_register_cuda: %s: %s\n", vmmipc_strerror(rc), vmmipc_last_error());
+    return 1;
+  }
+  /* The library holds its own reference to every allocation: the caller may
+   * unmap and release its buffer now. Hand the ticket to the receiver any
+   * way you like; here, one line of hex. */
+  for (size_t i = 0; i < sizeof ticket.bytes; i++) printf("%02x", ticket.bytes[i]);
+  printf("\n");
+  fflush(stdout);
+  /* The server lives in this process: stay until the receiver has it all. */
+  rc = vmmipc_wait(&ticket, 60000);
+  if (rc != VMMIPC_OK) {
+    fprintf(stderr, "vmmipc_wait: %s: %s\n", vmmipc_strerror(rc), vmmipc_last_error());
+    return 1;
+  }
+  return 0;
+}
+/* end readme-snippet */
+
+enum { CHUNKS = 32 };
+
+/* A range of CHUNKS allocations, each chunk_size bytes, mapped side by side. */
+typedef struct gpu_buffer {
+  CUdeviceptr base;
+  size_t chunk_size, size;
+  CUmemGenericAllocationHandle handles[CHUNKS];
+  int mapped; /* handles[0 .. mapped-1] exist and are mapped */
+} gpu_buffer;
+
+static int cuda_ok(CUresult r, const char *call) {
+  if (r == CUDA_SUCCESS) return 1;
+  const char *name = NULL;
+  cuGetErrorName(r, &name);
+  fprintf(stderr, "cuda_sender: %s: %s\n", call, name ? name : "unknown CUDA error");
+  return 0;
+}
+
+/* free_buffer unmaps and releases what alloc_buffer made, however far it got. */
+static void free_buffer(gpu_buffer *b) {
+  for (int i = 0; i < b->mapped; i++) {
+    cuMemUnmap(b->base + (CUdeviceptr)i * b->chunk_size, b->chunk_size);
+    cuMemRelease(b->handles[i]);
+  }
+  if (b->base) cuMemAddressFree(b->base, b->size);
+  b->mapped = 0;
+  b->base = 0;
+}
+
+/* alloc_buffer makes CHUNKS exportable allocations on dev, maps them side
+ * by side and gives dev read-write access. Returns 0, or -1 after saying
+ * what failed (with nothing left allocated). */
+static int alloc_buffer(CUdevice dev, gpu_buffer *b) {
+  CUmemAllocationProp prop = {0};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = dev;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR; /* what vmmipc exports */
+  *b = (gpu_buffer){0};
+  if (!cuda_ok(cuMemGetAllocationGranularity(&b->chunk_size, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+               "cuMemGetAllocationGranularity"))
+    return -1;
+  b->size = CHUNKS * b->chunk_size;
+  if (!cuda_ok(cuMemAddressReserve(&b->base, b->size, 0, 0, 0), "cuMemAddressReserve")) {
+    b->base = 0;
+    return -1;
+  }
+  for (int i = 0; i < CHUNKS; i++) {
+    CUmemGenericAllocationHandle h;
+    if (!cuda_ok(cuMemCreate(&h, b->chunk_size, &prop, 0), "cuMemCreate")) break;
+    if (!cuda_ok(cuMemMap(b->base + (CUdeviceptr)i * b->chunk_size, b->chunk_size, 0, h, 0), "cuMemMap")) {
+      cuMemRelease(h);
+      break;
+    }
+    b->handles[b->mapped++] = h;
+  }
+  CUmemAccessDesc access = {.location = prop.location, .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+  if (b->mapped < CHUNKS || !cuda_ok(cuMemSetAccess(b->base, b->size, &access, 1), "cuMemSetAccess")) {
+    free_buffer(b);
+    return -1;
+  }
+  return 0;
+}
+
+/* fill_buffer writes byte i = i % 251 through the current context. */
+static int fill_buffer(const gpu_buffer *b) {
+  unsigned char *pattern = malloc(b->size);
+  if (pattern == NULL) {
+    fprintf(stderr, "cuda_sender: out of host memory for %zu bytes\n", b->size);
+    return -1;
+  }
+  for (size_t i = 0; i < b->size; i++) pattern[i] = (unsigned char)(i % 251);
+  int ok = cuda_ok(cuMemcpyHtoD(b->base, pattern, b->size), "cuMemcpyHtoD");
+  free(pattern);
+  return ok ? 0 : -1;
+}
+
+int main(void) {
+  CUdevice dev;
+  CUcontext ctx;
+  if (!cuda_ok(cuInit(0), "cuInit") || !cuda_ok(cuDeviceGet(&dev, 0), "cuDeviceGet(0)") ||
+      !cuda_ok(cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain"))
+    return 1;
+  int status = 1;
+  gpu_buffer b;
+  if (cuda_ok(cuCtxSetCurrent(ctx), "cuCtxSetCurrent") && alloc_buffer(dev, &b) == 0) {
+    if (fill_buffer(&b) == 0) status = serve(b.base, b.size);
+    free_buffer(&b);
+  }
+  cuDevicePrimaryCtxRelease(dev);
+  if (status == 0) fprintf(stderr, "cuda_sender: the receiver pulled all %d chunks\n", CHUNKS);
+  return status;
+}

@@ -1,0 +1,58 @@
+"""Where vmmipc's pickling is installed: paired reduce_* / rebuild_*
+functions and the one place that registers reducers.
+
+The types know nothing of their reducers, so imports run one way: this
+module imports _host and _mp; they import nothing of it.
+
+  - HostBuffer pickles through vmmipc with every pickler (pickle.dumps,
+    copy, multiprocessing): its reducer is registered with copyreg, whose
+    table multiprocessing's ForkingPickler starts from. Installed by
+    init_reductions(), which `import vmmipc` calls; it loads no library.
+  - Frameworks' types (cuda.core Buffer, torch storages) pickle through
+    vmmipc only in multiprocessing, next to their own pickling: they are
+    registered with ForkingPickler by register(cls, reducer), which
+    vmmipc.cuda_core and vmmipc.torch call.
+
+Pickling a HostBuffer makes a new registration of its anchor (share());
+unpickling imports it (HostBuffer.from_ticket). A failure while a Queue's
+feeder thread pickles reaches the receiver's get() (_mp.guarded_reduce).
+"""
+
+from __future__ import annotations
+
+import copyreg
+import threading
+from multiprocessing.reduction import ForkingPickler
+
+from . import _mp
+from ._host import HostBuffer
+
+_lock = threading.Lock()
+_installed = False
+
+
+def reduce_host_buffer(hb: HostBuffer):
+    def reduce():
+        return (rebuild_host_buffer, (hb.share(), hb.chunk_size))
+    return _mp.guarded_reduce("HostBuffer", reduce)
+
+
+def rebuild_host_buffer(ticket, chunk_size):
+    """Unpickling side of a HostBuffer: map the sender's memory."""
+    return HostBuffer.from_ticket(ticket, chunk_size)
+
+
+def init_reductions() -> None:
+    """Install vmmipc's own reducers (idempotent; loads no library)."""
+    global _installed
+    with _lock:
+        if not _installed:
+            copyreg.pickle(HostBuffer, reduce_host_buffer)
+            _installed = True
+
+
+def register(cls: type, reducer) -> None:
+    """Make multiprocessing (ForkingPickler) pickle instances of cls with
+    reducer(obj) -> reduce tuple. For frameworks' types; a reducer should
+    wrap its work in _mp.guarded_reduce. Registering again replaces it."""
+    ForkingPickler.register(cls, reducer)

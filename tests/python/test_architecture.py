@@ -1,0 +1,128 @@
+"""The package's structure (ARCHITECTURE.md): imports inside python/vmmipc
+run one way (no cycle, counting imports inside functions too), no module
+reads another module's private names, `_mp` knows no vmmipc type, and one
+module installs reducers. Read from the source, so it needs no library."""
+
+import ast
+import os
+
+import conftest
+
+PACKAGE_DIR = os.path.join(conftest.PYTHON_DIR, "vmmipc")
+PACKAGE = "vmmipc"
+
+
+def modules() -> dict[str, ast.Module]:
+    out = {}
+    for name in sorted(os.listdir(PACKAGE_DIR)):
+        if name.endswith(".py"):
+            with open(os.path.join(PACKAGE_DIR, name)) as f:
+                out[name[:-3]] = ast.parse(f.read(), name)
+    return out
+
+
+def imported_names(tree: ast.Module, known: set[str]) -> set[tuple[str, str]]:
+    """(module, name) for every name taken from a sibling module, anywhere in
+    the file (module level and inside functions); name "" for the module
+    itself."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level == 1 or node.module == PACKAGE or (node.module or "").startswith(
+                    PACKAGE + "."):
+                base = node.module if node.level == 1 else (
+                    node.module[len(PACKAGE) + 1:] if node.module != PACKAGE else None)
+                for alias in node.names:
+                    if base is None:  # from . import x: x is a module, or __init__'s
+                        out.add((alias.name, "") if alias.name in known else ("__init__",
+                                                                               alias.name))
+                    else:
+                        out.add((base, alias.name))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith(PACKAGE + "."):
+                    out.add((alias.name.split(".")[1], ""))
+                elif alias.name == PACKAGE:
+                    out.add(("__init__", ""))
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = modules()
+    return {name: {m for m, _ in imported_names(tree, set(mods))} - {name}
+            for name, tree in mods.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]):
+    state: dict[str, int] = {}  # 1 = on the stack, 2 = done
+    stack: list[str] = []
+
+    def visit(n):
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == 1:
+                return stack[stack.index(m):] + [m]
+            if m not in state:
+                found = visit(m)
+                if found:
+                    return found
+        stack.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(graph):
+        if n not in state:
+            found = visit(n)
+            if found:
+                return found
+    return None
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_the_import_reader_sees_function_level_imports():
+    tree = ast.parse("def f():\n    from ._host import HostBuffer\n    from . import _lib\n")
+    assert imported_names(tree, {"_host", "_lib"}) == {("_host", "HostBuffer"), ("_lib", "")}
+
+
+def test_no_import_cycle():
+    # __init__ is a node like the others: it imports the core modules, and a
+    # framework adapter may use the public API through it (import vmmipc),
+    # which is a cycle only if __init__ imports that adapter.
+    graph = import_graph()
+    assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
+
+
+def test_mp_knows_no_vmmipc_type():
+    assert import_graph()["_mp"] <= {"_errors"}
+
+
+def test_no_private_names_across_modules():
+    mods = modules()
+    known = set(mods)
+    bad = [(name, m, n) for name, tree in mods.items()
+           for m, n in imported_names(tree, known) if n.startswith("_")]
+    for name, tree in mods.items():
+        aliases = {a.asname or a.name for node in ast.walk(tree)
+                   if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module is None
+                   for a in node.names}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in aliases and node.attr.startswith("_")):
+                bad.append((name, node.value.id, node.attr))
+    assert not bad, f"private names read across modules: {bad}"
+
+
+def test_one_module_installs_reducers():
+    installers = []
+    for name, tree in modules().items():
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr in ("register", "pickle")
+                    and isinstance(node.value, ast.Name)
+                    and node.value.id in ("ForkingPickler", "copyreg")):
+                installers.append(name)
+    assert set(installers) == {"_reductions"}, installers
