@@ -709,7 +709,6 @@ def install() -> None:
         for cls in torch._storage_classes:
             if cls.__name__ == "UntypedStorage":
                 _reductions.register(cls, reduce_storage)
-        _reductions.init_reductions()
         _installed = True
 
 
