@@ -15,7 +15,9 @@ anything is timed, with a 64 MiB tensor. The time is from put() in the
 parent to the moment the child's tensor is usable (unpickled and the child's
 current stream synchronized, i.e. the sender's event waited on), read on
 CLOCK_MONOTONIC, which both processes share; the child then checks every
-byte, untimed.
+byte, untimed. For vmmipc each send also says whether the child's import
+cache missed (mapped anew) or hit: a first send must miss and the others
+hit, or the run counts as failed (its numbers would not mean what they say).
 
     python3 bench/torch_bench.py [--gib 8] [--reps 3]
 
@@ -106,7 +108,7 @@ def child(inbox, outbox):
             outbox.put(("dropped",))
             continue
         torch.cuda.current_stream().synchronize()
-        outbox.put(("usable", time.perf_counter()))
+        outbox.put(("usable", time.perf_counter(), vmmipc.cache_info().misses))
         held.append(t)
         outbox.put(("checked", count_bad(t, seed)))
         del msg, t
@@ -152,6 +154,7 @@ class Child:
         self.proc = ctx.Process(target=child, args=(self.inbox, self.outbox))
         self.proc.start()
         self.expect("ready")
+        self.misses = 0
 
     def expect(self, what):
         reply = self.outbox.get(timeout=TIMEOUT)
@@ -162,13 +165,16 @@ class Child:
         return reply
 
     def send(self, way, t, seed):
-        """Milliseconds from put() to usable in the child, and the bad bytes."""
+        """Milliseconds from put() to usable in the child, the bad bytes, and
+        whether the child's vmmipc import cache missed (mapped anew)."""
         payload = TorchsOwn(t) if way == "torch-es" else t
         t0 = time.perf_counter()
         self.inbox.put(("recv", seed, payload))
-        usable = self.expect("usable")[1]
+        _, usable, misses = self.expect("usable")
         ms = (usable - t0) * 1e3
-        return ms, self.expect("checked")[1]
+        mapped = misses != self.misses
+        self.misses = misses
+        return ms, self.expect("checked")[1], mapped
 
     def drop(self):
         self.inbox.put(("drop", 0, None))
@@ -217,10 +223,15 @@ def main():
                     for send in SENDS:
                         if send == "again":
                             c.drop()
-                        ms, bad = c.send(way, t, seed)
+                        ms, bad, mapped = c.send(way, t, seed)
                         results[way][send].append(ms)
                         line = {"way": way, "rep": rep, "send": send, "gib": args.gib,
                                 "ms": round(ms, 3), "bad_bytes": bad}
+                        if way == "vmmipc":
+                            line["import_cache"] = "miss" if mapped else "hit"
+                            if mapped != (send == "first"):
+                                errors[way] = (f"the {send} send was an import-cache "
+                                               f"{line['import_cache']} (rep {rep})")
                         lines.append(line)
                         if bad:
                             errors[way] = f"{bad} bytes wrong in the child ({send}, rep {rep})"
