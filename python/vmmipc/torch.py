@@ -111,7 +111,6 @@ import collections
 import functools
 import itertools
 import logging
-import math
 import os
 import queue
 import threading
@@ -121,7 +120,7 @@ import weakref
 
 import vmmipc as _vmmipc
 
-from . import _mp, _reductions
+from . import _args, _mp, _reductions
 
 log = logging.getLogger("vmmipc")
 
@@ -173,12 +172,12 @@ def set_receive_device(device: int | None) -> None:
     """Where this process maps the tensors it unpickles from now on (every
     thread: Queue.get, Pool results, Process arguments). None (the default):
     the exporter's GPU, found by UUID. An ordinal: that device of this
-    process gets read-write access and the tensor is on it."""
+    process gets read-write access and the tensor is on it (checked when a
+    tensor arrives). TypeError if not an integer, InvalidError if < 0."""
     global _receive_device
-    if device is not None and (isinstance(device, bool) or not isinstance(device, int)
-                               or device < 0):
-        raise ValueError(f"set_receive_device: device must be None or a CUDA ordinal >= 0, "
-                         f"not {device!r}")
+    if device is not None:
+        device = _args.integer(device, "device", 0, _args.I32_MAX,
+                               "vmmipc.torch.set_receive_device")
     _receive_device = device
 
 
@@ -186,12 +185,11 @@ def set_pickle_ttl(ttl: float | None) -> None:
     """How long a pickled storage can be received, in seconds, from now on.
     None (the default): until it is received or this process ends. A pickle
     that is never received (a Queue item nobody reads) keeps its storage
-    alive in this process until then."""
+    alive in this process until then. Checked as vmmipc.register_again
+    checks its ttl (TypeError, InvalidError)."""
     global _pickle_ttl
-    if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float))
-                            or not math.isfinite(ttl) or ttl <= 0):
-        raise ValueError(f"set_pickle_ttl: ttl must be None or a positive number of seconds, "
-                         f"not {ttl!r}")
+    if ttl is not None:
+        _args.milliseconds(ttl, "ttl", 1, _vmmipc.MAX_TTL_MS, "vmmipc.torch.set_pickle_ttl")
     _pickle_ttl = ttl
 
 
@@ -449,10 +447,6 @@ class _SentEvents:
                    and self._kept[0][1].query()):
                 self._kept.popleft()
         return handle
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._kept)
 
 
 _anchors = _Anchors()

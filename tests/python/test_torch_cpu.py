@@ -318,11 +318,14 @@ def test_handle_type_names():
 
 
 def test_settings_are_checked():
-    for bad in (-1, True, 1.0, "0"):
-        with pytest.raises(ValueError, match="set_receive_device"):
+    for bad, error in ((-1, vmmipc.InvalidError), (True, TypeError), (1.0, TypeError),
+                       ("0", TypeError)):
+        with pytest.raises(error, match="set_receive_device"):
             vt.set_receive_device(bad)
-    for bad in (0, -1.0, float("inf"), float("nan"), True, "1"):
-        with pytest.raises(ValueError, match="set_pickle_ttl"):
+    for bad, error in ((0, vmmipc.InvalidError), (-1.0, vmmipc.InvalidError),
+                       (float("inf"), vmmipc.InvalidError), (float("nan"), vmmipc.InvalidError),
+                       (True, TypeError), ("1", TypeError)):
+        with pytest.raises(error, match="set_pickle_ttl"):
             vt.set_pickle_ttl(bad)
     try:
         vt.set_receive_device(1)
