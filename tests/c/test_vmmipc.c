@@ -1,58 +1,39 @@
 /* End-to-end tests of libvmmipc through its C header only. The test process
- * is the receiver; each test spawns a sender process (this binary in the
- * "sender" role, see sender.h). Run with a test name, or "all".
- * Prints PASS/FAIL per test and "N passed, M failed". */
+ * is the receiver; most tests spawn a sender process (this binary in the
+ * "sender" role, see sender.h); other roles are started the same way. Run
+ * with a test name, or "all". Prints PASS/FAIL per test and "N passed, M
+ * failed". After each test the runner checks that it left nothing behind:
+ * descriptors, memfd mappings, cached mappings, live registrations.
+ *
+ * The suite is one translation unit (CMake builds this file): the tests of
+ * the 0.2 contract, the import cache and load live in the headers below. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 
+#include "cache_tests.h"
+#include "contract_tests.h"
+#include "load_tests.h"
 #include "sender.h"
 #include "testutil.h"
 
-/* maps_count counts the lines of /proc/self/maps that contain needle
- * (NULL: all lines). */
-static int maps_count(const char *needle) {
-  FILE *f = fopen("/proc/self/maps", "r");
-  if (!f) return -1;
-  char line[512];
-  int n = 0;
-  while (fgets(line, sizeof line, f))
-    if (!needle || strstr(line, needle)) n++;
-  fclose(f);
-  return n;
-}
-
-/* maps_has_range reports whether any mapping overlaps [addr, addr+size). */
-static int maps_has_range(uint64_t addr, uint64_t size) {
-  FILE *f = fopen("/proc/self/maps", "r");
-  if (!f) return -1;
-  char line[512];
-  int hit = 0;
-  while (fgets(line, sizeof line, f)) {
-    unsigned long long lo, hi;
-    if (sscanf(line, "%llx-%llx", &lo, &hi) == 2 && lo < addr + size && addr < hi) hit = 1;
-  }
-  fclose(f);
-  return hit;
-}
-
-/* verify_fd checks that a received chunk's descriptor holds the pattern. */
-static int verify_chunk_fd(const vmmipc_chunk *c) {
-  unsigned char *p = mmap(NULL, c->size, PROT_READ, MAP_SHARED, c->fd, (off_t)c->file_offset);
-  if (p == MAP_FAILED) return 0;
-  int ok = 1;
-  for (uint64_t i = 0; i < c->size && ok; i++) ok = p[i] == pattern(c->offset + i, 1);
-  munmap(p, c->size);
-  return ok;
-}
-
 /* pull_all pulls every chunk of a ticket with vmmipc_pull_next under a
- * 64-descriptor limit, verifies each, and checks descriptor counts. */
+ * 64-descriptor limit, verifies each, and checks descriptor counts: the
+ * sender's library holds exactly one duplicate of a registered memfd while
+ * the registration lives (none for export_fn) and closes it at the end. */
 static int pull_all(const char *mode, uint64_t chunks, uint64_t chunk_size) {
+  int file = strcmp(mode, "file") == 0;
   child s;
   vmmipc_ticket t;
   CHECK(sender_start(&s, &t, mode, chunks, chunk_size, 1, -1, 0) == 0, "sender did not start");
+  int s_now, s_peak;
+  CHECK(sender_fds(&s, file, &s_now, &s_peak) == 0, "sender gone");
+  CHECK(s_now == file, "sender holds %d descriptor(s) for its live registration, want %d", s_now, file);
+  if (file) {
+    int n = sender_ask_int(&s, NULL, 0, "memfds");
+    CHECK(n == 2, "the sender has %d descriptors of its memfd while registered, want 2 (its own and the library's one duplicate)", n);
+  }
   int base = count_fds(0);
   rlim_t old = set_nofile(64);
   fd_sampler fs;
@@ -78,15 +59,18 @@ static int pull_all(const char *mode, uint64_t chunks, uint64_t chunk_size) {
   int peak = fd_sampler_stop(&fs);
   set_nofile(old);
   CHECK(n == chunks && bad == 0, "%llu chunks, %llu bad", (unsigned long long)n, (unsigned long long)bad);
+  CHECK(sender_fds(&s, 0, &s_now, &s_peak) == 0, "sender gone");
   char reply[128];
-  CHECK(child_ask(&s, reply, sizeof reply, "fds") == 0, "sender gone");
-  int s_now, s_peak;
-  sscanf(reply, "%d %d", &s_now, &s_peak);
   CHECK(child_ask(&s, reply, sizeof reply, "released") == 0 && atoi(reply) == 1, "release callback did not run once: %s", reply);
   printf("  %s: %llu chunks in %.1f ms; extra fds: receiver peak %d, sender peak %d (%ld samples)\n", mode,
          (unsigned long long)n, ms, peak - base, s_peak, fs.samples);
   CHECK(peak - base <= 8, "receiver peak %d extra fds", peak - base);
-  CHECK(s_peak <= 8 && s_now == 0, "sender peak %d extra fds, %d left", s_peak, s_now);
+  CHECK(s_peak <= 8, "sender peak %d extra fds", s_peak);
+  CHECK(s_now == 0, "the used-up registration left %d descriptor(s) in the sender, want 0", s_now);
+  if (file) {
+    int m = sender_ask_int(&s, NULL, 0, "memfds");
+    CHECK(m == 1, "the sender has %d descriptors of its memfd after the registration ended, want 1 (its own)", m);
+  }
   CHECK(count_fds(0) == base, "receiver fds %d, baseline %d", count_fds(0), base);
   child_end(&s);
   return 0;
@@ -123,8 +107,8 @@ static int import_all(uint64_t chunks, uint64_t chunk_size) {
   CHECK(child_ask(&s, reply, sizeof reply, "peek %llu", (unsigned long long)at) == 0, "sender gone");
   CHECK(atoi(reply) == (unsigned char)~pattern(at, 1), "sender sees %s, not our write", reply);
   int s_now, s_peak;
-  CHECK(child_ask(&s, reply, sizeof reply, "fds") == 0, "sender gone");
-  sscanf(reply, "%d %d", &s_now, &s_peak);
+  CHECK(sender_fds(&s, 0, &s_now, &s_peak) == 0, "sender gone");
+  CHECK(s_now == 0, "the used-up registration left %d descriptor(s) in the sender (the library's duplicate of the memfd must close at its end)", s_now);
   uint64_t addr = m.addr, size = m.size;
   CHECK_RC(vmmipc_unmap(&m), VMMIPC_OK);
   CHECK(!maps_has_range(addr, size), "range still mapped after vmmipc_unmap");
@@ -167,23 +151,6 @@ static int test_export_fails_at_k(void) {
   return 0;
 }
 
-/* try_open opens a ticket expecting status want, and checks no descriptor
- * arrived (the count is unchanged). */
-static int try_open(const vmmipc_ticket *t, int want, const char *needle) {
-  int base = count_fds(0);
-  vmmipc_stream *st = NULL;
-  vmmipc_mapping m = {0};
-  int rc = vmmipc_open(t, NULL, &st);
-  if (rc == VMMIPC_OK) vmmipc_close(st);
-  CHECK(rc == want, "open returned %d (%s), want %d: %s", rc, vmmipc_strerror(rc), want, vmmipc_last_error());
-  CHECK(!needle || strstr(vmmipc_last_error(), needle), "message lacks \"%s\": %s", needle, vmmipc_last_error());
-  printf("  %-14s -> %s\n", vmmipc_strerror(rc), vmmipc_last_error());
-  rc = vmmipc_import_stream(t, VMMIPC_DEVICE_HOST, NULL, &m);
-  CHECK(rc == want, "import returned %d, want %d: %s", rc, want, vmmipc_last_error());
-  CHECK(count_fds(0) == base, "fds %d, baseline %d", count_fds(0), base);
-  return 0;
-}
-
 static int test_bad_tickets(void) {
   child s;
   vmmipc_ticket good, t;
@@ -201,8 +168,10 @@ static int test_bad_tickets(void) {
   memset(t.bytes + 64, 0, sizeof t.bytes - 64); /* truncated: only the first 64 bytes arrived */
   if (try_open(&t, VMMIPC_EINVAL, "ticket")) return 1;
   t = good;
-  t.bytes[40] ^= 0x10; /* a secret byte */
-  if (try_open(&t, VMMIPC_EAUTH, "wrong secret")) return 1;
+  /* A secret byte: the exporter cannot prove it knows this secret, and the
+   * receiver says so (protocol 2: the secret never crosses the socket). */
+  t.bytes[TICKET_OFF_SECRET] ^= 0x10;
+  if (try_open(&t, VMMIPC_EAUTH, "could not prove that it knows this ticket's secret")) return 1;
   vmmipc_ticket_info info;
   CHECK_RC(vmmipc_ticket_decode(&good, &info), VMMIPC_OK);
   CHECK(info.chunk_count == 16 && info.total_size == 16 * 4096 && info.memory_kind == VMMIPC_MEMORY_HOST &&
@@ -222,9 +191,12 @@ static int test_bad_tickets(void) {
   CHECK(child_ask(&s, reply, sizeof reply, "unregister") == 0 && atoi(reply) == 0, "unregister: %s", reply);
   CHECK(child_ask(&s, reply, sizeof reply, "released") == 0 && atoi(reply) == 1, "release after unregister: %s", reply);
   if (try_open(&good, VMMIPC_ENOENT, "unregistered")) return 1;
-  /* A ticket for a process that has exited. */
+  /* A ticket for a process that has exited: refused at once (its pid is
+   * gone), before any connection. */
   child_end(&s);
-  if (try_open(&good, VMMIPC_EIO, "cannot connect")) return 1;
+  double t0 = now_ms();
+  if (try_open(&good, VMMIPC_EIO, "has exited")) return 1;
+  CHECK(now_ms() - t0 < 1000, "took %.0f ms to see that the exporter has exited", now_ms() - t0);
   /* Wrong device for the memory kind. */
   CHECK_RC(vmmipc_import_stream(&good, 0, NULL, &m), VMMIPC_EINVAL);
   return 0;
@@ -241,19 +213,75 @@ static int test_ttl_expires(void) {
   return 0;
 }
 
-/* uses = 2: two receivers import, both see the same shared memory. */
+/* uses = 2 from one process: the second import is a cache hit, another
+ * reference to the same mapping; the mapping lives until both are dropped,
+ * and goes with the last one (the registration is used up: nothing to keep). */
 static int test_two_uses(void) {
   child s;
   vmmipc_ticket t;
   CHECK(sender_start(&s, &t, "file", 64, 4096, 2, -1, 0) == 0, "sender did not start");
+  int base = count_fds(0);
+  vmmipc_cache_info c0 = cache_info();
   vmmipc_mapping a, b;
   CHECK_RC(vmmipc_import_stream(&t, VMMIPC_DEVICE_HOST, NULL, &a), VMMIPC_OK);
+  fd_sampler fs;
+  fd_sampler_start(&fs, 0);
   CHECK_RC(vmmipc_import_stream(&t, VMMIPC_DEVICE_HOST, NULL, &b), VMMIPC_OK);
-  CHECK(a.addr != b.addr, "two imports share an address");
+  int peak = fd_sampler_stop(&fs);
+  vmmipc_cache_info c1 = cache_info();
+  CHECK(a.addr == b.addr && a.size == b.size && b.size == 64 * 4096, "second import at %#llx, first at %#llx: not a cache hit",
+        (unsigned long long)b.addr, (unsigned long long)a.addr);
+  CHECK(c1.hits == c0.hits + 1 && c1.misses == c0.misses + 1 && c1.entries == c0.entries + 1,
+        "cache: hits %llu->%llu misses %llu->%llu entries %llu->%llu, want one miss then one hit of one entry",
+        (unsigned long long)c0.hits, (unsigned long long)c1.hits, (unsigned long long)c0.misses,
+        (unsigned long long)c1.misses, (unsigned long long)c0.entries, (unsigned long long)c1.entries);
+  CHECK(c1.referenced_bytes == c0.referenced_bytes + 64 * 4096, "referenced bytes %llu, want %llu more",
+        (unsigned long long)c1.referenced_bytes, 64ull * 4096);
+  /* A hit connects (one socket) and receives no descriptor. */
+  CHECK(peak - base <= 1, "the cache hit took %d extra descriptors (a socket at most)", peak - base);
+  /* The use was spent by the hit: the ticket is used up. */
+  if (try_open(&t, VMMIPC_ENOENT, "used up")) return 1;
+  uint64_t addr = a.addr, size = a.size;
+  CHECK_RC(vmmipc_unmap(&a), VMMIPC_OK);
+  CHECK(a.addr == 0, "vmmipc_unmap did not zero the mapping");
+  /* One reference left: still mapped, and shared with the sender. */
+  CHECK(maps_has_range(addr, size) == 1, "the mapping went with its first reference");
+  volatile unsigned char *p = (volatile unsigned char *)(uintptr_t)b.addr;
+  CHECK(count_mismatches((const unsigned char *)p, size, 0, 1) == 0, "bytes differ after the first unmap");
+  p[777] = 0x5a;
+  char reply[64];
+  CHECK(child_ask(&s, reply, sizeof reply, "peek 777") == 0 && atoi(reply) == 0x5a, "the sender sees %s, not our write", reply);
+  CHECK(child_ask(&s, reply, sizeof reply, "poke 778 165") == 0 && atoi(reply) == 1, "poke");
+  CHECK(p[778] == 165, "the remaining reference does not see the sender's write (%d)", p[778]);
+  CHECK_RC(vmmipc_unmap(&b), VMMIPC_OK);
+  CHECK(!maps_has_range(addr, size), "still mapped after the last reference of a used-up registration went");
+  CHECK(cache_info().entries == c0.entries, "the cache still holds the used-up registration's mapping");
+  child_end(&s);
+
+  /* The same with VMMIPC_IMPORT_NO_CACHE: two distinct mappings of the
+   * same memory, each undone by its own unmap, and the cache untouched. */
+  CHECK(sender_start(&s, &t, "file", 64, 4096, 2, -1, 0) == 0, "sender did not start");
+  vmmipc_options o;
+  vmmipc_options_init(&o, sizeof o);
+  o.import_flags = VMMIPC_IMPORT_NO_CACHE;
+  c0 = cache_info();
+  CHECK_RC(vmmipc_import_stream(&t, VMMIPC_DEVICE_HOST, &o, &a), VMMIPC_OK);
+  CHECK_RC(vmmipc_import_stream(&t, VMMIPC_DEVICE_HOST, &o, &b), VMMIPC_OK);
+  c1 = cache_info();
+  CHECK(a.addr != b.addr, "two uncached imports share an address");
+  CHECK(c1.hits == c0.hits && c1.misses == c0.misses + 2, "uncached imports: hits %llu->%llu misses %llu->%llu",
+        (unsigned long long)c0.hits, (unsigned long long)c1.hits, (unsigned long long)c0.misses,
+        (unsigned long long)c1.misses);
   ((volatile unsigned char *)(uintptr_t)a.addr)[777] = 0x5a;
   CHECK(((volatile unsigned char *)(uintptr_t)b.addr)[777] == 0x5a, "second mapping does not see the first's write");
+  uint64_t a_addr = a.addr;
   CHECK_RC(vmmipc_unmap(&a), VMMIPC_OK);
+  CHECK(!maps_has_range(a_addr, size), "an uncached mapping outlived its only reference");
+  CHECK(count_mismatches((const unsigned char *)(uintptr_t)b.addr + 778, size - 778, 778, 1) == 0,
+        "the other mapping changed when the first was unmapped");
+  uint64_t b_addr = b.addr;
   CHECK_RC(vmmipc_unmap(&b), VMMIPC_OK);
+  CHECK(!maps_has_range(b_addr, size), "an uncached mapping outlived its only reference");
   if (try_open(&t, VMMIPC_ENOENT, "used up")) return 1;
   child_end(&s);
   return 0;
@@ -364,6 +392,18 @@ static int test_cuda_without_driver(void) {
   CHECK(rc == VMMIPC_ECUDA, "register_cuda returned %d: %s", rc, vmmipc_last_error());
   CHECK(strstr(vmmipc_last_error(), "libcuda.so.1") != NULL, "message: %s", vmmipc_last_error());
   printf("  %s\n", vmmipc_last_error());
+  vmmipc_cuda_range_info info;
+  memset(&info, 0xAB, sizeof info);
+  rc = vmmipc_cuda_query_range(0x10000, 4096, &info);
+  CHECK(rc == VMMIPC_ECUDA && strstr(vmmipc_last_error(), "libcuda.so.1") != NULL,
+        "cuda_query_range without a driver returned %d: %s", rc, vmmipc_last_error());
+  printf("  %s\n", vmmipc_last_error());
+  unsigned char *raw = (unsigned char *)&info;
+  for (size_t i = 0; i < sizeof info; i++) CHECK(raw[i] == 0xAB, "info_out byte %zu written on failure", i);
+  /* Bad arguments are refused before the driver is needed. */
+  CHECK_RC(vmmipc_cuda_query_range(0x10000, 4096, NULL), VMMIPC_EINVAL);
+  CHECK_RC(vmmipc_cuda_query_range(0x10000, 0, &info), VMMIPC_EINVAL);
+  CHECK_RC(vmmipc_cuda_query_range(~0ull - 100, 4096, &info), VMMIPC_EINVAL);
   unsetenv("VMMIPC_LIBCUDA");
   return 0;
 }
@@ -431,6 +471,10 @@ static int test_sender_inflight_limit(void) {
   snprintf(self, sizeof self, "%s/test_vmmipc", dir);
   snprintf(lib, sizeof lib, "%s/libvmmipc.so", dir);
   CHECK(copy_file("/proc/self/exe", self) == 0 && copy_file(info.dli_fname, lib) == 0, "copying to %s", dir);
+  /* The loader path of the copies, for this one child: the caller's own
+   * LD_LIBRARY_PATH (a test run against another build) comes back after. */
+  const char *caller_path = getenv("LD_LIBRARY_PATH");
+  char *saved_path = caller_path ? strdup(caller_path) : NULL;
   setenv("LD_LIBRARY_PATH", dir, 1);
   setenv("VMMIPC_TEST_SENDER_NOFILE", "32", 1);
   char *argv[] = {"setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", self, "sender", "file",
@@ -438,7 +482,12 @@ static int test_sender_inflight_limit(void) {
   child s;
   int rc = child_spawn_path(&s, "/usr/bin/setpriv", argv);
   unsetenv("VMMIPC_TEST_SENDER_NOFILE");
-  unsetenv("LD_LIBRARY_PATH");
+  if (saved_path) {
+    setenv("LD_LIBRARY_PATH", saved_path, 1);
+    free(saved_path);
+  } else {
+    unsetenv("LD_LIBRARY_PATH");
+  }
   CHECK(rc == 0, "spawn setpriv");
   char line[2 * VMMIPC_TICKET_SIZE + 64];
   CHECK(fgets(line, sizeof line, s.out) && strncmp(line, "ticket ", 7) == 0, "sender did not start: %s", line);
@@ -479,6 +528,7 @@ static const struct {
     {"import_300", test_import_300},
     {"export_fails_at_k", test_export_fails_at_k},
     {"bad_tickets", test_bad_tickets},
+    {"ticket_corruption_sweep", test_ticket_corruption_sweep},
     {"ttl_expires", test_ttl_expires},
     {"two_uses", test_two_uses},
     {"handles_and_early_close", test_handles_and_early_close},
@@ -486,14 +536,79 @@ static const struct {
     {"fork_child_gets_efork", test_fork_child_gets_efork},
     {"cuda_without_driver", test_cuda_without_driver},
     {"sender_inflight_limit", test_sender_inflight_limit},
+    {"register_again", test_register_again},
+    {"wait", test_wait},
+    {"host_file_close_and_reuse", test_host_file_close_and_reuse},
+    {"host_file_refused", test_host_file_refused},
+    {"host_file_same_memfd", test_host_file_same_memfd},
+    {"unsealed_export_refused", test_unsealed_export_refused},
+    {"option_bounds", test_option_bounds},
+    {"status_names", test_status_names},
+    {"cache_api", test_cache_api},
+    {"cache_env", test_cache_env},
+    {"cache_eviction", test_cache_eviction},
+    {"cache_invalidation_unregister", test_cache_invalidation_unregister},
+    {"cache_invalidation_killed", test_cache_invalidation_killed},
+    {"rlimit_as_sweep", test_rlimit_as_sweep},
+    {"connection_storm_1024", test_connection_storm},
+    {"idle_connections_300", test_idle_connections},
 };
 
+/* Roles: this binary started by a test (posix_spawn) to play a part. */
+static const struct {
+  const char *name;
+  int (*main)(int argc, char **argv);
+} roles[] = {
+    {"sender", sender_main},
+    {"as_receiver", as_receiver_main},
+    {"storm_receiver", storm_receiver_main},
+    {"cache_env_receiver", cache_env_receiver_main},
+    {"wait_foreign", wait_foreign_main},
+};
+
+/* leaks_after checks that a test that passed left nothing behind in this
+ * process: descriptors, cached or referenced mappings, memfd mappings,
+ * registrations, a changed cache limit. The server and the cache's poller
+ * finish asynchronously (a poll every 250 ms): wait a little for them. */
+static int leaks_after(int fds0, uint64_t limit0) {
+  int bad = 0;
+  if (!WAIT_UNTIL(count_fds(0) == fds0, 3000, NULL)) {
+    printf("  leak: %d descriptor(s) more than before the test\n", count_fds(0) - fds0);
+    bad = 1;
+  }
+  vmmipc_cache_info ci;
+  if (!WAIT_UNTIL((ci = cache_info()).entries == 0, 3000, NULL)) {
+    printf("  leak: the import cache still holds %llu mapping(s) (%llu bytes referenced, %llu not)\n",
+           (unsigned long long)ci.entries, (unsigned long long)ci.referenced_bytes,
+           (unsigned long long)ci.unreferenced_bytes);
+    bad = 1;
+  }
+  if (ci.limit_bytes != limit0) {
+    printf("  leak: the cache limit is %llu, was %llu\n", (unsigned long long)ci.limit_bytes,
+           (unsigned long long)limit0);
+    bad = 1;
+  }
+  uint64_t live = 0;
+  if (!WAIT_UNTIL(vmmipc_live_registrations(&live) == VMMIPC_OK && live == 0, 3000, NULL)) {
+    printf("  leak: %llu registration(s) of this process still live\n", (unsigned long long)live);
+    bad = 1;
+  }
+  int mm = maps_count("memfd:");
+  if (mm != 0) {
+    printf("  leak: %d memfd mapping(s) in /proc/self/maps\n", mm);
+    bad = 1;
+  }
+  return bad;
+}
+
 int main(int argc, char **argv) {
-  if (argc > 1 && strcmp(argv[1], "sender") == 0) return sender_main(argc, argv);
+  for (size_t i = 0; argc > 1 && i < sizeof roles / sizeof roles[0]; i++)
+    if (strcmp(argv[1], roles[i].name) == 0) return roles[i].main(argc, argv);
   const char *only = argc > 1 ? argv[1] : "all";
   /* The Go runtime inside the library opens its poller's descriptors
-   * (epoll, eventfd) at the first socket and keeps them for the life of
-   * the process. Open them now, so every test's baseline includes them. */
+   * (epoll, eventfd) at the first socket, and this process's server its
+   * listener at the first registration; both stay for the life of the
+   * process. Open them now, so every test's baseline includes them. */
   int before = count_fds(0);
   vmmipc_ticket none;
   vmmipc_stream *st;
@@ -507,13 +622,19 @@ int main(int argc, char **argv) {
     if (rc == VMMIPC_OK) vmmipc_close(st);
     child_end(&warm);
   }
-  printf("library runtime holds %d descriptor(s) after first use (Go's poller)\n", count_fds(0) - before);
+  uint64_t page = 4096;
+  if (vmmipc_register(&page, 1, export_memfd, NULL, NULL, NULL, &wt) == VMMIPC_OK) vmmipc_unregister(&wt);
+  printf("library holds %d descriptor(s) after first use (Go's poller, this process's server)\n",
+         count_fds(0) - before);
+  uint64_t limit0 = cache_info().limit_bytes;
   int passed = 0, failed = 0, skipped = 0, found = 0;
   for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++) {
     if (strcmp(only, "all") && strcmp(only, tests[i].name)) continue;
     found = 1;
     printf("RUN  %s\n", tests[i].name);
     fflush(stdout);
+    int fds0 = count_fds(0);
+    double t0 = now_ms();
     int bad = tests[i].fn();
     if (bad == 77) {
       printf("SKIP %s\n", tests[i].name);
@@ -521,7 +642,8 @@ int main(int argc, char **argv) {
       if (strcmp(only, "all")) return 77; /* ctest: SKIP_RETURN_CODE */
       continue;
     }
-    printf("%s %s\n", bad ? "FAIL" : "PASS", tests[i].name);
+    if (!bad) bad = leaks_after(fds0, limit0); /* a failed test may not have cleaned up */
+    printf("%s %s (%.1f s)\n", bad ? "FAIL" : "PASS", tests[i].name, (now_ms() - t0) / 1e3);
     fflush(stdout);
     bad ? failed++ : passed++;
   }

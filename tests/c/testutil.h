@@ -19,6 +19,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -123,21 +124,28 @@ typedef struct child {
   FILE *out; /* we read its stdout */
 } child;
 
-static inline int child_spawn_path(child *c, const char *path, char *const argv[]);
+/* How to start a child: its environment (NULL: ours) and whether its stderr
+ * goes into the same pipe as its stdout (to read a Go "fatal error"). */
+typedef struct child_opts {
+  char *const *envp;
+  int merge_stderr;
+} child_opts;
 
-static inline int child_spawn(child *c, char *const argv[]) {
-  return child_spawn_path(c, "/proc/self/exe", argv);
-}
-
-/* child_spawn_path starts path (argv) with pipes to its stdin/stdout. */
-static inline int child_spawn_path(child *c, const char *path, char *const argv[]) {
+/* child_spawn_with starts path (argv) with pipes to its stdin/stdout. */
+static inline int child_spawn_with(child *c, const char *path, char *const argv[], const child_opts *o) {
   int to[2], from[2];
-  if (pipe2(to, O_CLOEXEC) || pipe2(from, O_CLOEXEC)) return -1;
+  if (pipe2(to, O_CLOEXEC)) return -1;
+  if (pipe2(from, O_CLOEXEC)) {
+    close(to[0]);
+    close(to[1]);
+    return -1;
+  }
   posix_spawn_file_actions_t fa;
   posix_spawn_file_actions_init(&fa);
   posix_spawn_file_actions_adddup2(&fa, to[0], 0);
   posix_spawn_file_actions_adddup2(&fa, from[1], 1);
-  int rc = posix_spawn(&c->pid, path, &fa, NULL, argv, environ);
+  if (o && o->merge_stderr) posix_spawn_file_actions_adddup2(&fa, from[1], 2);
+  int rc = posix_spawn(&c->pid, path, &fa, NULL, argv, o && o->envp ? o->envp : environ);
   posix_spawn_file_actions_destroy(&fa);
   close(to[0]);
   close(from[1]);
@@ -150,6 +158,15 @@ static inline int child_spawn_path(child *c, const char *path, char *const argv[
   c->out = fdopen(from[0], "r");
   setvbuf(c->in, NULL, _IOLBF, 0);
   return 0;
+}
+
+static inline int child_spawn_path(child *c, const char *path, char *const argv[]) {
+  return child_spawn_with(c, path, argv, NULL);
+}
+
+/* child_spawn starts this binary (argv[1] names its role). */
+static inline int child_spawn(child *c, char *const argv[]) {
+  return child_spawn_path(c, "/proc/self/exe", argv);
 }
 
 /* child_ask sends a command line and reads one reply line into buf. */
@@ -198,6 +215,161 @@ static inline int hex_decode(const char *s, unsigned char *b, size_t n) {
 static inline unsigned char pattern(uint64_t off, unsigned seed) {
   uint64_t x = off * 0x9E3779B97F4A7C15ull + seed;
   return (unsigned char)(x >> 56);
+}
+
+/* maps_count counts the lines of /proc/self/maps that contain needle
+ * (NULL: all lines). */
+static inline int maps_count(const char *needle) {
+  FILE *f = fopen("/proc/self/maps", "r");
+  if (!f) return -1;
+  char line[512];
+  int n = 0;
+  while (fgets(line, sizeof line, f))
+    if (!needle || strstr(line, needle)) n++;
+  fclose(f);
+  return n;
+}
+
+/* maps_has_range reports whether any mapping overlaps [addr, addr+size). */
+static inline int maps_has_range(uint64_t addr, uint64_t size) {
+  FILE *f = fopen("/proc/self/maps", "r");
+  if (!f) return -1;
+  char line[512];
+  int hit = 0;
+  while (fgets(line, sizeof line, f)) {
+    unsigned long long lo, hi;
+    if (sscanf(line, "%llx-%llx", &lo, &hi) == 2 && lo < addr + size && addr < hi) hit = 1;
+  }
+  fclose(f);
+  return hit;
+}
+
+/* maps_inode_at gives the inode of the file mapped at addr (0: none). */
+static inline unsigned long maps_inode_at(uint64_t addr) {
+  FILE *f = fopen("/proc/self/maps", "r");
+  if (!f) return 0;
+  char line[512];
+  unsigned long ino = 0;
+  while (fgets(line, sizeof line, f)) {
+    unsigned long long lo, hi;
+    unsigned long i;
+    if (sscanf(line, "%llx-%llx %*s %*s %*s %lu", &lo, &hi, &i) == 3 && lo <= addr && addr < hi) ino = i;
+  }
+  fclose(f);
+  return ino;
+}
+
+/* maps_has_inode reports whether any mapping is of the file with inode ino
+ * (a memfd's inode is its own: addresses may be reused, inodes are not
+ * while the file lives). */
+static inline int maps_has_inode(unsigned long ino) {
+  FILE *f = fopen("/proc/self/maps", "r");
+  if (!f) return -1;
+  char line[512];
+  int hit = 0;
+  while (fgets(line, sizeof line, f)) {
+    unsigned long i;
+    if (sscanf(line, "%*x-%*x %*s %*s %*s %lu", &i) == 1 && i == ino && strstr(line, "memfd:")) hit = 1;
+  }
+  fclose(f);
+  return hit;
+}
+
+/* vm_size is this process's virtual size in bytes, what RLIMIT_AS counts. */
+static inline uint64_t vm_size(void) {
+  FILE *f = fopen("/proc/self/statm", "r");
+  unsigned long long pages = 0;
+  if (f) {
+    if (fscanf(f, "%llu", &pages) != 1) pages = 0;
+    fclose(f);
+  }
+  return pages * (uint64_t)sysconf(_SC_PAGESIZE);
+}
+
+/* Ticket layout, format 2 (core/ticket.go). The header promises no layout:
+ * only tests that attack the wire (raw sockets, corrupted fields) use it. */
+enum {
+  TICKET_OFF_ADDR_KIND = 11, /* u8: 1 = abstract socket, 2 = path */
+  TICKET_OFF_PID = 12,       /* u32 */
+  TICKET_OFF_REG_ID = 24,    /* u64: the registration id */
+  TICKET_OFF_SECRET = 40,    /* [32] */
+  TICKET_OFF_ADDR_LEN = 104, /* u16, little-endian */
+  TICKET_OFF_ADDR = 106,     /* address bytes (abstract: without the NUL) */
+};
+
+/* cache_info reads the import cache's counters (all fields). */
+static inline vmmipc_cache_info cache_info(void) {
+  vmmipc_cache_info i;
+  memset(&i, 0, sizeof i);
+  vmmipc_cache_get_info(&i, sizeof i);
+  return i;
+}
+
+/* WAIT_UNTIL polls cond every millisecond for up to ms milliseconds; it
+ * leaves the elapsed time in *took_ms (if not NULL) and is true if cond
+ * held. */
+#define WAIT_UNTIL(cond, ms, took_ms)                                           \
+  ({                                                                            \
+    double t0_ = now_ms(), *took_ = (took_ms);                                  \
+    int ok_;                                                                    \
+    while (!(ok_ = !!(cond)) && now_ms() - t0_ < (ms)) usleep(1000);            \
+    if (took_) *took_ = now_ms() - t0_;                                         \
+    ok_;                                                                        \
+  })
+
+/* count_mismatches counts the bytes of [p, p+n) that differ from the
+ * pattern of a buffer at offset off with seed. */
+static inline uint64_t count_mismatches(const unsigned char *p, uint64_t n, uint64_t off, unsigned seed) {
+  uint64_t bad = 0;
+  for (uint64_t i = 0; i < n; i++) bad += p[i] != pattern(off + i, seed);
+  return bad;
+}
+
+/* verify_chunk_fd checks that a received chunk's descriptor holds the
+ * pattern (seed 1). */
+static inline int verify_chunk_fd(const vmmipc_chunk *c) {
+  unsigned char *p = mmap(NULL, c->size, PROT_READ, MAP_SHARED, c->fd, (off_t)c->file_offset);
+  if (p == MAP_FAILED) return 0;
+  int ok = 1;
+  for (uint64_t i = 0; i < c->size && ok; i++) ok = p[i] == pattern(c->offset + i, 1);
+  munmap(p, c->size);
+  return ok;
+}
+
+/* try_open opens a ticket expecting status want, and checks no descriptor
+ * arrived (the count is unchanged). */
+static inline int try_open(const vmmipc_ticket *t, int want, const char *needle) {
+  int base = count_fds(0);
+  vmmipc_stream *st = NULL;
+  vmmipc_mapping m = {0};
+  int rc = vmmipc_open(t, NULL, &st);
+  if (rc == VMMIPC_OK) vmmipc_close(st);
+  CHECK(rc == want, "open returned %d (%s), want %d: %s", rc, vmmipc_strerror(rc), want, vmmipc_last_error());
+  CHECK(!needle || strstr(vmmipc_last_error(), needle), "message lacks \"%s\": %s", needle, vmmipc_last_error());
+  printf("  %-14s -> %s\n", vmmipc_strerror(rc), vmmipc_last_error());
+  rc = vmmipc_import_stream(t, VMMIPC_DEVICE_HOST, NULL, &m);
+  if (rc == VMMIPC_OK) vmmipc_unmap(&m);
+  CHECK(rc == want, "import returned %d, want %d: %s", rc, want, vmmipc_last_error());
+  CHECK(!needle || strstr(vmmipc_last_error(), needle), "import's message lacks \"%s\": %s", needle, vmmipc_last_error());
+  CHECK(count_fds(0) == base, "fds %d, baseline %d", count_fds(0), base);
+  return 0;
+}
+
+/* env_with makes a copy of our environment with var set to value (NULL:
+ * unset), its "var=value" string in buf; free the array with free(). */
+static inline char **env_with(const char *var, const char *value, char *buf, size_t buflen) {
+  size_t n = 0, k = strlen(var);
+  while (environ[n]) n++;
+  char **env = calloc(n + 2, sizeof *env);
+  size_t j = 0;
+  for (size_t i = 0; i < n; i++)
+    if (strncmp(environ[i], var, k) != 0 || environ[i][k] != '=') env[j++] = environ[i];
+  if (value) {
+    snprintf(buf, buflen, "%s=%s", var, value);
+    env[j++] = buf;
+  }
+  env[j] = NULL;
+  return env;
 }
 
 #endif

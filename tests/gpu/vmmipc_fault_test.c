@@ -90,7 +90,7 @@ static CUdeviceptr make_chunks(void) {
   CUdeviceptr base;
   CU(cuMemAddressReserve(&base, CHUNKS * 2 * MIB, 0, 0, 0));
   unsigned char *h = malloc(2 * MIB);
-  CUmemAccessDesc a = {{CU_MEM_LOCATION_TYPE_DEVICE, 0}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+  CUmemAccessDesc a = {.location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 0}, .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
   for (int i = 0; i < CHUNKS; i++) {
     CU(cuMemCreate(&handles[i], 2 * MIB, &prop, 0));
     CU(cuMemMap(base + i * 2 * MIB, 2 * MIB, 0, handles[i], 0));

@@ -20,7 +20,12 @@
  * vmmipc_register and an export_fn that (a) fails at chunk k, (b) hands out
  * a memfd instead of a CUDA handle at chunk k (the receiver's import fails),
  * or (c) hands out a smaller allocation at chunk k (the receiver's cuMemMap
- * fails). */
+ * fails).
+ *
+ * The import cache ("cache") and vmmipc_cuda_query_range ("query-range")
+ * have scenarios of their own; elsewhere a receiver that must make two
+ * distinct mappings of one registration passes VMMIPC_IMPORT_NO_CACHE (a
+ * second import of the same registration in one process is a cache hit). */
 #define _GNU_SOURCE
 #include <cuda.h>
 #include <dirent.h>
@@ -177,7 +182,7 @@ static void vbuf_alloc(vbuf *b, const size_t *sizes, size_t n, int handle_types)
     CK(cuMemMap(b->base + off, sizes[i], 0, b->h[i], 0));
     off += sizes[i];
   }
-  CUmemAccessDesc a = {{CU_MEM_LOCATION_TYPE_DEVICE, 0}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+  CUmemAccessDesc a = {.location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 0}, .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
   CK(cuMemSetAccess(b->base, b->total, &a, 1));
 }
 
@@ -506,7 +511,8 @@ static int recv_fail(int argc, char **argv) {
 
 /* recv contexts: import on a thread with no current context and on a
  * thread with a context of its own; check each thread's context afterwards;
- * unmap both from the main thread. */
+ * unmap both from the main thread. Both skip the import cache, so that the
+ * second import makes its driver calls too (a hit would make none). */
 typedef struct {
   vmmipc_ticket t;
   uint32_t seed;
@@ -526,7 +532,10 @@ static void *ctx_thread(void *p) {
   }
   CK(cuCtxGetCurrent(&cur));
   if (cur != mine) die("the test's own context setup failed");
-  int rc = vmmipc_import_stream(&j->t, VMMIPC_DEVICE_SAME, NULL, &j->m);
+  vmmipc_options o;
+  vmmipc_options_init(&o, sizeof o);
+  o.import_flags = VMMIPC_IMPORT_NO_CACHE;
+  int rc = vmmipc_import_stream(&j->t, VMMIPC_DEVICE_SAME, &o, &j->m);
   check(rc == VMMIPC_OK, "import on a thread with %s: %d %s", j->own_ctx ? "its own context" : "no context",
         rc, rc ? vmmipc_last_error() : "");
   CK(cuCtxGetCurrent(&cur));
@@ -555,6 +564,9 @@ static int recv_contexts(int argc, char **argv) {
     pthread_create(&th, NULL, ctx_thread, &jobs[i]);
     pthread_join(th, NULL); /* one after the other: the second proves the first left no trace */
   }
+  if (jobs[0].m.addr && jobs[1].m.addr)
+    check(jobs[0].m.addr != jobs[1].m.addr, "the uncached imports are two mappings (%#llx, %#llx)",
+          (unsigned long long)jobs[0].m.addr, (unsigned long long)jobs[1].m.addr);
   for (int i = 0; i < 2; i++) {
     if (jobs[i].m.addr == 0) continue;
     int rc = vmmipc_unmap(&jobs[i].m);
@@ -576,6 +588,192 @@ static int recv_nodriver(int argc, char **argv) {
   rc = vmmipc_import_stream(&t, VMMIPC_DEVICE_SAME, NULL, &m);
   check(rc == VMMIPC_ECUDA && strstr(vmmipc_last_error(), "/nonexistent/libcuda.so.1"),
         "import without a driver: %d \"%s\"", rc, vmmipc_last_error());
+  return failed ? 1 : 0;
+}
+
+/* ---- the import cache ---- */
+
+static vmmipc_cache_info cache_now(void) {
+  vmmipc_cache_info i;
+  memset(&i, 0, sizeof i);
+  VK(vmmipc_cache_get_info(&i, sizeof i));
+  return i;
+}
+
+/* verify_byte checks that every byte of [p, p+total) is b. */
+static int verify_byte(CUdeviceptr p, size_t total, unsigned char b, char *why, size_t whylen) {
+  unsigned char *got = malloc(gran), *want = malloc(gran);
+  memset(want, b, gran);
+  int ok = 1;
+  for (size_t off = 0; off < total && ok; off += gran) {
+    CUresult r = cuMemcpyDtoH(got, p + off, gran);
+    if (r != CUDA_SUCCESS) {
+      snprintf(why, whylen, "cuMemcpyDtoH at offset %zu: %s", off, cu_name(r));
+      ok = 0;
+    } else if (memcmp(got, want, gran) != 0) {
+      size_t i = 0;
+      while (got[i] == b) i++;
+      snprintf(why, whylen, "byte %zu is %#x, want %#x", off + i, got[i], b);
+      ok = 0;
+    }
+  }
+  free(got);
+  free(want);
+  return ok;
+}
+
+/* range_is_free reports whether [addr, addr+span) can be reserved again
+ * at addr: the mapping that held it is gone, reservation included. */
+static int range_is_free(CUdeviceptr addr, size_t span) {
+  CUdeviceptr again = 0;
+  CUresult r = cuMemAddressReserve(&again, span, gran, addr, 0);
+  if (r != CUDA_SUCCESS) return 0;
+  CK(cuMemAddressFree(again, span));
+  return again == addr;
+}
+
+static int cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return x < y ? -1 : x > y;
+}
+
+/* import_timed imports t onto the exporter's GPU with opts (NULL: the
+ * defaults) and returns the time it took in milliseconds. */
+static double import_timed(const vmmipc_ticket *t, const vmmipc_options *opts, vmmipc_mapping *m) {
+  double t0 = now_s();
+  int rc = vmmipc_import_stream(t, VMMIPC_DEVICE_SAME, opts, m);
+  double ms = (now_s() - t0) * 1e3;
+  if (rc != VMMIPC_OK) die("vmmipc_import_stream: %d (%s)", rc, vmmipc_last_error());
+  return ms;
+}
+
+/* recv cache: the import cache on CUDA memory. ticket= is a uses = 0
+ * registration of the sender's buffer (pattern seed=); again= comes from
+ * vmmipc_register_again, same= from registering the same range again,
+ * handles= from vmmipc_register_cuda_handles of the same allocations (a new
+ * identity). The sender writes 0xA5 over its buffer when told 'W', and
+ * unregisters and frees everything when told 'U'. */
+static int recv_cache(int argc, char **argv) {
+  vmmipc_ticket t0, t_again, t_same, t_handles;
+  ticket_unhex(arg(argc, argv, "ticket"), &t0);
+  ticket_unhex(arg(argc, argv, "again"), &t_again);
+  ticket_unhex(arg(argc, argv, "same"), &t_same);
+  ticket_unhex(arg(argc, argv, "handles"), &t_handles);
+  uint32_t seed = (uint32_t)arg_u(argc, argv, "seed", 0);
+  cuda_init();
+  CK(cuCtxSetCurrent(primary));
+  (void)free_mem(); /* let the context settle before counting */
+  vmmipc_ticket_info info;
+  VK(vmmipc_ticket_decode(&t0, &info));
+  size_t span = (info.total_size + gran - 1) / gran * gran;
+  char why[256] = "";
+
+  /* The first import maps anew; unmapped, it stays cached. */
+  vmmipc_cache_info c0 = cache_now();
+  vmmipc_mapping m;
+  double first_ms = import_timed(&t0, NULL, &m);
+  CUdeviceptr addr = m.addr;
+  vmmipc_cache_info c1 = cache_now();
+  check(c1.misses == c0.misses + 1 && c1.entries == c0.entries + 1 && c1.referenced_bytes == info.total_size,
+        "first import: one miss, one entry of %llu referenced bytes (misses +%llu, entries %llu, referenced %llu)",
+        (unsigned long long)info.total_size, (unsigned long long)(c1.misses - c0.misses),
+        (unsigned long long)c1.entries, (unsigned long long)c1.referenced_bytes);
+  check(verify(m.addr, m.size, seed, why, sizeof why), "first import: all %llu bytes match %s",
+        (unsigned long long)m.size, why);
+  VK(vmmipc_unmap(&m));
+  c1 = cache_now();
+  check(c1.unreferenced_bytes == info.total_size && c1.referenced_bytes == 0,
+        "unmapped, the mapping stays cached (%llu unreferenced bytes)", (unsigned long long)c1.unreferenced_bytes);
+
+  /* Repeated imports of the uses = 0 registration: hits, no descriptor. */
+  enum { HITS = 21 };
+  double ms[HITS];
+  int all_same = 1;
+  sampler s;
+  sampler_start(&s);
+  for (int i = 0; i < HITS; i++) {
+    ms[i] = import_timed(&t0, NULL, &m);
+    all_same &= m.addr == addr;
+    VK(vmmipc_unmap(&m));
+  }
+  int extra = sampler_stop(&s);
+  vmmipc_cache_info c2 = cache_now();
+  qsort(ms, HITS, sizeof ms[0], cmp_double);
+  note("%llu chunks, %llu bytes: first import %.1f ms; cache hit min %.3f ms, median %.3f ms, max %.3f ms",
+       (unsigned long long)info.chunk_count, (unsigned long long)info.total_size, first_ms, ms[0], ms[HITS / 2],
+       ms[HITS - 1]);
+  check(all_same, "every repeated import returned the cached address");
+  check(c2.hits == c1.hits + HITS && c2.misses == c1.misses, "%d hits, no miss (hits +%llu, misses +%llu)", HITS,
+        (unsigned long long)(c2.hits - c1.hits), (unsigned long long)(c2.misses - c1.misses));
+  /* A hit's socket, and maybe the cache's status poll: no chunk arrives. */
+  check(extra <= 2, "cache hits: peak extra descriptors %d (two sockets at most: no chunk is received)", extra);
+  check(ms[HITS / 2] < 1.0, "a cache hit of %llu chunks takes %.3f ms (median of %d; target under 1 ms)",
+        (unsigned long long)info.chunk_count, ms[HITS / 2], HITS);
+
+  /* The sender's in-place writes are seen through the cached mapping. */
+  import_timed(&t0, NULL, &m);
+  check(m.addr == addr, "a hit before the sender's write");
+  tell_sender('W');
+  wait_sender();
+  check(verify_byte(m.addr, m.size, 0xA5, why, sizeof why),
+        "the cached mapping sees the sender's cuMemsetD8 made after the import %s", why);
+  VK(vmmipc_unmap(&m));
+
+  /* VMMIPC_IMPORT_NO_CACHE: a new mapping, imported anew, not kept. */
+  vmmipc_options o;
+  vmmipc_options_init(&o, sizeof o);
+  o.import_flags = VMMIPC_IMPORT_NO_CACHE;
+  vmmipc_cache_info c3 = cache_now();
+  double uncached_ms = import_timed(&t0, &o, &m);
+  vmmipc_cache_info c4 = cache_now();
+  note("an uncached import of the same registration: %.1f ms", uncached_ms);
+  check(m.addr != addr && c4.hits == c3.hits && c4.misses == c3.misses + 1,
+        "VMMIPC_IMPORT_NO_CACHE maps anew (at %#llx, cached at %#llx; hits +%llu, misses +%llu)",
+        (unsigned long long)m.addr, (unsigned long long)addr, (unsigned long long)(c4.hits - c3.hits),
+        (unsigned long long)(c4.misses - c3.misses));
+  check(verify_byte(m.addr, m.size, 0xA5, why, sizeof why), "the uncached mapping reads the same memory %s", why);
+  CUdeviceptr uncached = m.addr;
+  VK(vmmipc_unmap(&m));
+  check(cache_now().entries == c3.entries && range_is_free(uncached, span),
+        "the uncached mapping is undone at its unmap, its range freed");
+
+  /* Tickets of the same identity hit; register_cuda_handles misses. */
+  vmmipc_cache_info c5 = cache_now();
+  import_timed(&t_again, NULL, &m);
+  check(m.addr == addr, "vmmipc_register_again's ticket is a cache hit (%#llx)", (unsigned long long)m.addr);
+  VK(vmmipc_unmap(&m));
+  import_timed(&t_same, NULL, &m);
+  check(m.addr == addr, "the same range registered again is a cache hit (%#llx)", (unsigned long long)m.addr);
+  VK(vmmipc_unmap(&m));
+  vmmipc_cache_info c6 = cache_now();
+  check(c6.hits == c5.hits + 2 && c6.misses == c5.misses, "two hits (hits +%llu, misses +%llu)",
+        (unsigned long long)(c6.hits - c5.hits), (unsigned long long)(c6.misses - c5.misses));
+  import_timed(&t_handles, NULL, &m);
+  vmmipc_cache_info c7 = cache_now();
+  check(m.addr != addr && c7.misses == c6.misses + 1,
+        "vmmipc_register_cuda_handles makes a new identity: a miss (at %#llx)", (unsigned long long)m.addr);
+  check(verify_byte(m.addr, m.size, 0xA5, why, sizeof why), "the handles' mapping reads the same memory %s", why);
+  VK(vmmipc_unmap(&m)); /* its one use is spent: not kept */
+
+  /* The sender unregisters: the cached mapping is invalidated and undone,
+   * and its range is free again. */
+  vmmipc_cache_info c8 = cache_now();
+  tell_sender('U');
+  wait_sender();
+  /* The cache forgets the entry, then undoes it: wait for both. */
+  double since = now_s();
+  int gone = 0;
+  while (!(gone = cache_now().entries + 1 == c8.entries && range_is_free(addr, span)) && now_s() - since < 2)
+    usleep(1000);
+  double took = (now_s() - since) * 1e3;
+  vmmipc_cache_info c9 = cache_now();
+  check(gone && c9.invalidations == c8.invalidations + 1 && c9.unreferenced_bytes == 0,
+        "invalidated and undone %.0f ms after the sender unregistered (entries %llu -> %llu, invalidations +%llu, "
+        "range %s)",
+        took, (unsigned long long)c8.entries, (unsigned long long)c9.entries,
+        (unsigned long long)(c9.invalidations - c8.invalidations), range_is_free(addr, span) ? "free" : "still held");
+  tell_sender('D'); /* the sender now checks that the memory came back */
+  wait_sender();
   return failed ? 1 : 0;
 }
 
@@ -940,6 +1138,162 @@ static void run_bad_input(void) {
   vbuf_free(&b);
 }
 
+/* The import cache on CUDA memory (see recv_cache): hits of a uses = 0
+ * registration, the sender's in-place writes through the cached mapping,
+ * VMMIPC_IMPORT_NO_CACHE, register_again and the same range registered
+ * again (hits), register_cuda_handles (a miss), invalidation when the
+ * sender unregisters, and the memory coming back once it is undone. */
+static int cache_handles_released;
+static void cache_handles_release(void *user) {
+  (void)user;
+  __atomic_add_fetch(&cache_handles_released, 1, __ATOMIC_SEQ_CST);
+}
+
+static void run_cache(void) {
+  set_label("import cache %dx%zuMiB", 4096, gran / MIB);
+  size_t n = 4096;
+  size_t *sizes = uniform(n, gran);
+  vbuf b;
+  vbuf_alloc(&b, sizes, n, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+  uint32_t seed = 0x2000;
+  vbuf_fill(&b, seed);
+  size_t total = b.total;
+  vmmipc_options o0 = options(0), o1 = options(1);
+  vmmipc_ticket t0, t_again, t_same, t_handles;
+  VK(vmmipc_register_cuda(b.base, b.total, &o0, &t0));
+  VK(vmmipc_register_again(&t0, NULL, NULL, &o1, &t_again));
+  VK(vmmipc_register_cuda(b.base, b.total, &o1, &t_same));
+  uint64_t *hs = calloc(n, sizeof *hs), *sz = calloc(n, sizeof *sz);
+  for (size_t i = 0; i < n; i++) hs[i] = b.h[i], sz[i] = b.sizes[i];
+  VK(vmmipc_register_cuda_handles(hs, sz, n, cache_handles_release, NULL, &o1, &t_handles));
+  free(hs);
+  free(sz);
+  uint64_t live = 0;
+  VK(vmmipc_live_registrations(&live));
+  check(live == 4, "four registrations live (%llu)", (unsigned long long)live);
+  static char again[2 * VMMIPC_TICKET_SIZE + 8], same[2 * VMMIPC_TICKET_SIZE + 8], handles[2 * VMMIPC_TICKET_SIZE + 16],
+      sd[32];
+  strcpy(again, "again=");
+  ticket_hex(&t_again, again + 6);
+  strcpy(same, "same=");
+  ticket_hex(&t_same, same + 5);
+  strcpy(handles, "handles=");
+  ticket_hex(&t_handles, handles + 8);
+  snprintf(sd, sizeof sd, "seed=%u", seed);
+  child c = spawn_recv("cache", &t0, ARGS(again, same, handles, sd));
+  size_t held = 0;
+  for (char cmd; (cmd = get_byte(&c)) != 0;) {
+    if (cmd == 'W') { /* write over the buffer in place, after the import */
+      CK(cuMemsetD8(b.base, 0xA5, b.total));
+      CK(cuCtxSynchronize());
+    } else if (cmd == 'U') { /* end everything and free our side */
+      VK(vmmipc_unregister(&t0));
+      check(wait_live_registrations(0, 5), "every registration ended (the receiver used the others up)");
+      check(__atomic_load_n(&cache_handles_released, __ATOMIC_SEQ_CST) == 1,
+            "release_fn of register_cuda_handles ran once");
+      vbuf_free(&b);
+      held = free_mem(); /* the receiver's cached mapping still holds the memory */
+    } else if (cmd == 'D') { /* the receiver's mapping is undone: the memory comes back */
+      double until = now_s() + 5;
+      size_t f;
+      while ((f = free_mem()) + gran <= held + total && now_s() < until) usleep(1000);
+      check(f + gran > held + total,
+            "the memory came back once the receiver's cache undid its mapping (free %zu -> %zu, %+lld vs. expected)",
+            held, f, (long long)(f - held) - (long long)total);
+    }
+    put_byte(c.to, 'G');
+  }
+  reap(&c, "receiver");
+  if (b.n) vbuf_free(&b); /* the receiver failed before 'U' */
+  free(sizes);
+}
+
+/* vmmipc_cuda_query_range: the range on allocation boundaries that covers
+ * [dptr, dptr + size), the handle types and the device; ENOENT for memory
+ * that is not VMM; no context needed or changed. */
+typedef struct {
+  CUdeviceptr p;
+  int rc;
+  vmmipc_cuda_range_info info;
+  CUcontext after;
+} query_job;
+
+static void *query_without_context(void *arg) {
+  query_job *j = arg;
+  j->rc = vmmipc_cuda_query_range(j->p, 4096, &j->info);
+  cuCtxGetCurrent(&j->after);
+  return NULL;
+}
+
+static void run_query_range(void) {
+  set_label("cuda_query_range");
+  size_t sizes[] = {gran, 2 * gran, 3 * gran};
+  vbuf b;
+  vbuf_alloc(&b, sizes, 3, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+  const struct {
+    uint64_t off, size, base_off, want_size;
+    const char *what;
+  } cases[] = {
+      {gran + 4096, 100, gran, 2 * gran, "a range inside allocation 1"},
+      {gran / 2, gran, 0, 3 * gran, "a range across allocations 0 and 1"},
+      {0, 6 * gran, 0, 6 * gran, "the whole buffer"},
+      {6 * gran - 1, 1, 3 * gran, 3 * gran, "its last byte"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    vmmipc_cuda_range_info info;
+    memset(&info, 0xAB, sizeof info);
+    int rc = vmmipc_cuda_query_range(b.base + cases[i].off, cases[i].size, &info);
+    check(rc == VMMIPC_OK && info.base == b.base + cases[i].base_off && info.size == cases[i].want_size &&
+              (info.handle_types & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) && info.device == 0,
+          "%s: %d, base %+lld, size %llu (want %+lld, %llu), handle types %#x, device %d: %s", cases[i].what, rc,
+          (long long)(info.base - b.base), (unsigned long long)info.size, (long long)cases[i].base_off,
+          (unsigned long long)cases[i].want_size, info.handle_types, info.device, rc ? vmmipc_last_error() : "");
+  }
+  /* What it is for: the covering range registers. */
+  vmmipc_cuda_range_info info;
+  VK(vmmipc_cuda_query_range(b.base + gran + 4096, 100, &info));
+  vmmipc_options o = options(1);
+  vmmipc_ticket t;
+  int rc = vmmipc_register_cuda(info.base, info.size, &o, &t);
+  check(rc == VMMIPC_OK, "the range it gives registers: %d %s", rc, rc ? vmmipc_last_error() : "");
+  if (rc == VMMIPC_OK) VK(vmmipc_unregister(&t));
+  query_job j = {.p = b.base + gran, .after = (CUcontext)1};
+  pthread_t th;
+  pthread_create(&th, NULL, query_without_context, &j);
+  pthread_join(th, NULL);
+  check(j.rc == VMMIPC_OK && j.info.base == b.base + gran && j.after == NULL,
+        "on a thread with no current context: %d, and the thread still has none (%p)", j.rc, (void *)j.after);
+
+  /* Not VMM memory: ENOENT, whatever the reason. */
+  CUdeviceptr plain = 0;
+  CK(cuMemAlloc(&plain, gran));
+  rc = vmmipc_cuda_query_range(plain, 4096, &info);
+  check(rc == VMMIPC_ENOENT, "cuMemAlloc memory: %d \"%s\"", rc, vmmipc_last_error());
+  CK(cuMemFree(plain));
+  void *host = malloc(4096);
+  rc = vmmipc_cuda_query_range((uint64_t)(uintptr_t)host, 4096, &info);
+  check(rc == VMMIPC_ENOENT, "host memory: %d \"%s\"", rc, vmmipc_last_error());
+  free(host);
+  rc = vmmipc_cuda_query_range(b.base + b.total + 64 * gran, 4096, &info);
+  check(rc == VMMIPC_ENOENT, "an unmapped address: %d \"%s\"", rc, vmmipc_last_error());
+  rc = vmmipc_cuda_query_range(b.base + b.total - 4096, 8192, &info);
+  check(rc == VMMIPC_ENOENT, "a range whose end is past the mapping: %d \"%s\"", rc, vmmipc_last_error());
+  check(vmmipc_cuda_query_range(b.base, 0, &info) == VMMIPC_EINVAL &&
+            vmmipc_cuda_query_range(b.base, 4096, NULL) == VMMIPC_EINVAL,
+        "size 0 and a NULL info_out are refused with VMMIPC_EINVAL");
+
+  /* An allocation that cannot be exported: handle_types says so. */
+  size_t one[] = {gran};
+  vbuf none;
+  vbuf_alloc(&none, one, 1, CU_MEM_HANDLE_TYPE_NONE);
+  rc = vmmipc_cuda_query_range(none.base, gran, &info);
+  check(rc == VMMIPC_OK && (info.handle_types & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) == 0,
+        "an allocation without POSIX-fd export: %d, handle types %#x", rc, info.handle_types);
+  vbuf_free(&none);
+  vbuf_free(&b);
+  check(wait_live_registrations(0, 5), "no registration left behind");
+}
+
 static int run_scenario(const char *name) {
   alarm(TIME_LIMIT_S);
   cuda_init();
@@ -958,6 +1312,8 @@ static int run_scenario(const char *name) {
   else if (strcmp(name, "contexts") == 0) run_contexts();
   else if (strcmp(name, "handles") == 0) run_handles();
   else if (strcmp(name, "bad-input") == 0) run_bad_input();
+  else if (strcmp(name, "cache") == 0) run_cache();
+  else if (strcmp(name, "query-range") == 0) run_query_range();
   else die("unknown scenario %s", name);
   return failed ? 1 : 0;
 }
@@ -965,7 +1321,8 @@ static int run_scenario(const char *name) {
 /* The runner: each scenario in its own process; count PASS/FAIL lines. */
 static int run_all(int argc, char **argv) {
   static const char *all[] = {"data1", "data3", "data300", "data4096", "mixed", "free", "fail-export",
-                              "fail-import", "fail-map", "uses2", "contexts", "handles", "bad-input"};
+                              "fail-import", "fail-map", "uses2", "contexts", "handles", "bad-input",
+                              "cache", "query-range"};
   int pass = 0, fail = 0;
   for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) {
     const char *name = all[i];
@@ -1022,6 +1379,7 @@ int main(int argc, char **argv) {
     if (strcmp(argv[2], "fail") == 0) return recv_fail(argc, argv);
     if (strcmp(argv[2], "contexts") == 0) return recv_contexts(argc, argv);
     if (strcmp(argv[2], "nodriver") == 0) return recv_nodriver(argc, argv);
+    if (strcmp(argv[2], "cache") == 0) return recv_cache(argc, argv);
     die("unknown receiver mode %s", argv[2]);
   }
   return run_all(argc, argv);

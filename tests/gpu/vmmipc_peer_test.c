@@ -157,7 +157,7 @@ static CUdeviceptr make_buffer(uint64_t n) {
     CU(cuMemMap(base + i * 2 * MIB, 2 * MIB, 0, h, 0));
     CU(cuMemRelease(h));
   }
-  CUmemAccessDesc a = {{CU_MEM_LOCATION_TYPE_DEVICE, 0}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+  CUmemAccessDesc a = {.location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 0}, .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
   CU(cuMemSetAccess(base, n * 2 * MIB, &a, 1));
   return base;
 }
