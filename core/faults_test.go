@@ -1,7 +1,6 @@
 package core
 
 import (
-	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -20,22 +19,70 @@ const (
 	promptly     = 2 * time.Second
 )
 
+// recordingImporter is a HostImporter that can act when a chunk arrives (to
+// kill a peer at a chosen chunk) and records what became of its
+// reservation. After a failed import that record, and /proc/self/maps for
+// the senders' memfds, tell whether the library undid everything; looking
+// at the released address range instead would race with every later
+// allocation of the process, which the kernel may place there.
+type recordingImporter struct {
+	HostImporter
+	onMap    func(index uint64)
+	reserved bool
+	unmaps   int // Unmap calls
+	unmapErr error
+}
+
+func (r *recordingImporter) Reserve(total uint64) (uint64, error) {
+	base, err := r.HostImporter.Reserve(total)
+	r.reserved = err == nil
+	return base, err
+}
+
+func (r *recordingImporter) Map(c Chunk) error {
+	if r.onMap != nil {
+		r.onMap(c.Index)
+	}
+	return r.HostImporter.Map(c)
+}
+
+func (r *recordingImporter) Unmap() error {
+	r.unmaps++
+	r.unmapErr = r.HostImporter.Unmap()
+	return r.unmapErr
+}
+
+// checkUndone fails unless the import reserved its range and then undid
+// all of it, once, and no sender memfd is mapped any more.
+func (r *recordingImporter) checkUndone(t testing.TB, what string) {
+	t.Helper()
+	switch {
+	case !r.reserved:
+		t.Fatalf("%s: the import never reserved its range", what)
+	case r.unmaps != 1 || r.unmapErr != nil:
+		t.Fatalf("%s: the reservation was undone %d times (error %v), want once", what, r.unmaps, r.unmapErr)
+	case r.HostImporter.base != nil:
+		t.Fatalf("%s: the importer still holds its reservation at %p", what, r.HostImporter.base)
+	}
+	expectNoMemfdMappings(t, what)
+}
+
 // TestSenderKilledMidStream kills the sender at a random chunk, 50 times:
 // half the time while its exporter is stuck on chunk k (the kill lands
 // inside an export), half the time from the receiver's side as chunk k is
 // being mapped (the kill lands while chunks are in flight). The receiver
 // must fail with EIO within promptly, and leave nothing behind: no
-// descriptor, no live mapping, nothing left in /proc/self/maps of its
-// reserved range or of the sender's memory.
+// descriptor, no reservation, no mapping of the sender's memory.
 func TestSenderKilledMidStream(t *testing.T) {
 	n := trials(50, 10)
 	var slowest time.Duration
 	defer func() { t.Logf("%d kills: the slowest receiver noticed after %v", n, slowest) }()
+	flushCache(t)
 	for trial := 0; trial < n; trial++ {
 		k := randIndex(faultChunks)
 		insideExport := trial%2 == 0
-		fdsBefore := settledFDs(t)
-		sender := startHelper(t, roleSender, nil, nil, "")
+		fdsBefore := ourFDs().settled(t)
+		sender := startHelper(t, partSender, helperOpts{})
 		blockAt := -1
 		if insideExport {
 			blockAt = k
@@ -58,14 +105,13 @@ func TestSenderKilledMidStream(t *testing.T) {
 			}
 		}
 		type result struct {
-			m   *Mapping
 			err error
 			at  time.Time
 		}
 		res := make(chan result, 1)
 		go func() {
-			m, err := ImportStream(tk, imp, -1, OpenOptions{Timeout: faultTimeout})
-			res <- result{m, err, time.Now()}
+			_, _, err := importNew(tk, imp, OpenOptions{Timeout: faultTimeout, Window: DefaultWindow})
+			res <- result{err, time.Now()}
 		}()
 		if insideExport {
 			sender.expect("blocked ", faultTimeout)
@@ -79,7 +125,7 @@ func TestSenderKilledMidStream(t *testing.T) {
 		}
 		sender.kill()
 		if r.err == nil {
-			_ = Unmap(r.m.ID, r.m.Base)
+			_ = imp.Unmap()
 			t.Fatalf("trial %d: import succeeded although the sender was killed at chunk %d", trial, k)
 		}
 		if CodeOf(r.err) != EIO {
@@ -90,11 +136,8 @@ func TestSenderKilledMidStream(t *testing.T) {
 			t.Fatalf("trial %d: the receiver took %v to notice the dead sender (timeout %v)", trial, d, faultTimeout)
 		}
 		slowest = max(slowest, d)
-		waitFDs(t, fdsBefore)
-		if n := LiveMappings(); n != 0 {
-			t.Fatalf("trial %d: %d live mappings after a failed import", trial, n)
-		}
-		checkRangeUnmapped(t, imp.base, imp.size)
+		ourFDs().waitFor(t, fdsBefore, "after the failed import")
+		imp.checkUndone(t, "after the failed import")
 		if trial == 0 {
 			t.Logf("trial 0 (kill at chunk %d): %v", k, r.err)
 		}
@@ -104,11 +147,12 @@ func TestSenderKilledMidStream(t *testing.T) {
 // TestReceiverKilledMidStream kills the receiver at a random chunk, 50
 // times, against one long-lived sender. Each registration allows one use:
 // after the kill the sender's descriptor and goroutine counts must come
-// back to where they were, and a retry must get the whole buffer, because a stream that did not
-// finish gives its use back.
+// back to where they were, and a retry must get the whole buffer, because a
+// stream that did not finish gives its use back.
 func TestReceiverKilledMidStream(t *testing.T) {
 	n := trials(50, 10)
-	sender := startHelper(t, roleSender, nil, nil, "")
+	sender := startHelper(t, partSender, helperOpts{})
+	senderFDs := fdsOf(sender.pid())
 	for trial := 0; trial < n; trial++ {
 		// Chunks pulled before the kill: the exporter runs up to a window
 		// ahead, and once it has sent every chunk the use is spent, so
@@ -116,16 +160,13 @@ func TestReceiverKilledMidStream(t *testing.T) {
 		k := randIndex(faultChunks - DefaultWindow)
 		seed := byte(trial + 1)
 		tk := sender.register(faultChunks, faultChunkSize, 1, -1, seed)
-		base := procFDs(t, sender.pid()) // after register: its memfd is open
+		base := senderFDs.settled(t) // after register: its memfd duplicate is open
 		baseG := sender.goroutines(1 << 30)
 
-		recv := startHelper(t, roleReceiver, []string{"VMMIPC_TEST_TICKET=" + ticketHex(t, tk), "VMMIPC_TEST_STOP_AT=" + itoa(k)}, nil, "")
+		recv := startHelper(t, partReceiver, helperOpts{env: []string{envTicket + "=" + ticketHex(t, tk), envStopAt + "=" + itoa(k)}})
 		recv.expect("at ", faultTimeout)
 		recv.kill()
-		if got := waitProcFDs(t, sender.pid(), base); got > base {
-			t.Fatalf("trial %d (receiver killed after %d chunks): the sender holds %d descriptors, %d before", trial, k, got, base)
-		}
-
+		senderFDs.waitFor(t, base, "the sender, after its receiver was killed after "+itoa(k)+" chunks")
 		if g := sender.goroutines(baseG); g > baseG {
 			t.Fatalf("trial %d: the sender runs %d goroutines, %d before the receiver came", trial, g, baseG)
 		}
@@ -133,7 +174,7 @@ func TestReceiverKilledMidStream(t *testing.T) {
 		if err != nil {
 			t.Fatalf("trial %d: retry after the receiver was killed at chunk %d: %v", trial, k, err)
 		}
-		verr := verifyMapping(m, seed)
+		verr := verifyRef(m, seed)
 		if err := Unmap(m.ID, m.Base); err != nil {
 			t.Fatal(err)
 		}
@@ -141,13 +182,11 @@ func TestReceiverKilledMidStream(t *testing.T) {
 			t.Fatalf("trial %d: retry: %v", trial, verr)
 		}
 		// The retry used the only use: the registration is gone and its
-		// memfd closed.
+		// memfd duplicate closed.
 		if _, err := Open(tk, OpenOptions{}); CodeOf(err) != ENOENT {
 			t.Fatalf("trial %d: a third receiver got %v, want ENOENT", trial, err)
 		}
-		if got := waitProcFDs(t, sender.pid(), base-1); got > base-1 {
-			t.Fatalf("trial %d: after the retry the sender holds %d descriptors, want %d", trial, got, base-1)
-		}
+		senderFDs.waitFor(t, base-1, "the sender, after the only use was spent")
 	}
 	if live := sender.live(); live != 0 {
 		t.Fatalf("the sender still holds %d registrations", live)
@@ -156,12 +195,12 @@ func TestReceiverKilledMidStream(t *testing.T) {
 
 // importRetry imports a ticket, retrying briefly while the sender has not
 // yet seen the killed receiver's connection close (its use is still
-// claimed: ENOENT "streaming now").
-func importRetry(tk *Ticket) (*Mapping, error) {
+// claimed: ENOENT "being served now").
+func importRetry(tk *Ticket) (Ref, error) {
 	deadline := time.Now().Add(promptly)
 	for {
-		m, err := ImportStream(tk, &HostImporter{}, -1, OpenOptions{Timeout: faultTimeout})
-		if err == nil || CodeOf(err) != ENOENT || !strings.Contains(err.Error(), "streaming now") || time.Now().After(deadline) {
+		m, err := Import(tk, DeviceHost, ImportOptions{OpenOptions: OpenOptions{Timeout: faultTimeout}}, nil)
+		if err == nil || CodeOf(err) != ENOENT || !strings.Contains(err.Error(), "being served now") || time.Now().After(deadline) {
 			return m, err
 		}
 		time.Sleep(5 * time.Millisecond)
@@ -170,17 +209,19 @@ func importRetry(tk *Ticket) (*Mapping, error) {
 
 // TestSenderStalls: the sender's exporter blocks forever at a random chunk.
 // The receiver must give up after its timeout with EIO saying "timed out",
-// not hang, and leave nothing behind.
+// not hang, and leave nothing behind: no descriptor, no entry in the
+// library's table of mappings, no mapping of the sender's memory.
 func TestSenderStalls(t *testing.T) {
 	const timeout = 300 * time.Millisecond
-	sender := startHelper(t, roleSender, nil, nil, "")
+	flushCache(t)
+	sender := startHelper(t, partSender, helperOpts{})
 	for trial := 0; trial < 3; trial++ {
 		k := randIndex(faultChunks)
 		tk := sender.register(faultChunks, faultChunkSize, 1, k, 9)
-		fdsBefore := settledFDs(t)
-		imp := &recordingImporter{}
+		fdsBefore := ourFDs().settled(t)
+		entries := GetCacheInfo().Entries
 		start := time.Now()
-		_, err := ImportStream(tk, imp, -1, OpenOptions{Timeout: timeout})
+		_, err := Import(tk, DeviceHost, ImportOptions{OpenOptions: OpenOptions{Timeout: timeout}}, nil)
 		took := time.Since(start)
 		if CodeOf(err) != EIO || !strings.Contains(err.Error(), "timed out") {
 			t.Fatalf("stall at chunk %d: got %v, want EIO timed out", k, err)
@@ -188,11 +229,11 @@ func TestSenderStalls(t *testing.T) {
 		if took < timeout || took > timeout+promptly {
 			t.Fatalf("stall at chunk %d: gave up after %v with a timeout of %v", k, took, timeout)
 		}
-		waitFDs(t, fdsBefore)
-		if n := LiveMappings(); n != 0 {
-			t.Fatalf("%d live mappings after a failed import", n)
+		ourFDs().waitFor(t, fdsBefore, "after the stalled import")
+		if n := GetCacheInfo().Entries; n != entries {
+			t.Fatalf("%d mappings in the library's table after a failed import, %d before", n, entries)
 		}
-		checkRangeUnmapped(t, imp.base, imp.size)
+		expectNoMemfdMappings(t, "after the stalled import")
 		if trial == 0 {
 			t.Logf("stall at chunk %d: %v after %v", k, err, took)
 		}
@@ -200,24 +241,39 @@ func TestSenderStalls(t *testing.T) {
 }
 
 // TestSenderSilentInHandshake: the ticket's socket belongs to the ticket's
-// pid but the process there never answers the hello. Open must time out.
+// pid but the process there never answers the hello. Open must time out,
+// saying that the exporter did not answer.
 func TestSenderSilentInHandshake(t *testing.T) {
 	const timeout = 300 * time.Millisecond
 	addr := "@vmmipc-test-silent-" + itoa(randIndex(1<<30))
-	l := startHelper(t, roleListener, []string{"VMMIPC_TEST_ADDR=" + addr, "VMMIPC_TEST_LISTEN_MODE=silent"}, nil, "")
+	l := startHelper(t, partImpostor, helperOpts{env: []string{envAddr + "=" + addr, envListenMode + "=silent"}})
 	l.expect("listening", faultTimeout)
-	tk := sampleTicket()
-	tk.Address, tk.Pid = addr, uint32(l.pid())
-	fdsBefore := settledFDs(t)
+	tk := ticketOf(t, l.pid(), addr)
+	fdsBefore := ourFDs().settled(t)
 	start := time.Now()
-	_, err := ImportStream(tk, &HostImporter{}, -1, OpenOptions{Timeout: timeout})
-	if CodeOf(err) != EIO || !strings.Contains(err.Error(), "timed out") {
-		t.Fatalf("got %v, want EIO timed out", err)
+	_, err := Import(tk, DeviceHost, ImportOptions{OpenOptions: OpenOptions{Timeout: timeout}}, nil)
+	if CodeOf(err) != EIO || !strings.Contains(err.Error(), "did not answer within "+timeout.String()) {
+		t.Fatalf("got %v, want EIO: did not answer within %v", err, timeout)
 	}
-	if took := time.Since(start); took > timeout+promptly {
+	if took := time.Since(start); took < timeout || took > timeout+promptly {
 		t.Fatalf("gave up after %v with a timeout of %v", took, timeout)
 	}
-	waitFDs(t, fdsBefore)
+	ourFDs().waitFor(t, fdsBefore, "after the silent exporter")
+	if conns, got := l.report(); conns != 1 || len(got) != headerSize+helloSize {
+		t.Fatalf("the silent exporter saw %d connections and %d bytes, want 1 and a hello", conns, len(got))
+	}
 }
 
-func itoa(i int) string { return strconv.Itoa(i) }
+// ticketOf is sampleTicket naming the process pid at addr, with that
+// process's real start time, so that only the checks after the liveness
+// check decide.
+func ticketOf(t testing.TB, pid int, addr string) *Ticket {
+	t.Helper()
+	tk := sampleTicket()
+	st, err := processStartTime(pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tk.Address, tk.Pid, tk.StartTime = addr, uint32(pid), st
+	return tk
+}

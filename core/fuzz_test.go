@@ -2,12 +2,8 @@ package core
 
 import (
 	"bytes"
-	"encoding/binary"
 	"net"
-	"os"
 	"runtime"
-	"sort"
-	"sync"
 	"testing"
 	"time"
 	"unicode/utf8"
@@ -17,18 +13,11 @@ import (
 
 // Fuzz targets for everything that parses bytes from someone else: tickets,
 // every wire message, conn.recv with descriptors attached anywhere, the
-// receiver's stream against a fuzzed sender, and a live server against a
-// fuzzed client. Seeds live in testdata/fuzz/<FuzzName>/ and run with every
-// `go test`; `go test -run=^$ -fuzz=^FuzzX$ ./core` explores further.
-
-// sampleTicket is a well-formed ticket used as a seed.
-func sampleTicket() *Ticket {
-	t := &Ticket{Kind: MemoryHost, Address: "@vmmipc-1234-00112233", Pid: 1234, RegID: 7, Count: 4, Total: 4 * 4096}
-	for i := range t.Secret {
-		t.Secret[i] = byte(i * 7)
-	}
-	return t
-}
+// receiver's stream against a fuzzed sender, a live server against a
+// fuzzed client (its handshake and its session), and a real receiver's
+// handshake against a fuzzed fake exporter. Their peers live in
+// fuzzpeer_test.go. Seeds live in testdata/fuzz/<FuzzName>/ and run with
+// every `go test`; `go test -run=^$ -fuzz=^FuzzX$ ./core` explores further.
 
 func FuzzDecodeTicket(f *testing.F) {
 	good, _ := sampleTicket().Marshal()
@@ -61,19 +50,23 @@ func FuzzDecodeTicket(f *testing.F) {
 // DecodeTicket reads back as the same ticket.
 func FuzzTicketMarshal(f *testing.F) {
 	s := sampleTicket()
-	f.Add(s.Kind, s.Address, s.Pid, s.RegID, s.Count, s.Total, s.Secret[:])
-	f.Add(MemoryCUDA, "/run/x.sock", uint32(1), uint64(1), uint64(1), uint64(1), []byte{1})
-	f.Add(MemoryHost, "relative.sock", uint32(1), uint64(1), uint64(1), uint64(1), []byte{})
-	f.Fuzz(func(t *testing.T, kind uint8, addr string, pid uint32, regID, count, total uint64, secret []byte) {
-		in := &Ticket{Kind: kind, Address: addr, Pid: pid, RegID: regID, Count: count, Total: total}
+	f.Add(s.Kind, s.Address, s.Pid, s.StartTime, s.RegID, s.BufferID, s.Count, s.Total, s.Secret[:], []byte{})
+	f.Add(MemoryCUDA, "/run/x.sock", uint32(1), uint64(0), uint64(1), uint64(1), uint64(1), uint64(1), []byte{1}, []byte{9})
+	f.Add(MemoryHost, "relative.sock", uint32(1), uint64(1), uint64(1), uint64(1), uint64(1), uint64(1), []byte{}, []byte{})
+	f.Add(MemoryHost, "@x", uint32(1), uint64(1), uint64(1), uint64(1), uint64(1), uint64(1), []byte{}, []byte{1})
+	f.Fuzz(func(t *testing.T, kind uint8, addr string, pid uint32, start, regID, bufID, count, total uint64, secret, uuid []byte) {
+		in := &Ticket{Kind: kind, Address: addr, Pid: pid, StartTime: start, RegID: regID, BufferID: bufID, Count: count, Total: total}
 		copy(in.Secret[:], secret)
-		copy(in.DeviceUUID[:], secret)
+		copy(in.DeviceUUID[:], uuid)
 		b, err := in.Marshal()
 		if err != nil {
 			if CodeOf(err) != EINVAL {
 				t.Fatalf("marshal failed with %v, want EINVAL: %v", CodeOf(err), err)
 			}
 			return
+		}
+		if in.Kind == MemoryHost && in.DeviceUUID != [16]byte{} {
+			t.Fatalf("Marshal accepted a host ticket with a device UUID: %s", in)
 		}
 		out, err := DecodeTicket(b[:])
 		if err != nil {
@@ -87,13 +80,16 @@ func FuzzTicketMarshal(f *testing.F) {
 
 func FuzzParseHeader(f *testing.F) {
 	for _, m := range [][]byte{
-		helloMsg{RegID: 1}.encode(), welcomeMsg{Count: 1, Total: 1, Kind: 1}.encode(),
+		helloMsg{RegID: 1}.encode(), challengeMsg{}.encode(), proofMsg{}.encode(),
+		welcomeMsg{Count: 1, Total: 1, Kind: 1, BufferID: 1}.encode(),
 		pullMsg{Count: 1}.encode(), chunkMsg{}.encode(), encodeMsg(msgDone, nil),
-		errorMsg{Code: EIO, Text: "x"}.encode(), encodeMsg(msgDoneAck, nil),
+		errorMsg{Code: EIO, Text: "x"}.encode(), doneAckMsg{}.encode(), encodeMsg(msgBusy, nil),
+		statusMsg{BufferID: 1}.encode(), statusAckMsg{BufferID: 1, Alive: true}.encode(),
 	} {
 		f.Add(m[:headerSize])
 	}
-	f.Add([]byte("VMIP\x01\x06\x00\x00\xff\xff\xff\xff\x00\x00\x00\x00"))
+	f.Add([]byte("VMIP\x02\x06\x00\x00\xff\xff\xff\xff\x00\x00\x00\x00"))
+	f.Add([]byte("VMIP\x01\x01\x00\x00\x30\x00\x00\x00\x00\x00\x00\x00")) // protocol 1's hello
 	f.Fuzz(func(t *testing.T, b []byte) {
 		h, err := parseHeader(b)
 		if err != nil {
@@ -129,10 +125,25 @@ func roundTrip[M any](t *testing.T, body []byte, parse func([]byte) (M, error), 
 }
 
 func FuzzParseHello(f *testing.F) {
-	f.Add(helloMsg{RegID: 3, Secret: Secret{1, 2}}.encode()[headerSize:])
-	f.Add(helloMsg{Flags: 1}.encode()[headerSize:])
+	f.Add(helloMsg{RegID: 3, Nonce: nonce{1, 2}}.encode()[headerSize:])
+	f.Add(helloMsg{Flags: helloConfirm}.encode()[headerSize:])
+	f.Add(helloMsg{Flags: 2}.encode()[headerSize:])
 	f.Fuzz(func(t *testing.T, body []byte) {
 		roundTrip(t, body, parseHello, helloMsg.encode)
+	})
+}
+
+func FuzzParseChallenge(f *testing.F) {
+	f.Add(challengeMsg{Nonce: nonce{1}, Proof: [proofSize]byte{2}}.encode()[headerSize:])
+	f.Fuzz(func(t *testing.T, body []byte) {
+		roundTrip(t, body, parseChallenge, challengeMsg.encode)
+	})
+}
+
+func FuzzParseProof(f *testing.F) {
+	f.Add(proofMsg{Proof: [proofSize]byte{9}}.encode()[headerSize:])
+	f.Fuzz(func(t *testing.T, body []byte) {
+		roundTrip(t, body, parseProof, proofMsg.encode)
 	})
 }
 
@@ -144,7 +155,7 @@ func FuzzParsePull(f *testing.F) {
 }
 
 func FuzzParseWelcome(f *testing.F) {
-	f.Add(welcomeMsg{Count: 4, Total: 4096 * 4, Kind: MemoryHost}.encode()[headerSize:])
+	f.Add(welcomeMsg{Count: 4, Total: 4096 * 4, Kind: MemoryHost, BufferID: 9}.encode()[headerSize:])
 	f.Fuzz(func(t *testing.T, body []byte) {
 		roundTrip(t, body, parseWelcome, welcomeMsg.encode)
 	})
@@ -157,9 +168,27 @@ func FuzzParseChunk(f *testing.F) {
 	})
 }
 
+func FuzzParseDoneAck(f *testing.F) {
+	f.Add(doneAckMsg{Flags: ackBufferLives}.encode()[headerSize:])
+	f.Add(doneAckMsg{Flags: 2}.encode()[headerSize:])
+	f.Fuzz(func(t *testing.T, body []byte) {
+		roundTrip(t, body, parseDoneAck, doneAckMsg.encode)
+	})
+}
+
+func FuzzParseStatus(f *testing.F) {
+	f.Add(statusMsg{BufferID: 5}.encode()[headerSize:])
+	f.Add(statusAckMsg{BufferID: 5, Alive: true}.encode()[headerSize:])
+	f.Fuzz(func(t *testing.T, body []byte) {
+		roundTrip(t, body, parseStatus, statusMsg.encode)
+		roundTrip(t, body, parseStatusAck, statusAckMsg.encode)
+	})
+}
+
 func FuzzParseError(f *testing.F) {
-	f.Add(errorMsg{Code: EEXPORT, Index: 17, Text: "chunk 17 of 64: export failed"}.encode()[headerSize:])
-	f.Add(errorMsg{Code: EAUTH, Index: noIndex, Text: ""}.encode()[headerSize:])
+	f.Add(errorMsg{Code: EEXPORT, Text: "chunk 17 of 64: export failed"}.encode()[headerSize:])
+	f.Add(errorMsg{Code: EAUTH, Text: ""}.encode()[headerSize:])
+	f.Add(errorMsg{Code: ETIMEDOUT, Text: "x"}.encode()[headerSize:])
 	f.Add(append(errorMsg{Code: EIO}.encode()[headerSize:], 0xff, 0xfe))
 	f.Fuzz(func(t *testing.T, body []byte) {
 		m, err := parseError(body)
@@ -169,7 +198,7 @@ func FuzzParseError(f *testing.F) {
 			}
 			return
 		}
-		if m.Code >= 0 || m.Code < EINTERNAL {
+		if m.Code < ETIMEDOUT || m.Code > EINVAL {
 			t.Fatalf("accepted status %d", m.Code)
 		}
 		if !utf8.ValidString(m.Text) || len(m.Text) > maxErrorText {
@@ -183,99 +212,29 @@ func FuzzParseError(f *testing.F) {
 	})
 }
 
-// fdPlan says where descriptors ride on a fuzzed byte stream: entries of 3
-// bytes, a little-endian u16 byte offset and a count (1..3).
-type fdAttach struct{ at, n int }
-
-func parseFDPlan(plan []byte, dataLen int) []fdAttach {
-	if dataLen == 0 {
-		return nil
-	}
-	byAt := map[int]int{}
-	for i := 0; i+3 <= len(plan) && i < 8*3; i += 3 {
-		at := int(binary.LittleEndian.Uint16(plan[i:])) % dataLen
-		if n := int(plan[i+2] % 4); n > 0 {
-			byAt[at] = min(byAt[at]+n, 3)
-		}
-	}
-	var out []fdAttach
-	for at, n := range byAt {
-		out = append(out, fdAttach{at, n})
-	}
-	sort.Slice(out, func(i, j int) bool { return out[i].at < out[j].at })
-	return out
-}
-
-// sendWithFDs writes data to fd in pieces so that each planned descriptor
-// group rides on the first byte of the piece starting at its offset.
-func sendWithFDs(fd int, data []byte, plan []fdAttach, file int) error {
-	cut := 0
-	for i := 0; i <= len(plan); i++ {
-		end := len(data)
-		if i < len(plan) {
-			end = plan[i].at
-		}
-		var oob []byte
-		if i > 0 {
-			fds := make([]int, plan[i-1].n)
-			for j := range fds {
-				fds[j] = file
-			}
-			oob = unix.UnixRights(fds...)
-		}
-		for piece := data[cut:end]; len(piece) > 0; {
-			n, err := unix.SendmsgN(fd, piece, oob, nil, unix.MSG_NOSIGNAL)
-			if err == unix.EINTR {
-				continue
-			}
-			if err != nil {
-				return err
-			}
-			piece, oob = piece[n:], nil
-		}
-		cut = end
-	}
-	return nil
-}
-
-// senderTranscript is what a well-behaved server sends for sampleTicket's
-// 4 chunks, with the offsets where the chunk descriptors go.
-func senderTranscript(total uint64, count int) ([]byte, []byte) {
-	var out, plan []byte
-	out = append(out, welcomeMsg{Count: uint64(count), Total: total, Kind: MemoryHost}.encode()...)
-	size := total / uint64(count)
-	for i := 0; i < count; i++ {
-		plan = binary.LittleEndian.AppendUint16(plan, uint16(len(out)))
-		plan = append(plan, 1)
-		out = append(out, chunkMsg{Index: uint64(i), Offset: uint64(i) * size, Size: size, FileOffset: uint64(i) * size}.encode()...)
-	}
-	out = append(out, encodeMsg(msgDoneAck, nil)...)
-	return out, plan
-}
-
 // FuzzConnRecv feeds a socket fuzzed bytes with descriptors attached at
 // fuzzed places. mode bit 0 picks the reader: conn.recv in a loop, or a
-// receiver Stream (hello, pulls, chunks, done) as Open would run it. Every
-// descriptor that arrives must be handed out or closed: the descriptor count
-// comes back to where it was.
+// receiver Stream past its handshake (pulls, chunks, done) as Open leaves
+// it. Every descriptor that arrives must be handed out or closed: the
+// descriptor count comes back to where it was.
 func FuzzConnRecv(f *testing.F) {
-	good, goodPlan := senderTranscript(4*4096, 4)
+	good, goodPlan := streamTranscript(4*4096, 4)
 	f.Add(uint8(1), good, goodPlan)
 	f.Add(uint8(0), good, goodPlan)
 	f.Add(uint8(3), good, append(goodPlan, 0, 0, 2))
-	f.Add(uint8(1), errorMsg{Code: ENOENT, Index: noIndex, Text: "used up"}.encode(), []byte{})
-	f.Add(uint8(0), errorMsg{Code: EEXPORT, Index: 3, Text: "x"}.encode(), []byte{3, 0, 1})
+	f.Add(uint8(1), errorMsg{Code: ENOENT, Text: "used up"}.encode(), []byte{})
+	f.Add(uint8(0), errorMsg{Code: EEXPORT, Text: "x"}.encode(), []byte{3, 0, 1})
 	f.Add(uint8(0), []byte("garbage that is not a header at all"), []byte{0, 0, 1})
 	f.Fuzz(func(t *testing.T, mode uint8, data, rawPlan []byte) {
 		if len(data) > 64<<10 {
 			return
 		}
-		before := countFDs(t)
+		before := ourFDs().now(t)
 		sp, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
 		if err != nil {
 			t.Fatal(err)
 		}
-		file := newMemfd(t, 4*4096, 3)
+		file := newMemfd(t, 4*4096, pattern(4*4096, 3))
 		plan := parseFDPlan(rawPlan, len(data))
 		sent := make(chan error, 1)
 		go func() {
@@ -283,16 +242,7 @@ func FuzzConnRecv(f *testing.F) {
 			_ = unix.Shutdown(sp[1], unix.SHUT_WR)
 			sent <- err
 		}()
-		osf := os.NewFile(uintptr(sp[0]), "fuzz")
-		nc, err := net.FileConn(osf) // dups sp[0]
-		osf.Close()
-		if err != nil {
-			t.Fatal(err)
-		}
-		c, err := newConn(nc.(*net.UnixConn), 5*time.Second, "receiver")
-		if err != nil {
-			t.Fatal(err)
-		}
+		c := socketConn(t, sp[0], "receiver")
 		start := time.Now()
 		if mode&1 == 0 {
 			fuzzRecvLoop(t, c, len(data))
@@ -308,9 +258,7 @@ func FuzzConnRecv(f *testing.F) {
 		}
 		unix.Close(sp[1])
 		unix.Close(file)
-		if got := countFDs(t); got != before {
-			t.Fatalf("descriptors: %d open after the run, %d before: a received descriptor leaked", got, before)
-		}
+		ourFDs().waitFor(t, before, "after a fuzzed stream")
 	})
 }
 
@@ -340,12 +288,16 @@ func fuzzRecvLoop(t *testing.T, c *conn, n int) {
 	}
 }
 
+// fuzzStream reads chunks as a Stream that has just been welcomed.
 func fuzzStream(t *testing.T, c *conn, mode uint8) {
 	tk := sampleTicket()
 	s := &Stream{c: c, t: tk, window: uint64(mode>>1)%8 + 1}
-	if err := s.handshake(); err != nil {
-		return
-	}
+	checkStreamChunks(t, s, tk)
+}
+
+// checkStreamChunks pulls every chunk of s, checking each against the
+// ticket and closing its descriptor; errors must be sticky.
+func checkStreamChunks(t *testing.T, s *Stream, tk *Ticket) {
 	var offset uint64
 	for i := uint64(0); i <= tk.Count+1; i++ {
 		ch, err := s.Next()
@@ -376,59 +328,21 @@ func fuzzStream(t *testing.T, c *conn, mode uint8) {
 	t.Fatalf("stream handed out more than %d chunks", tk.Count)
 }
 
-// The server fuzz target shares one server (one per fuzz worker process)
-// with an unlimited registration of fuzzChunks chunks.
-const fuzzChunks = 4
-
-var fuzzSrv struct {
-	once sync.Once
-	s    *Server
-	tk   *Ticket
-	err  error
-}
-
-func fuzzServer(t testing.TB) (*Server, *Ticket) {
-	fuzzSrv.once.Do(func() {
-		s, err := NewServer("")
-		if err != nil {
-			fuzzSrv.err = err
-			return
-		}
-		fd, err := unix.MemfdCreate("vmmipc-fuzz", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
-		if err == nil {
-			err = unix.Ftruncate(fd, fuzzChunks*int64(pageSize))
-		}
-		if err == nil {
-			_, err = unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK)
-		}
-		if err != nil {
-			fuzzSrv.err = err
-			return
-		}
-		sizes, _ := FileChunks(fd, fuzzChunks*pageSize, pageSize)
-		fuzzSrv.s = s
-		fuzzSrv.tk, fuzzSrv.err = s.Register(sizes, &FileExporter{FD: fd, ChunkSize: pageSize}, RegisterOptions{Uses: 0})
-	})
-	if fuzzSrv.err != nil {
-		t.Fatal(fuzzSrv.err)
-	}
-	return fuzzSrv.s, fuzzSrv.tk
-}
-
-// Session prefixes chosen by the low bits of mode: only the first one
-// authenticates, so only it may ever see a descriptor.
+// Session prefixes chosen by the low bits of FuzzServerSession's mode: only
+// the first one authenticates, so only it may ever see a descriptor.
 const (
-	prefixValidHello = iota
-	prefixNone
-	prefixWrongSecret
-	prefixUnknownID
+	prefixAuthenticated = iota // the whole handshake, done right
+	prefixNone                 // nothing: the fuzzed bytes are the first ones
+	prefixWrongSecret          // hello, then a proof under another secret
+	prefixUnknownID            // hello for a registration that does not exist
 )
 
-// FuzzServerSession connects to a live server, sends a prefix chosen by mode
-// and then the fuzzed bytes, and reads until the server closes. The server
-// must answer with well-formed messages only, never give a descriptor to an
-// unauthenticated client, attach descriptors only to chunk messages, serve
-// chunks in order, and leak no descriptor and no goroutine.
+// FuzzServerSession connects to a live server, runs the start chosen by
+// mode and then sends the fuzzed bytes, reading until the server closes.
+// The server must answer with well-formed messages only, never give a
+// descriptor, a welcome or a chunk to a client that did not prove it knows
+// the secret, attach descriptors only to chunk messages, serve chunks in
+// order, and leak no descriptor and no goroutine.
 func FuzzServerSession(f *testing.F) {
 	pulls := func(ps ...pullMsg) []byte {
 		var b []byte
@@ -438,69 +352,79 @@ func FuzzServerSession(f *testing.F) {
 		return b
 	}
 	full := append(pulls(pullMsg{0, 2}, pullMsg{2, 2}), encodeMsg(msgDone, nil)...)
-	f.Add(uint8(prefixValidHello), full)
-	f.Add(uint8(prefixValidHello), pulls(pullMsg{0, 4}))
-	f.Add(uint8(prefixValidHello), pulls(pullMsg{1, 1}))
-	f.Add(uint8(prefixValidHello), pulls(pullMsg{0, 5}))
-	f.Add(uint8(prefixValidHello), append(pulls(pullMsg{0, 1}), encodeMsg(msgDone, nil)...))
-	f.Add(uint8(prefixValidHello), append(pulls(pullMsg{0, 1}), helloMsg{}.encode()...))
+	f.Add(uint8(prefixAuthenticated), full)
+	f.Add(uint8(prefixAuthenticated), pulls(pullMsg{0, 4}))
+	f.Add(uint8(prefixAuthenticated), pulls(pullMsg{1, 1}))
+	f.Add(uint8(prefixAuthenticated), pulls(pullMsg{0, 5}))
+	f.Add(uint8(prefixAuthenticated), append(pulls(pullMsg{0, 1}), encodeMsg(msgDone, nil)...))
+	f.Add(uint8(prefixAuthenticated), append(pulls(pullMsg{0, 1}), helloMsg{}.encode()...))
 	f.Add(uint8(prefixNone), full)
 	f.Add(uint8(prefixNone), helloMsg{RegID: 1}.encode())
+	f.Add(uint8(prefixNone), cat(statusMsg{BufferID: 1}.encode(), statusMsg{BufferID: 2}.encode(), pullMsg{0, 1}.encode()))
 	f.Add(uint8(prefixWrongSecret), full)
 	f.Add(uint8(prefixUnknownID), full)
 	f.Add(uint8(prefixNone), []byte("GET / HTTP/1.0\r\n\r\n"))
-	f.Add(uint8(prefixValidHello|1<<2), full)
-	f.Add(uint8(prefixValidHello|2<<2), full)
-	f.Add(uint8(prefixValidHello|3<<2), full)
+	f.Add(uint8(prefixAuthenticated|1<<2), full)
+	f.Add(uint8(prefixAuthenticated|2<<2), full)
+	f.Add(uint8(prefixAuthenticated|3<<2), full)
 	f.Add(uint8(prefixNone|1<<2), full)
 	f.Fuzz(func(t *testing.T, mode uint8, data []byte) {
 		if len(data) > 1<<20 {
 			return
 		}
-		s, tk := fuzzServer(t)
-		var msg []byte
+		_, tk := fuzzServer(t)
+		fdsBefore, gBefore := ourFDs().now(t), runtime.NumGoroutine()
+		var fd int
+		authed := false
 		switch mode % 4 {
-		case prefixValidHello:
-			msg = helloMsg{RegID: tk.RegID, Secret: tk.Secret}.encode()
+		case prefixAuthenticated:
+			fd = rawAuthenticate(t, tk, 0)
+			authed = true
+		case prefixNone:
+			var err error
+			if fd, err = rawDial(tk.Address); err != nil {
+				t.Fatal(err)
+			}
 		case prefixWrongSecret:
+			s, m := rawHello(t, tk, 0)
+			if m.Type != msgChallenge {
+				t.Fatalf("hello answered with %s", describeMsg(m))
+			}
 			bad := tk.Secret
 			bad[0] ^= 0x80
-			msg = helloMsg{RegID: tk.RegID, Secret: bad}.encode()
+			_ = rawWrite(s.fd, s.proof(bad))
+			fd = s.fd
 		case prefixUnknownID:
-			msg = helloMsg{RegID: tk.RegID + 1000, Secret: tk.Secret}.encode()
+			other := *tk
+			other.RegID += 1000
+			s, m := rawHello(t, &other, 0)
+			if m.Type != msgError {
+				t.Fatalf("hello for an unknown registration answered with %s", describeMsg(m))
+			}
+			fd = s.fd
 		}
-		// Bits 2-3 of mode attach a descriptor from the client: to the
-		// first byte it sends, to the first fuzzed byte, or to the middle
-		// of the fuzzed bytes. The server must close whatever it receives.
+		// Bits 2-3 of mode attach descriptors from the client: to the
+		// first fuzzed byte, to the middle one, or two to the last. The
+		// server must close whatever it receives.
 		var plan []fdAttach
-		switch at := len(msg); mode >> 2 & 3 {
+		switch mode >> 2 & 3 {
 		case 1:
 			plan = []fdAttach{{0, 1}}
 		case 2:
-			plan = []fdAttach{{at, 1}}
+			plan = []fdAttach{{len(data) / 2, 1}}
 		case 3:
-			plan = []fdAttach{{at + len(data)/2, 2}}
+			plan = []fdAttach{{len(data) - 1, 2}}
 		}
-		msg = append(msg, data...)
-		if len(plan) > 0 && plan[0].at >= len(msg) {
+		if len(data) == 0 {
 			plan = nil
 		}
-		authed := mode%4 == prefixValidHello
-
-		fdsBefore, gBefore := countFDs(t), runtime.NumGoroutine()
-		fd, err := rawDial(s.Addr())
-		if err != nil {
-			t.Fatal(err)
-		}
-		wrote := make(chan struct{})
 		file := -1
 		if len(plan) > 0 {
-			if file, err = unix.MemfdCreate("vmmipc-fuzz-client", unix.MFD_CLOEXEC); err != nil {
-				t.Fatal(err)
-			}
+			file = newMemfd(t, 4096, pattern(4096, 1))
 		}
+		wrote := make(chan struct{})
 		go func() {
-			_ = sendWithFDs(fd, msg, plan, file) // EPIPE once the server gave up is fine
+			_ = sendWithFDs(fd, data, plan, file) // EPIPE once the server gave up is fine
 			_ = unix.Shutdown(fd, unix.SHUT_WR)
 			close(wrote)
 		}()
@@ -510,59 +434,320 @@ func FuzzServerSession(f *testing.F) {
 		if file >= 0 {
 			unix.Close(file)
 		}
-		if r.Err != nil {
-			t.Fatalf("reading the server's answer: %v (did the server hang?)", r.Err)
-		}
-		if r.Truncated {
-			t.Fatal("the server sent more than one descriptor with a message")
-		}
-		msgs, err := splitMessages(r.Data)
-		if err != nil {
-			t.Fatalf("the server sent a malformed byte stream: %v", err)
-		}
-		if !authed && len(r.FDAt) > 0 {
-			t.Fatalf("the server gave %d descriptor(s) to an unauthenticated client", len(r.FDAt))
-		}
-		if err := checkFDsOnChunks(msgs, r.FDAt); err != nil {
-			t.Fatal(err)
-		}
-		checkServerReply(t, msgs, authed)
-		waitFDsFast(t, fdsBefore)
+		checkRawReply(t, r, authed, false)
+		ourFDs().waitFor(t, fdsBefore, "after a fuzzed session")
 		waitGoroutines(t, gBefore)
 	})
 }
 
-// checkServerReply checks the order of a server's messages: welcome (only
-// after authentication), chunks 0.. in order, then at most one done-ack or
-// one error, which ends the reply.
-func checkServerReply(t *testing.T, msgs []rawMsg, authed bool) {
-	next := uint64(0)
-	for i, m := range msgs {
-		last := i == len(msgs)-1
-		switch m.Type {
-		case msgWelcome:
-			if !authed || i != 0 {
-				t.Fatalf("welcome as message %d (authenticated: %v)", i, authed)
-			}
-		case msgChunk:
-			ch, err := parseChunk(m.Body)
-			if err != nil || i == 0 || ch.Index != next || ch.Index >= fuzzChunks || ch.Offset != ch.Index*pageSize || ch.Size != pageSize {
-				t.Fatalf("message %d: chunk %+v, expected chunk %d", i, ch, next)
-			}
-			next++
-		case msgDoneAck:
-			if !last || next != fuzzChunks {
-				t.Fatalf("done-ack as message %d after %d chunks", i, next)
-			}
-		case msgError:
-			if !last {
-				t.Fatalf("the server kept talking after an error message")
-			}
-			if _, err := parseError(m.Body); err != nil {
-				t.Fatalf("the server's error message does not parse: %v", err)
-			}
-		default:
-			t.Fatalf("the server sent a %s message", msgName(m.Type))
-		}
+// checkRawReply checks everything a raw client read from a server.
+func checkRawReply(t *testing.T, r rawReply, authed, confirm bool) {
+	t.Helper()
+	if r.Err != nil {
+		t.Fatalf("reading the server's answer: %v (did the server hang?)", r.Err)
 	}
+	if r.Truncated {
+		t.Fatal("the server sent more than one descriptor with a message")
+	}
+	msgs, err := splitMessages(r.Data)
+	if err != nil {
+		t.Fatalf("the server sent a malformed byte stream: %v", err)
+	}
+	if !authed && len(r.FDAt) > 0 {
+		t.Fatalf("the server gave %d descriptor(s) to an unauthenticated client", len(r.FDAt))
+	}
+	if err := checkFDsOnChunks(msgs, r.FDAt); err != nil {
+		t.Fatal(err)
+	}
+	checkServerReply(t, msgs, authed, confirm)
+}
+
+// What FuzzServerHandshake's client sends where the proof goes (mode & 3).
+const (
+	proofFuzzed     = iota // a proof message holding fuzzed bytes
+	proofRaw               // fuzzed bytes, not even a proof message
+	proofNearlyGood        // a real HMAC, of a transcript that differs (proof[0] picks how)
+	proofGood              // the right proof
+)
+
+// FuzzServerHandshake is a fuzzed client transcript against a live server:
+// a hello with fuzzed flags (bit 2 of mode: for a registration that does
+// not exist), then, if challenged, a proof made as mode says, then fuzzed
+// bytes. Unless the client sent the right proof, the server must send no
+// welcome, no chunk, no done-ack and no descriptor; whatever it is sent, it
+// must not hang, and it must leak no descriptor and no goroutine.
+func FuzzServerHandshake(f *testing.F) {
+	full := cat(pullMsg{0, 4}.encode(), encodeMsg(msgDone, nil))
+	for _, m := range []uint8{proofFuzzed, proofRaw, proofGood, proofGood | 1<<2} {
+		f.Add(m, uint64(0), make([]byte, proofSize), full)
+	}
+	for how := byte(0); how < nearMisses; how++ {
+		f.Add(uint8(proofNearlyGood), uint64(0), []byte{how}, full)
+	}
+	f.Add(uint8(proofGood), helloConfirm, []byte{}, []byte{})
+	f.Add(uint8(proofNearlyGood), helloConfirm, []byte{2}, []byte{})
+	f.Add(uint8(proofRaw), uint64(0), statusMsg{BufferID: 1}.encode(), full)
+	f.Add(uint8(proofRaw), uint64(0), pullMsg{0, 4}.encode(), full)
+	f.Add(uint8(proofFuzzed|1<<3), uint64(2), []byte{}, full)
+	f.Fuzz(func(t *testing.T, mode uint8, flags uint64, proof, tail []byte) {
+		if len(tail) > 1<<20 || len(proof) > 1<<16 {
+			return
+		}
+		_, tk := fuzzServer(t)
+		if mode&(1<<3) == 0 {
+			flags &= helloKnown // mostly known flags, else most runs stop at the hello
+		}
+		target := tk
+		if mode&(1<<2) != 0 {
+			other := *tk
+			other.RegID += 1 + uint64(mode>>4)
+			target = &other
+		}
+		fdsBefore, gBefore := ourFDs().now(t), runtime.NumGoroutine()
+		s, first := rawHello(t, target, flags)
+		authed := false
+		var send []byte
+		if first.Type == msgChallenge {
+			switch mode & 3 {
+			case proofFuzzed:
+				var m proofMsg
+				copy(m.Proof[:], proof)
+				send = m.encode()
+			case proofRaw:
+				send = proof
+			case proofNearlyGood:
+				send = proofMsg{Proof: nearMissProof(s.tr, tk.Secret, roleReceiver, proof)}.encode()
+			case proofGood:
+				send, authed = s.proof(tk.Secret), true
+			}
+		} else if first.Type != msgError && first.Type != msgBusy {
+			t.Fatalf("hello answered with %s", describeMsg(first))
+		}
+		wrote := make(chan struct{})
+		go func() {
+			_ = rawWrite(s.fd, cat(send, tail)) // EPIPE once the server gave up is fine
+			_ = unix.Shutdown(s.fd, unix.SHUT_WR)
+			close(wrote)
+		}()
+		r := rawReadAll(s.fd, 5*time.Second)
+		<-wrote
+		if first.Type != msgChallenge && len(r.Data) > 0 {
+			t.Fatalf("the server said %d more bytes after refusing the hello with %s", len(r.Data), describeMsg(first))
+		}
+		checkRawReply(t, r, authed, flags&helloConfirm != 0)
+		if authed {
+			if msgs, _ := splitMessages(r.Data); len(msgs) == 0 || msgs[0].Type != msgWelcome {
+				t.Fatalf("the right proof was not welcomed (%d messages)", len(msgs))
+			}
+		}
+		unix.Close(s.fd)
+		ourFDs().waitFor(t, fdsBefore, "after a fuzzed handshake")
+		waitGoroutines(t, gBefore)
+	})
+}
+
+// nearMisses is how many ways nearMissProof knows to get a proof almost
+// right.
+const nearMisses = 9
+
+// nearMissProof is a real HMAC that is not the proof for role in tr, as
+// how[0] picks: of the other role (a reflected proof), under another
+// secret, with either pid, the flags, the registration, the ticket digest
+// or the server's nonce changed, or the right proof with one bit flipped
+// (how[1] picks the bit).
+func nearMissProof(tr transcript, secret Secret, role byte, how []byte) [proofSize]byte {
+	pick, bit := byte(0), byte(0)
+	if len(how) > 0 {
+		pick = how[0] % nearMisses
+	}
+	if len(how) > 1 {
+		bit = how[1]
+	}
+	switch pick {
+	case 0:
+		role = roleServer + roleReceiver - role
+	case 1:
+		secret[bit%32] ^= 1 << (bit % 8)
+	case 2:
+		tr.ReceiverPid++
+	case 3:
+		tr.ServerPid++
+	case 4:
+		tr.Flags ^= helloConfirm
+	case 5:
+		tr.RegID++
+	case 6:
+		tr.TicketDigest[bit%32] ^= 1
+	case 7:
+		tr.ServerNonce[bit%nonceSize] ^= 1
+	case 8:
+		p := tr.proof(secret, role)
+		p[bit%proofSize] ^= 1 << (bit % 8)
+		return p
+	}
+	return tr.proof(secret, role)
+}
+
+// What FuzzReceiverHandshake's fake exporter answers a hello with (mode & 3).
+const (
+	answerFuzzed     = iota // fuzzed bytes (descriptors attached per plan)
+	answerBadProof          // a challenge with a fuzzed nonce and proof, then the bytes
+	answerNearlyGood        // a challenge with a real HMAC of a transcript that differs
+	answerGood              // the right challenge; the receiver's proof is checked; then the bytes
+)
+
+// FuzzReceiverHandshake is a fuzzed fake exporter answering a real
+// receiver's hello. The exporter lives in this process, so the ticket's
+// pid, start time and SO_PEERCRED all check out and only the handshake
+// stands between the receiver and whatever it is sent. Without the right
+// server proof, Open must fail, the receiver must not send its own proof
+// (or anything else after its hello), and every descriptor it was sent must
+// be closed. With it, the receiver's proof must check out, and the stream
+// that follows must hand out only chunks that fit the ticket.
+func FuzzReceiverHandshake(f *testing.F) {
+	const count, total = 2, 2 * 4096
+	welcome := welcomeMsg{Count: count, Total: total, Kind: MemoryHost, BufferID: sampleTicket().BufferID}.encode()
+	chunks, plan := streamTranscript(total, count)
+	good := cat(welcome, chunks)
+	goodPlan := shiftPlan(plan, len(welcome))
+	for _, m := range []uint8{answerFuzzed, answerBadProof, answerGood} {
+		f.Add(m, make([]byte, challengeSize), good, goodPlan)
+	}
+	for how := byte(0); how < nearMisses; how++ {
+		f.Add(uint8(answerNearlyGood), []byte{how}, good, goodPlan)
+	}
+	f.Add(uint8(answerFuzzed), []byte{}, cat(challengeMsg{}.encode(), good), shiftPlan(goodPlan, headerSize+challengeSize))
+	f.Add(uint8(answerFuzzed), []byte{}, encodeMsg(msgBusy, nil), []byte{})
+	f.Add(uint8(answerFuzzed), []byte{}, errorMsg{Code: ENOENT, Text: "used up"}.encode(), []byte{})
+	f.Add(uint8(answerFuzzed), []byte{}, welcome, []byte{0, 0, 1})
+	f.Add(uint8(answerGood), []byte{}, cat(welcomeMsg{Count: 3, Total: total, Kind: MemoryHost}.encode(), chunks), goodPlan)
+	f.Add(uint8(answerGood), []byte{}, cat(errorMsg{Code: EAUTH, Text: "no"}.encode()), []byte{})
+	f.Fuzz(func(t *testing.T, mode uint8, challenge, data, rawPlan []byte) {
+		if len(data) > 64<<10 {
+			return
+		}
+		fdsBefore := ourFDs().now(t) // the last iteration ended with every descriptor closed
+		file := newMemfd(t, total, pattern(total, 5))
+		var proofChecked bool
+		var after []byte // what the receiver sent after its hello
+		fake := newFakeExporter(t, count, total, func(uc *net.UnixConn, tk *Ticket) {
+			c, err := newConn(uc, 5*time.Second, "server")
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			f, err := c.recv()
+			closeFD(&f.FD)
+			if err != nil || f.Type != msgHello {
+				t.Errorf("the receiver's first message: %s, %v; want a hello", msgName(f.Type), err)
+				return
+			}
+			hello, err := parseHello(f.Body)
+			if err != nil || hello.RegID != tk.RegID || hello.Flags != 0 {
+				t.Errorf("the receiver's hello %+v, %v", hello, err)
+				return
+			}
+			tr := transcript{RegID: hello.RegID, ServerPid: tk.Pid, ReceiverPid: tk.Pid, ReceiverNonce: hello.Nonce}
+			tr.TicketDigest, _ = tk.Digest()
+			raw, _ := uc.SyscallConn()
+			var sendErr error
+			send := func(b []byte, plan []fdAttach) {
+				_ = raw.Write(func(s uintptr) bool {
+					sendErr = sendWithFDs(int(s), b, plan, file)
+					return true
+				})
+			}
+			plan := parseFDPlan(rawPlan, len(data))
+			switch mode & 3 {
+			case answerFuzzed:
+				send(data, plan)
+			case answerBadProof:
+				var m challengeMsg
+				copy(m.Nonce[:], challenge)
+				copy(m.Proof[:], challenge[min(len(challenge), nonceSize):])
+				send(cat(m.encode(), data), shiftPlan2(plan, headerSize+challengeSize))
+			case answerNearlyGood:
+				tr.ServerNonce, _ = newNonce()
+				m := challengeMsg{Nonce: tr.ServerNonce, Proof: nearMissProof(tr, tk.Secret, roleServer, challenge)}
+				send(cat(m.encode(), data), shiftPlan2(plan, headerSize+challengeSize))
+			case answerGood:
+				tr.ServerNonce, _ = newNonce()
+				send(challengeMsg{Nonce: tr.ServerNonce, Proof: tr.proof(tk.Secret, roleServer)}.encode(), nil)
+				p, err := c.recv()
+				closeFD(&p.FD)
+				if err != nil || p.Type != msgProof {
+					t.Errorf("after the right challenge the receiver sent %s, %v; want its proof", msgName(p.Type), err)
+					return
+				}
+				pm, err := parseProof(p.Body)
+				if err != nil || !tr.verify(tk.Secret, roleReceiver, pm.Proof) {
+					t.Errorf("the receiver's proof does not check out (%v)", err)
+					return
+				}
+				proofChecked = true
+				send(data, plan)
+			}
+			_ = sendErr // EPIPE once the receiver gave up is fine
+			_ = uc.CloseWrite()
+			_ = uc.SetReadDeadline(time.Now().Add(5 * time.Second))
+			var buf [4096]byte
+			for {
+				n, err := uc.Read(buf[:])
+				after = append(after, buf[:n]...)
+				if err != nil {
+					break
+				}
+			}
+		})
+		start := time.Now()
+		s, err := Open(fake.tk, OpenOptions{Timeout: 2 * time.Second, Window: 2})
+		if err == nil {
+			checkStreamChunks(t, s, fake.tk)
+			s.Close()
+		}
+		took := time.Since(start)
+		fake.close()
+		if mode&3 != answerGood {
+			if err == nil {
+				t.Fatalf("Open accepted an exporter that never proved it knows the secret (mode %d)", mode&3)
+			}
+			if msgs, _ := splitMessages(after); len(after) > 0 {
+				t.Fatalf("the receiver sent %d bytes (%d messages, first %s) after its hello to an exporter that did not prove itself", len(after), len(msgs), firstName(msgs))
+			}
+		} else if !proofChecked && !t.Failed() {
+			t.Fatal("the fake exporter never checked the receiver's proof")
+		}
+		if took > 2*time.Second+3*time.Second {
+			t.Fatalf("the receiver took %v with a timeout of 2 s", took)
+		}
+		unix.Close(file)
+		ourFDs().waitFor(t, fdsBefore, "after a fuzzed exporter")
+	})
+}
+
+func firstName(msgs []rawMsg) string {
+	if len(msgs) == 0 {
+		return "none whole"
+	}
+	return msgName(msgs[0].Type)
+}
+
+// shiftPlan moves the offsets of a raw descriptor plan (3-byte entries) by
+// delta bytes.
+func shiftPlan(plan []byte, delta int) []byte {
+	out := append([]byte(nil), plan...)
+	for i := 0; i+3 <= len(out); i += 3 {
+		at := int(out[i]) | int(out[i+1])<<8
+		out[i], out[i+1] = byte(at+delta), byte((at+delta)>>8)
+	}
+	return out
+}
+
+// shiftPlan2 moves a parsed descriptor plan by delta bytes.
+func shiftPlan2(plan []fdAttach, delta int) []fdAttach {
+	out := make([]fdAttach, len(plan))
+	for i, p := range plan {
+		out[i] = fdAttach{p.at + delta, p.n}
+	}
+	return out
 }

@@ -2,11 +2,9 @@ package core
 
 import (
 	"bufio"
-	"bytes"
 	"encoding/hex"
 	"fmt"
 	"io"
-	"math/rand/v2"
 	"net"
 	"os"
 	"os/exec"
@@ -28,17 +26,27 @@ import (
 
 const helperRoleEnv = "VMMIPC_TEST_HELPER"
 
-// Helper roles.
+// Helper parts (the roles they play).
 const (
-	roleSender   = "sender"   // a server; registers on request ("register ...")
-	roleReceiver = "receiver" // pulls a ticket's chunks, can stop and wait to be killed
-	roleListener = "listener" // a plain socket on an address, not a vmmipc server
-	roleOpener   = "opener"   // tries a ticket once and reports what it got
+	partSender    = "sender"    // a server; registers on request ("register ...")
+	partReceiver  = "receiver"  // pulls a ticket's chunks, can stop and wait to be killed
+	partImpostor  = "impostor"  // a plain socket at an address, not a vmmipc server
+	partOpener    = "opener"    // tries a ticket once and reports what it got
+	partCacheEnv  = "cacheenv"  // imports with VMMIPC_CACHE_BYTES as the test set it
+	partAddrSpace = "addrspace" // imports under a tight RLIMIT_AS
+	partPidNS     = "pidns"     // runs the pid-reuse attack inside a new pid namespace
 )
 
-// faultMemfdName names the sender helper's memfds, so /proc/<pid>/maps shows
-// whether any of them is still mapped.
-const faultMemfdName = "vmmipc-fault-sender"
+// Environment of the helpers.
+const (
+	envTicket     = "VMMIPC_TEST_TICKET"      // hex ticket for receivers and openers
+	envStopAt     = "VMMIPC_TEST_STOP_AT"     // receiver: chunks to pull before waiting to be killed
+	envAddr       = "VMMIPC_TEST_ADDR"        // impostor: the address to bind
+	envListenFD   = "VMMIPC_TEST_LISTEN_FD"   // impostor: an inherited listening descriptor instead
+	envListenMode = "VMMIPC_TEST_LISTEN_MODE" // impostor: how to answer (see helperImpostor)
+	envReplay     = "VMMIPC_TEST_REPLAY"      // impostor "replay": the hex message to answer with
+	envNoFile     = "VMMIPC_TEST_NOFILE"      // sender: its soft RLIMIT_NOFILE
+)
 
 func TestHelperProcess(t *testing.T) {
 	role := os.Getenv(helperRoleEnv)
@@ -48,14 +56,20 @@ func TestHelperProcess(t *testing.T) {
 	out := &lineWriter{w: bufio.NewWriter(os.Stdout)}
 	var err error
 	switch role {
-	case roleSender:
-		err = helperSender(out)
-	case roleReceiver:
+	case partSender:
+		err = helperSender(t, out)
+	case partReceiver:
 		err = helperReceiver(out)
-	case roleListener:
-		err = helperListener(out)
-	case roleOpener:
+	case partImpostor:
+		err = helperImpostor(t, out)
+	case partOpener:
 		err = helperOpener(out)
+	case partCacheEnv:
+		err = helperCacheEnv(t, out)
+	case partAddrSpace:
+		err = helperAddrSpace(t, out)
+	case partPidNS:
+		err = helperPidNS(t, out)
 	default:
 		err = fmt.Errorf("unknown role %q", role)
 	}
@@ -79,45 +93,45 @@ func (l *lineWriter) printf(format string, args ...any) {
 	l.w.Flush()
 }
 
-// patternMemfd makes a named memfd of n bytes holding pattern(seed).
-func patternMemfd(n int, seed byte) (int, error) {
-	fd, err := unix.MemfdCreate(faultMemfdName, unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
-	if err != nil {
-		return -1, err
-	}
-	if _, err := unix.Pwrite(fd, pattern(n, seed), 0); err != nil {
-		unix.Close(fd)
-		return -1, err
-	}
-	if _, err := unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK); err != nil {
-		unix.Close(fd)
-		return -1, err
-	}
-	return fd, nil
-}
-
-// pattern is the content of test buffers: it differs per page and per seed,
-// so a chunk mapped at the wrong place or from the wrong buffer shows.
-func pattern(n int, seed byte) []byte {
-	b := make([]byte, n)
-	for i := range b {
-		b[i] = byte(i/4096) ^ byte(i) ^ seed
-	}
-	return b
-}
-
-// helperSender runs a server and obeys commands on stdin until it closes:
+// helperSender runs a server, says "serving <address>" and obeys commands
+// on stdin until it closes:
 //
 //	register <chunks> <chunk size> <uses> <block at> <seed>
-//	    → "ticket <hex>"; the exporter announces "blocked <id> <index>"
-//	      and blocks forever at chunk <block at> (-1: never)
+//	    → "ticket <hex>"; a memfd of pattern(seed) registered with
+//	      HostFile, whose descriptor the helper closes at once (the library
+//	      keeps its own). With <block at> >= 0 the exporter says
+//	      "blocked <id> <index>" and blocks forever at that chunk.
 //	live → "live <n>"
 //	goroutines → "goroutines <n>"
-func helperSender(out *lineWriter) error {
+//	exec impostor <mode> [<hex>] → the process execs itself (same pid,
+//	    same start time) as an impostor in <mode> at the server's address,
+//	    with <hex> as its VMMIPC_TEST_REPLAY
+//	exec sender → the same, as a sender again: a new server at a new
+//	    address whose ids start at 1 again
+//	fork-listener <mode> close|exit → starts a child that inherits the
+//	    listening socket and answers as an impostor in <mode> ("forked
+//	    <pid>"), hands it stdin, then closes its own server and lives on
+//	    ("closed") or exits
+func helperSender(t *testing.T, out *lineWriter) error {
+	if v := os.Getenv(envNoFile); v != "" {
+		n, err := strconv.ParseUint(v, 10, 64)
+		if err != nil {
+			return err
+		}
+		var lim unix.Rlimit
+		if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &lim); err != nil {
+			return err
+		}
+		lim.Cur = n
+		if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &lim); err != nil {
+			return err
+		}
+	}
 	s, err := NewServer("")
 	if err != nil {
 		return err
 	}
+	out.printf("serving %s", s.Addr())
 	in := bufio.NewScanner(os.Stdin)
 	for in.Scan() {
 		f := strings.Fields(in.Text())
@@ -129,49 +143,105 @@ func helperSender(out *lineWriter) error {
 					return err
 				}
 			}
-			chunks, chunkSize, uses, blockAt, seed := v[0], v[1], v[2], v[3], byte(v[4])
-			fd, err := patternMemfd(int(chunks*chunkSize), seed)
-			if err != nil {
-				return err
-			}
-			sizes, err := FileChunks(fd, uint64(chunks*chunkSize), uint64(chunkSize))
-			if err != nil {
-				return err
-			}
-			file := &FileExporter{FD: fd, ChunkSize: uint64(chunkSize)}
+			chunks, chunkSize, uses, blockAt, seed := v[0], uint64(v[1]), v[2], v[3], byte(v[4])
+			size := uint64(chunks) * chunkSize
+			fd := newMemfd(t, int(size), pattern(int(size), seed))
 			var id uint64
 			var idMu sync.Mutex
-			exp := &FuncExporter{
-				Export: func(i uint64) (int, uint64, error) {
-					if int64(i) == blockAt {
-						idMu.Lock()
-						out.printf("blocked %d %d", id, i)
-						idMu.Unlock()
-						select {} // a stalled exporter
-					}
-					return file.ExportChunk(i)
-				},
-				OnRelease: func() { unix.Close(fd) },
-			}
+			spec := hookedFile(t, fd, size, chunkSize, func(i uint64) error {
+				if int64(i) == blockAt {
+					idMu.Lock()
+					out.printf("blocked %d %d", id, i)
+					idMu.Unlock()
+					select {} // a stalled exporter
+				}
+				return nil
+			})
+			unix.Close(fd) // the library holds its own duplicate
 			idMu.Lock()
-			tk, err := s.Register(sizes, exp, RegisterOptions{Uses: uint32(uses)})
+			tk, err := s.Register(spec, RegisterOptions{Uses: uint32(uses)})
 			if err != nil {
 				idMu.Unlock()
 				return err
 			}
 			id = tk.RegID
 			idMu.Unlock()
-			b, _ := tk.Marshal()
-			out.printf("ticket %s", hex.EncodeToString(b[:]))
+			out.printf("ticket %s", ticketHex(t, tk))
 		case len(f) == 1 && f[0] == "live":
-			out.printf("live %d", s.Registry().Live())
+			out.printf("live %d", s.Live())
 		case len(f) == 1 && f[0] == "goroutines":
 			out.printf("goroutines %d", runtime.NumGoroutine())
+		case len(f) >= 2 && f[0] == "exec":
+			return execAs(s, f[1], f[2:])
+		case len(f) == 3 && f[0] == "fork-listener":
+			return forkListener(s, out, f[1], f[2])
 		default:
 			return fmt.Errorf("bad command %q", in.Text())
 		}
 	}
 	return nil
+}
+
+// execAs replaces the process with the test binary playing part (with the
+// impostor's mode and replay message in args), keeping its pid, start time
+// and stdin/stdout.
+func execAs(s *Server, part string, args []string) error {
+	exe, err := os.Executable()
+	if err != nil {
+		return err
+	}
+	// Unlike os/exec, execve keeps the first of duplicate variables: drop
+	// ours before setting them anew.
+	var env []string
+	for _, kv := range os.Environ() {
+		if k, _, _ := strings.Cut(kv, "="); k != helperRoleEnv && k != envAddr && k != envListenMode && k != envReplay {
+			env = append(env, kv)
+		}
+	}
+	switch {
+	case part == partSender && len(args) == 0:
+	case part == partImpostor && len(args) == 1:
+		env = append(env, envAddr+"="+s.Addr(), envListenMode+"="+args[0])
+	case part == partImpostor && len(args) == 2:
+		env = append(env, envAddr+"="+s.Addr(), envListenMode+"="+args[0], envReplay+"="+args[1])
+	default:
+		return fmt.Errorf("exec %s %v: not a part and arguments to exec as", part, args)
+	}
+	env = append(env, helperRoleEnv+"="+part)
+	return syscall.Exec(exe, os.Args, env) // returns only on failure
+}
+
+// forkListener starts a child holding a duplicate of the server's listening
+// socket (as fd 3), the way a forked child of the exporter would, and gives
+// it stdin. Then the exporter closes its own server and lives on without
+// reading stdin ("close"), or exits ("exit").
+func forkListener(s *Server, out *lineWriter, mode, then string) error {
+	f, err := s.ln.File()
+	if err != nil {
+		return err
+	}
+	exe, err := os.Executable()
+	if err != nil {
+		return err
+	}
+	cmd := exec.Command(exe, "-test.run=^TestHelperProcess$", "-test.timeout=5m")
+	cmd.Env = append(os.Environ(), helperRoleEnv+"="+partImpostor, envListenFD+"=3", envListenMode+"="+mode)
+	cmd.ExtraFiles = []*os.File{f}
+	cmd.Stdin, cmd.Stdout, cmd.Stderr = os.Stdin, os.Stdout, os.Stderr
+	if err := cmd.Start(); err != nil {
+		return err
+	}
+	f.Close()
+	out.printf("forked %d", cmd.Process.Pid)
+	switch then {
+	case "close":
+		s.Close()
+		out.printf("closed")
+		select {} // alive, but no longer serving
+	case "exit":
+		os.Exit(0)
+	}
+	return fmt.Errorf("fork-listener: %q is neither close nor exit", then)
 }
 
 // helperReceiver opens VMMIPC_TEST_TICKET, pulls VMMIPC_TEST_STOP_AT chunks
@@ -182,7 +252,7 @@ func helperReceiver(out *lineWriter) error {
 	if err != nil {
 		return err
 	}
-	stopAt, _ := strconv.Atoi(os.Getenv("VMMIPC_TEST_STOP_AT"))
+	stopAt, _ := strconv.Atoi(os.Getenv(envStopAt))
 	s, err := Open(tk, OpenOptions{Timeout: 10 * time.Second})
 	if err != nil {
 		return err
@@ -204,50 +274,133 @@ func helperReceiver(out *lineWriter) error {
 	}
 }
 
-// helperListener listens on VMMIPC_TEST_ADDR with a plain socket and, for
-// each connection, per VMMIPC_TEST_LISTEN_MODE: "count" reads until the
-// peer closes and says "read <n>"; "silent" says nothing and keeps the
-// connection open; "pushfd" sends a welcome with a descriptor attached.
-func helperListener(out *lineWriter) error {
-	ln, err := net.Listen("unix", os.Getenv("VMMIPC_TEST_ADDR"))
+// helperImpostor listens at VMMIPC_TEST_ADDR with a plain socket (or on the
+// inherited listening descriptor VMMIPC_TEST_LISTEN_FD), says "listening
+// <pid>", and answers each connection per VMMIPC_TEST_LISTEN_MODE:
+//
+//	count     says nothing; "read <n>" once the peer closed
+//	silent    says nothing
+//	pushfd    sends a welcome with a descriptor attached, at once
+//	skipauth  answers a hello with a welcome and a descriptor (no proof)
+//	fakeproof answers a hello with a challenge whose proof is random (it
+//	          does not know the secret)
+//	replay    answers a hello with the message in VMMIPC_TEST_REPLAY (a
+//	          challenge the real exporter gave someone else)
+//
+// It records every byte it receives. "report" on stdin waits (up to 5 s)
+// until every peer has closed and answers "report <connections> <hex of
+// all bytes received, or ->".
+func helperImpostor(t *testing.T, out *lineWriter) error {
+	var ln net.Listener
+	var err error
+	if v := os.Getenv(envListenFD); v != "" {
+		fd, _ := strconv.Atoi(v)
+		ln, err = net.FileListener(os.NewFile(uintptr(fd), "inherited listener"))
+	} else {
+		ln, err = net.Listen("unix", os.Getenv(envAddr))
+	}
 	if err != nil {
 		return err
 	}
+	mode := os.Getenv(envListenMode)
+	replay, err := hex.DecodeString(os.Getenv(envReplay))
+	if err != nil {
+		return err
+	}
+	var (
+		mu       sync.Mutex
+		conns    int    // accepted so far
+		open     int    // of which not yet closed by the peer
+		received []byte // every byte, in order of the peers' closing
+	)
+	go func() {
+		in := bufio.NewScanner(os.Stdin)
+		for in.Scan() {
+			if in.Text() != "report" {
+				out.printf("error bad command %q", in.Text())
+				continue
+			}
+			if !waitUntil(5*time.Second, func() bool { mu.Lock(); defer mu.Unlock(); return open == 0 }) {
+				out.printf("error a peer still holds its connection open 5 s later")
+				continue
+			}
+			mu.Lock()
+			h := hex.EncodeToString(received)
+			if h == "" {
+				h = "-"
+			}
+			out.printf("report %d %s", conns, h)
+			mu.Unlock()
+		}
+	}()
 	out.printf("listening %d", os.Getpid())
-	mode := os.Getenv("VMMIPC_TEST_LISTEN_MODE")
-	var held []net.Conn
 	for {
 		c, err := ln.Accept()
 		if err != nil {
 			return err
 		}
-		switch mode {
-		case "count":
-			go func() {
-				n, _ := io.Copy(io.Discard, c)
-				c.Close()
-				out.printf("read %d", n)
-			}()
-		case "silent":
-			held = append(held, c)
-		case "pushfd":
-			fd, err := patternMemfd(4096, 1)
-			if err != nil {
-				return err
+		uc := c.(*net.UnixConn)
+		mu.Lock()
+		conns++
+		open++
+		mu.Unlock()
+		go func() {
+			defer uc.Close()
+			if mode == "pushfd" {
+				sendWithDescriptor(t, uc, welcomeMsg{Count: 1, Total: 4096, Kind: MemoryHost, BufferID: 1}.encode())
 			}
-			raw, _ := c.(*net.UnixConn).SyscallConn()
-			_ = raw.Write(func(s uintptr) bool {
-				_, _ = unix.SendmsgN(int(s), welcomeMsg{Count: 1, Total: 4096, Kind: MemoryHost}.encode(), unix.UnixRights(fd), nil, unix.MSG_NOSIGNAL)
-				return true
-			})
-			unix.Close(fd)
-			held = append(held, c)
-		}
+			var got []byte
+			var hdr [headerSize]byte
+			if _, err := io.ReadFull(uc, hdr[:]); err == nil {
+				got = append(got, hdr[:]...)
+				h, err := parseHeader(hdr[:])
+				body := make([]byte, h.Len)
+				if err == nil {
+					_, err = io.ReadFull(uc, body)
+					got = append(got, body...)
+				}
+				if err == nil && h.Type == msgHello {
+					answerHello(t, uc, mode, replay)
+				}
+			}
+			rest, _ := io.ReadAll(uc)
+			got = append(got, rest...)
+			mu.Lock()
+			received = append(received, got...)
+			open--
+			mu.Unlock()
+			if mode == "count" {
+				out.printf("read %d", len(got))
+			}
+		}()
 	}
 }
 
+// answerHello is an impostor's answer to a receiver's hello.
+func answerHello(t *testing.T, uc *net.UnixConn, mode string, replay []byte) {
+	switch mode {
+	case "skipauth":
+		sendWithDescriptor(t, uc, welcomeMsg{Count: 1, Total: 4096, Kind: MemoryHost, BufferID: 1}.encode())
+	case "fakeproof":
+		var m challengeMsg
+		ns, _ := newNonce()
+		proof, _ := random32("fake proof")
+		m.Nonce, m.Proof = ns, proof
+		_, _ = uc.Write(m.encode())
+	case "replay":
+		_, _ = uc.Write(replay)
+	}
+}
+
+// sendWithDescriptor sends msg with a memfd of one page attached.
+func sendWithDescriptor(t *testing.T, uc *net.UnixConn, msg []byte) {
+	fd := newMemfd(t, 4096, pattern(4096, 1))
+	defer unix.Close(fd)
+	_, _, _ = uc.WriteMsgUnix(msg, unix.UnixRights(fd), nil)
+}
+
 // helperOpener tries VMMIPC_TEST_TICKET twice: with Open, reporting
-// "open code=<status>", and with a raw socket sending a valid hello,
+// "open code=<status>", and with a raw socket sending a well-formed hello,
 // reporting "raw code=<status of the error message, 0 if none> fds=<n>".
 func helperOpener(out *lineWriter) error {
 	tk, err := ticketFromEnv()
@@ -264,7 +417,8 @@ func helperOpener(out *lineWriter) error {
 		return err
 	}
 	defer unix.Close(fd)
-	_ = rawWrite(fd, helloMsg{RegID: tk.RegID, Secret: tk.Secret}.encode())
+	nr, _ := newNonce()
+	_ = rawWrite(fd, helloMsg{RegID: tk.RegID, Nonce: nr}.encode())
 	r := rawReadAll(fd, 5*time.Second)
 	msgs, _ := splitMessages(r.Data)
 	code := 0
@@ -275,8 +429,119 @@ func helperOpener(out *lineWriter) error {
 	return nil
 }
 
+// helperCacheEnv registers a memfd of 16 pages with a server of its own,
+// imports it once with VMMIPC_CACHE_BYTES as the test set it, and reports
+// "import code=<status> <message>" and, after unmapping, "cache limit=<n>
+// entries=<n>".
+func helperCacheEnv(t *testing.T, out *lineWriter) error {
+	s, err := NewServer("")
+	if err != nil {
+		return err
+	}
+	fd := newMemfd(t, 16*4096, pattern(16*4096, 4))
+	tk := registerFile(t, s, fd, 16*4096, 4096, RegisterOptions{})
+	unix.Close(fd)
+	r, err := Import(tk, DeviceHost, ImportOptions{}, nil)
+	out.printf("import code=%d %v", CodeOf(err), err)
+	if err == nil {
+		if verr := verifyRef(r, 4); verr != nil {
+			return verr
+		}
+		if err := Unmap(r.ID, r.Base); err != nil {
+			return err
+		}
+	}
+	info := GetCacheInfo()
+	out.printf("cache limit=%d entries=%d", info.LimitBytes, info.Entries)
+	return nil
+}
+
+// helperAddrSpace lowers its own soft RLIMIT_AS to 1 GiB above what it uses
+// and reports what checkAddressSpace and Import say for sizes that fit and
+// that do not: "check <bytes> code=<status> <message>", then for a 2 GiB
+// import "import code=<status> fds=<before>/<after> maps=<n> <message>",
+// and "retry code=<status>" for the same import once the limit is back.
+func helperAddrSpace(t *testing.T, out *lineWriter) error {
+	s, err := NewServer("")
+	if err != nil {
+		return err
+	}
+	const big = 2 << 30
+	fd := newMemfd(t, big, nil) // sparse: takes no memory
+	tk := registerFile(t, s, fd, big, 64<<20, RegisterOptions{Uses: 1})
+	unix.Close(fd)
+
+	var saved unix.Rlimit
+	if err := unix.Getrlimit(unix.RLIMIT_AS, &saved); err != nil {
+		return err
+	}
+	used, err := addressSpaceInUse()
+	if err != nil {
+		return err
+	}
+	tight := saved
+	tight.Cur = used + 1<<30
+	if err := unix.Setrlimit(unix.RLIMIT_AS, &tight); err != nil {
+		return err
+	}
+	for _, need := range []uint64{64 << 20, big} {
+		err := checkAddressSpace(need)
+		out.printf("check %d code=%d %v", need, CodeOf(err), err)
+	}
+	before := ourFDs().settled(t)
+	_, err = Import(tk, DeviceHost, ImportOptions{}, nil)
+	after := ourFDs().settled(t) // the server's end of the session closes asynchronously
+	maps, _ := memfdMappings(t)
+	out.printf("import code=%d fds=%d/%d maps=%d %v", CodeOf(err), before, after, maps, err)
+	if err := unix.Setrlimit(unix.RLIMIT_AS, &saved); err != nil {
+		return err
+	}
+	r, err := Import(tk, DeviceHost, ImportOptions{}, nil)
+	if err == nil {
+		err = Unmap(r.ID, r.Base)
+	}
+	out.printf("retry code=%d %v", CodeOf(err), err)
+	return nil
+}
+
+// helperPidNS is the first process of a new pid namespace (see
+// TestImpostorReusesPid). It starts a sender, takes a ticket, kills the
+// sender, hands its pid to an impostor (through ns_last_pid) at the
+// sender's address, imports the ticket and reports "ticket <hex>", then
+// "result code=<status> took=<ms> ticket-start=<t> impostor-start=<t>
+// report=<impostor's report> <message>", or "skip <why>".
+func helperPidNS(t *testing.T, out *lineWriter) error {
+	sender := startHelper(t, partSender, helperOpts{})
+	tk := sender.register(4, 4096, 1, -1, 2)
+	out.printf("ticket %s", ticketHex(t, tk))
+	pid := sender.pid()
+	sender.kill()
+	if err := os.WriteFile("/proc/sys/kernel/ns_last_pid", []byte(itoa(pid-1)), 0); err != nil {
+		out.printf("skip cannot choose the next pid in the namespace (ns_last_pid): %v", err)
+		return nil
+	}
+	imp := startHelper(t, partImpostor, helperOpts{env: []string{envAddr + "=" + tk.Address, envListenMode + "=fakeproof"}})
+	imp.expect("listening", 10*time.Second)
+	if imp.pid() != pid {
+		out.printf("skip the impostor got pid %d, not the exporter's %d", imp.pid(), pid)
+		return nil
+	}
+	impStart, err := processStartTime(pid)
+	if err != nil {
+		return err
+	}
+	start := time.Now()
+	_, err = Import(tk, DeviceHost, ImportOptions{OpenOptions: OpenOptions{Timeout: 10 * time.Second}}, nil)
+	took := time.Since(start)
+	imp.send("report")
+	report := imp.expect("report ", 10*time.Second)
+	out.printf("result code=%d took=%d ticket-start=%d impostor-start=%d report=%s %v",
+		CodeOf(err), took.Milliseconds(), tk.StartTime, impStart, strings.ReplaceAll(report, " ", ","), err)
+	return nil
+}
+
 func ticketFromEnv() (*Ticket, error) {
-	b, err := hex.DecodeString(os.Getenv("VMMIPC_TEST_TICKET"))
+	b, err := hex.DecodeString(os.Getenv(envTicket))
 	if err != nil {
 		return nil, err
 	}
@@ -291,47 +556,89 @@ func ticketHex(t testing.TB, tk *Ticket) string {
 	return hex.EncodeToString(b[:])
 }
 
+func decodeTicketHex(t testing.TB, s string) *Ticket {
+	t.Helper()
+	b, err := hex.DecodeString(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tk, err := DecodeTicket(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tk
+}
+
+// helperOpts are how a helper is started.
+type helperOpts struct {
+	env  []string
+	cred *syscall.Credential // run as this user
+	bin  string              // this binary instead of the test binary
+	wrap []string            // a command that runs the binary (unshare ...)
+}
+
 // helper is a running helper process as the test sees it.
 type helper struct {
 	t     testing.TB
 	cmd   *exec.Cmd
-	stdin io.WriteCloser
-	lines chan string
+	stdin *os.File
+	lines chan string   // closed once every writer of its stdout is gone
 	done  chan struct{} // closed once the process was reaped
 	mu    sync.Mutex
 	err   error // its exit status
 }
 
-// startHelper starts the test binary (or bin, when not empty) as role.
-func startHelper(t testing.TB, role string, env []string, cred *syscall.Credential, bin string) *helper {
+// startHelper starts the test binary as role. Its stdin and stdout are
+// plain pipes, so that a child it hands them to (fork-listener) can use them
+// after it exited, and it is reaped as soon as it exits.
+func startHelper(t testing.TB, role string, o helperOpts) *helper {
 	t.Helper()
+	bin := o.bin
 	if bin == "" {
-		bin = os.Args[0]
+		var err error
+		if bin, err = os.Executable(); err != nil {
+			t.Fatal(err)
+		}
 	}
-	cmd := exec.Command(bin, "-test.run=^TestHelperProcess$", "-test.timeout=5m")
-	cmd.Env = append(append(os.Environ(), helperRoleEnv+"="+role), env...)
+	args := append(append([]string(nil), o.wrap...), bin, "-test.run=^TestHelperProcess$", "-test.timeout=5m")
+	cmd := exec.Command(args[0], args[1:]...)
+	cmd.Env = append(append(os.Environ(), helperRoleEnv+"="+role), o.env...)
 	cmd.Stderr = os.Stderr
-	if cred != nil {
-		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: cred}
+	if o.cred != nil {
+		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: o.cred}
 	}
-	stdin, err := cmd.StdinPipe()
+	inR, inW, err := os.Pipe()
 	if err != nil {
 		t.Fatal(err)
 	}
-	stdout, err := cmd.StdoutPipe()
+	outR, outW, err := os.Pipe()
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := cmd.Start(); err != nil {
+	cmd.Stdin, cmd.Stdout = inR, outW
+	err = cmd.Start()
+	inR.Close()
+	outW.Close()
+	if err != nil {
+		inW.Close()
+		outR.Close()
 		t.Fatalf("starting the %s helper: %v", role, err)
 	}
-	h := &helper{t: t, cmd: cmd, stdin: stdin, lines: make(chan string, 1024), done: make(chan struct{})}
+	h := &helper{t: t, cmd: cmd, stdin: inW, lines: make(chan string, 1024), done: make(chan struct{})}
 	go func() {
-		sc := bufio.NewScanner(stdout)
+		sc := bufio.NewScanner(outR)
+		sc.Buffer(nil, 1<<20)
 		for sc.Scan() {
 			h.lines <- sc.Text()
 		}
+		outR.Close()
+		// No process is left that could answer (the helper, or a child it
+		// handed its stdout and stdin to): stop talking to it, so that a
+		// helper that has finished holds no descriptor here.
+		h.stdin.Close()
 		close(h.lines)
+	}()
+	go func() {
 		err := cmd.Wait()
 		h.mu.Lock()
 		h.err = err
@@ -344,6 +651,12 @@ func startHelper(t testing.TB, role string, env []string, cred *syscall.Credenti
 
 func (h *helper) pid() int { return h.cmd.Process.Pid }
 
+func (h *helper) exitErr() error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.err
+}
+
 // expect waits for the next line that starts with prefix (skipping the test
 // framework's own output) and returns the rest of it.
 func (h *helper) expect(prefix string, timeout time.Duration) string {
@@ -353,8 +666,7 @@ func (h *helper) expect(prefix string, timeout time.Duration) string {
 		select {
 		case l, ok := <-h.lines:
 			if !ok {
-				<-h.done
-				h.t.Fatalf("helper %d exited (%v) before saying %q", h.pid(), h.err, prefix)
+				h.t.Fatalf("helper %d: its output ended (exit: %v) before it said %q", h.pid(), h.exitErr(), prefix)
 			}
 			if strings.HasPrefix(l, "error ") {
 				h.t.Fatalf("helper %d: %s", h.pid(), l)
@@ -364,6 +676,34 @@ func (h *helper) expect(prefix string, timeout time.Duration) string {
 			}
 		case <-deadline:
 			h.t.Fatalf("helper %d did not say %q within %v", h.pid(), prefix, timeout)
+		}
+	}
+}
+
+// expectAll waits for lines starting with each of prefixes, in any order.
+func (h *helper) expectAll(timeout time.Duration, prefixes ...string) {
+	h.t.Helper()
+	deadline := time.After(timeout)
+	missing := map[string]bool{}
+	for _, p := range prefixes {
+		missing[p] = true
+	}
+	for len(missing) > 0 {
+		select {
+		case l, ok := <-h.lines:
+			if !ok {
+				h.t.Fatalf("helper %d: its output ended (exit: %v) before it said %v", h.pid(), h.exitErr(), missing)
+			}
+			if strings.HasPrefix(l, "error ") {
+				h.t.Fatalf("helper %d: %s", h.pid(), l)
+			}
+			for p := range missing {
+				if strings.HasPrefix(l, p) {
+					delete(missing, p)
+				}
+			}
+		case <-deadline:
+			h.t.Fatalf("helper %d did not say %v within %v", h.pid(), missing, timeout)
 		}
 	}
 }
@@ -379,21 +719,25 @@ func (h *helper) send(line string) {
 func (h *helper) kill() {
 	_ = h.cmd.Process.Signal(syscall.SIGKILL)
 	<-h.done
+	timeout := time.After(10 * time.Second)
+	for { // until its output ends, which closes stdin
+		select {
+		case _, ok := <-h.lines:
+			if !ok {
+				return
+			}
+		case <-timeout:
+			h.t.Errorf("helper %d was killed 10 s ago, but its stdout is still open (a child of it holds it?)", h.pid())
+			return
+		}
+	}
 }
 
 // register asks a sender helper for a registration and returns its ticket.
 func (h *helper) register(chunks, chunkSize, uses, blockAt int, seed byte) *Ticket {
 	h.t.Helper()
 	h.send(fmt.Sprintf("register %d %d %d %d %d", chunks, chunkSize, uses, blockAt, seed))
-	b, err := hex.DecodeString(h.expect("ticket ", 10*time.Second))
-	if err != nil {
-		h.t.Fatal(err)
-	}
-	tk, err := DecodeTicket(b)
-	if err != nil {
-		h.t.Fatal(err)
-	}
-	return tk
+	return decodeTicketHex(h.t, h.expect("ticket ", 10*time.Second))
 }
 
 // live asks a sender helper how many registrations it still holds.
@@ -425,125 +769,30 @@ func (h *helper) goroutines(want int) int {
 	}
 }
 
-// procFDs counts the open descriptors of process pid.
-// samplePeakFDs samples pid's descriptor count every 200 µs until the
-// returned function is called, which returns the highest count seen.
-func samplePeakFDs(pid int) (stop func() int) {
-	done := make(chan struct{})
-	peak := make(chan int)
-	go func() {
-		most := 0
-		for {
-			if n, err := countProcFDs(pid); err == nil { // no t.Fatal off the test goroutine
-				most = max(most, n)
-			}
-			select {
-			case <-done:
-				peak <- most
-				return
-			case <-time.After(200 * time.Microsecond):
-			}
-		}
-	}()
-	return func() int {
-		close(done)
-		return <-peak
-	}
+// report asks an impostor what it received: how many connections, and
+// every byte.
+func (h *helper) report() (conns int, received []byte) {
+	h.t.Helper()
+	h.send("report")
+	return parseReport(h.t, h.expect("report ", 10*time.Second))
 }
 
-func procFDs(t testing.TB, pid int) int {
+func parseReport(t testing.TB, s string) (int, []byte) {
 	t.Helper()
-	n, err := countProcFDs(pid)
+	f := strings.Fields(strings.ReplaceAll(s, ",", " "))
+	if len(f) != 2 {
+		t.Fatalf("impostor report %q", s)
+	}
+	n, err := strconv.Atoi(f[0])
 	if err != nil {
 		t.Fatal(err)
 	}
-	return n
-}
-
-func countProcFDs(pid int) (int, error) {
-	ents, err := os.ReadDir(fmt.Sprintf("/proc/%d/fd", pid))
-	return len(ents), err
-}
-
-// waitProcFDs waits up to 3 s for process pid to hold at most want
-// descriptors and returns the last count.
-func waitProcFDs(t testing.TB, pid, want int) int {
-	t.Helper()
-	deadline := time.Now().Add(3 * time.Second)
-	n := procFDs(t, pid)
-	for n > want && time.Now().Before(deadline) {
-		time.Sleep(time.Millisecond)
-		n = procFDs(t, pid)
+	if f[1] == "-" {
+		return n, nil
 	}
-	return n
-}
-
-// recordingImporter is a HostImporter that remembers its reserved range and
-// can act when a chunk arrives (to kill a peer at a chosen chunk).
-type recordingImporter struct {
-	HostImporter
-	base, size uint64
-	onMap      func(index uint64)
-}
-
-func (r *recordingImporter) Reserve(total uint64) (uint64, error) {
-	base, err := r.HostImporter.Reserve(total)
-	r.base, r.size = base, roundUp(total, pageSize)
-	return base, err
-}
-
-func (r *recordingImporter) Map(c Chunk) error {
-	if r.onMap != nil {
-		r.onMap(c.Index)
-	}
-	return r.HostImporter.Map(c)
-}
-
-// checkRangeUnmapped fails if /proc/self/maps still shows anything in
-// [base, base+size) or any mapping of the fault helpers' memfds.
-func checkRangeUnmapped(t testing.TB, base, size uint64) {
-	t.Helper()
-	maps, err := os.ReadFile("/proc/self/maps")
+	b, err := hex.DecodeString(f[1])
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, line := range strings.Split(string(maps), "\n") {
-		if line == "" {
-			continue
-		}
-		if strings.Contains(line, faultMemfdName) {
-			t.Fatalf("a sender's memfd is still mapped: %s", line)
-		}
-		var lo, hi uint64
-		if _, err := fmt.Sscanf(line, "%x-%x", &lo, &hi); err != nil {
-			continue
-		}
-		if size > 0 && lo < base+size && base < hi {
-			t.Fatalf("[%#x, %#x) still has a mapping after the failed import: %s", base, base+size, line)
-		}
-	}
+	return n, b
 }
-
-// verifyMapping checks a finished import byte for byte against pattern(seed).
-func verifyMapping(m *Mapping, seed byte) error {
-	want := pattern(int(m.Size), seed)
-	if got := bytesAt(m.Base, m.Size); !bytes.Equal(got, want) {
-		for i := range want {
-			if got[i] != want[i] {
-				return fmt.Errorf("byte %d (chunk %d) is %#x, want %#x", i, i/4096, got[i], want[i])
-			}
-		}
-	}
-	return nil
-}
-
-// trials returns n, or short under -short.
-func trials(n, short int) int {
-	if testing.Short() {
-		return short
-	}
-	return n
-}
-
-// randIndex picks a chunk index in [0, n).
-func randIndex(n int) int { return rand.IntN(n) }

@@ -2,7 +2,6 @@ package core
 
 import (
 	"fmt"
-	"net"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -31,30 +30,36 @@ const hostileChunks = 8
 func newHostileSetup(t *testing.T) *hostileSetup {
 	t.Helper()
 	s := newTestServer(t)
-	fd, err := patternMemfd(hostileChunks*4096, 5)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { unix.Close(fd) })
-	sizes, _ := FileChunks(fd, hostileChunks*4096, 4096)
-	tk, err := s.Register(sizes, &FileExporter{FD: fd, ChunkSize: 4096}, RegisterOptions{Uses: 1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return &hostileSetup{s: s, tk: tk, fdsBefore: settledFDs(t)}
+	fd := newMemfd(t, hostileChunks*4096, pattern(hostileChunks*4096, 5))
+	tk := registerFile(t, s, fd, hostileChunks*4096, 4096, RegisterOptions{Uses: 1})
+	unix.Close(fd)
+	return &hostileSetup{s: s, tk: tk, fdsBefore: ourFDs().settled(t)}
 }
 
-// exchange sends msg on a fresh raw connection, half-closes, and returns the
-// server's messages and where descriptors arrived.
-func (h *hostileSetup) exchange(t *testing.T, msg []byte) ([]rawMsg, rawReply) {
+// exchange sends msg on a connection (authenticated first, when authed),
+// half-closes, and returns the server's messages and where descriptors
+// arrived.
+func (h *hostileSetup) exchange(t *testing.T, authed bool, msg []byte) ([]rawMsg, rawReply) {
 	t.Helper()
-	fd, err := rawDial(h.s.Addr())
-	if err != nil {
-		t.Fatal(err)
+	var fd int
+	if authed {
+		fd = rawAuthenticate(t, h.tk, 0)
+	} else {
+		var err error
+		if fd, err = rawDial(h.s.Addr()); err != nil {
+			t.Fatal(err)
+		}
 	}
 	defer unix.Close(fd)
 	_ = rawWrite(fd, msg)
 	_ = unix.Shutdown(fd, unix.SHUT_WR)
+	return readReply(t, fd)
+}
+
+// readReply reads a server's reply until it closes and checks that it is
+// well formed, with descriptors only on chunk messages.
+func readReply(t *testing.T, fd int) ([]rawMsg, rawReply) {
+	t.Helper()
 	r := rawReadAll(fd, 5*time.Second)
 	if r.Err != nil {
 		t.Fatalf("reading the server's answer: %v", r.Err)
@@ -87,44 +92,64 @@ func expectRefused(t *testing.T, msgs []rawMsg, r rawReply, code Code, want stri
 
 func (h *hostileSetup) check(t *testing.T) {
 	t.Helper()
-	waitFDs(t, h.fdsBefore)
+	ourFDs().waitFor(t, h.fdsBefore, "after the hostile peer")
 	m, err := importRetry(h.tk)
 	if err != nil {
 		t.Fatalf("a legitimate receiver after the hostile one: %v", err)
 	}
-	verr := verifyMapping(m, 5)
+	verr := verifyRef(m, 5)
 	if err := Unmap(m.ID, m.Base); err != nil {
 		t.Fatal(err)
 	}
 	if verr != nil {
 		t.Fatal(verr)
 	}
-	waitFDs(t, h.fdsBefore) // the server closes its end of our stream too
+	// The registration's descriptor is closed now that its use is spent.
+	ourFDs().waitFor(t, h.fdsBefore-1, "after the legitimate receiver")
 }
 
-func (h *hostileSetup) hello() []byte {
-	return helloMsg{RegID: h.tk.RegID, Secret: h.tk.Secret}.encode()
-}
-
-func cat(bs ...[]byte) []byte {
-	var out []byte
-	for _, b := range bs {
-		out = append(out, b...)
-	}
-	return out
-}
-
-func TestHostileWrongSecret(t *testing.T) {
+// TestHostileWrongProof: peers that cannot prove they know the secret get
+// nothing but a refusal, and spend no use.
+func TestHostileWrongProof(t *testing.T) {
 	h := newHostileSetup(t)
 	bad := h.tk.Secret
 	bad[31] ^= 1
-	msgs, r := h.exchange(t, cat(helloMsg{RegID: h.tk.RegID, Secret: bad}.encode(), pullMsg{0, hostileChunks}.encode()))
-	expectRefused(t, msgs, r, EAUTH, "wrong secret", 0)
-	if len(msgs) != 1 {
-		t.Fatalf("the server sent %d messages to a client with a wrong secret", len(msgs))
+	// A proof under another secret.
+	s, first := rawHello(t, h.tk, 0)
+	if first.Type != msgChallenge {
+		t.Fatalf("hello answered with %s", describeMsg(first))
 	}
-	msgs, r = h.exchange(t, helloMsg{RegID: h.tk.RegID + 99, Secret: h.tk.Secret}.encode())
+	_ = rawWrite(s.fd, cat(s.proof(bad), pullMsg{0, hostileChunks}.encode()))
+	_ = unix.Shutdown(s.fd, unix.SHUT_WR)
+	msgs, r := readReply(t, s.fd)
+	unix.Close(s.fd)
+	expectRefused(t, msgs, r, EAUTH, "does not check out", 0)
+	if len(msgs) != 1 {
+		t.Fatalf("the server sent %d messages to a client with a wrong proof", len(msgs))
+	}
+	// The server's own proof sent back as the receiver's (reflection).
+	s, _ = rawHello(t, h.tk, 0)
+	ch, _ := parseChallenge(s.challenge[headerSize:])
+	_ = rawWrite(s.fd, proofMsg{Proof: ch.Proof}.encode())
+	_ = unix.Shutdown(s.fd, unix.SHUT_WR)
+	msgs, r = readReply(t, s.fd)
+	unix.Close(s.fd)
+	expectRefused(t, msgs, r, EAUTH, "does not check out", 0)
+	// No proof at all: a pull right after the challenge.
+	s, _ = rawHello(t, h.tk, 0)
+	_ = rawWrite(s.fd, pullMsg{0, hostileChunks}.encode())
+	_ = unix.Shutdown(s.fd, unix.SHUT_WR)
+	msgs, r = readReply(t, s.fd)
+	unix.Close(s.fd)
+	expectRefused(t, msgs, r, EINVAL, "expected proof, got pull", 0)
+	// An unknown registration is refused before any challenge.
+	msgs, r = h.exchange(t, false, helloMsg{RegID: h.tk.RegID + 99}.encode())
 	expectRefused(t, msgs, r, ENOENT, "unknown", 0)
+	if len(msgs) != 1 {
+		t.Fatalf("the server sent %d messages for an unknown registration", len(msgs))
+	}
+	// A receiver with a forged secret refuses the real server (whose proof
+	// it cannot check) before sending anything but its hello.
 	forged := *h.tk
 	forged.Secret = bad
 	if _, err := Open(&forged, OpenOptions{}); CodeOf(err) != EAUTH {
@@ -136,7 +161,7 @@ func TestHostileWrongSecret(t *testing.T) {
 func TestHostilePulls(t *testing.T) {
 	for _, tc := range []struct {
 		name   string
-		after  []byte // sent after a valid hello
+		after  []byte // sent after the handshake
 		chunks int    // chunk descriptors before the refusal
 		want   string
 	}{
@@ -149,11 +174,13 @@ func TestHostilePulls(t *testing.T) {
 		{"goes back", cat(pullMsg{0, 3}.encode(), pullMsg{2, 1}.encode()), 3, "out of order"},
 		{"done too early", cat(pullMsg{0, 3}.encode(), encodeMsg(msgDone, nil)), 3, "done after 3 of 8"},
 		{"second hello", cat(pullMsg{0, 1}.encode(), helloMsg{}.encode()), 1, "unexpected hello"},
+		{"second proof", cat(pullMsg{0, 1}.encode(), proofMsg{}.encode()), 1, "unexpected proof"},
+		{"a status query", statusMsg{BufferID: 1}.encode(), 0, "unexpected status"},
 		{"sends an error", errorMsg{Code: EIO, Text: "x"}.encode(), 0, "unexpected error"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			h := newHostileSetup(t)
-			msgs, r := h.exchange(t, cat(h.hello(), tc.after))
+			msgs, r := h.exchange(t, true, tc.after)
 			if msgs[0].Type != msgWelcome {
 				t.Fatalf("first answer is %s, want welcome", msgName(msgs[0].Type))
 			}
@@ -178,18 +205,20 @@ func TestHostileMalformedMessages(t *testing.T) {
 		{"truncated body", helloMsg{}.encode()[:40], ""},
 		{"empty", nil, ""},
 		{"garbage", []byte("GET / HTTP/1.1\r\nHost: vmmipc\r\n\r\n"), "bad magic"},
+		{"protocol 1", hdr(helloMsg{}.encode(), func(b []byte) { b[4] = 1 }), "version 1"},
 		{"wrong version", hdr(helloMsg{}.encode(), func(b []byte) { b[4] = 9 }), "version 9"},
 		{"reserved bits", hdr(helloMsg{}.encode(), func(b []byte) { b[13] = 1 }), "reserved"},
 		{"oversized body", hdr(helloMsg{}.encode(), func(b []byte) { b[8], b[9] = 0, 0x40 }), "hello message body of 16384 bytes"},
 		{"4 GiB body", hdr(helloMsg{}.encode(), func(b []byte) { b[8], b[9], b[10], b[11] = 0xff, 0xff, 0xff, 0xff }), "body of 4294967295 bytes"},
-		{"short hello", hdr(helloMsg{}.encode()[:headerSize+47], func(b []byte) { b[8] = 47 }), "hello message body of 47 bytes"},
-		{"hello flags", helloMsg{Flags: 1}.encode(), "flags"},
+		{"short hello", hdr(helloMsg{}.encode()[:headerSize+helloSize-1], func(b []byte) { b[8] = helloSize - 1 }), fmt.Sprintf("hello message body of %d bytes", helloSize-1)},
+		{"hello flags", helloMsg{Flags: 1 << 1}.encode(), "flags"},
 		{"pull first", pullMsg{0, 1}.encode(), "expected hello, got pull"},
+		{"proof first", proofMsg{}.encode(), "expected hello, got proof"},
 		{"unknown type", hdr(encodeMsg(msgDone, nil), func(b []byte) { b[5] = 42 }), "unknown message type 42"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			h := newHostileSetup(t)
-			msgs, r := h.exchange(t, tc.msg)
+			msgs, r := h.exchange(t, false, tc.msg)
 			if tc.want == "" {
 				if len(msgs) != 0 || len(r.FDAt) != 0 {
 					t.Fatalf("got %d messages and %d descriptors for a message cut short", len(msgs), len(r.FDAt))
@@ -203,123 +232,141 @@ func TestHostileMalformedMessages(t *testing.T) {
 }
 
 // TestHostileReceiverSendsDescriptor: descriptors sent to the server, with
-// the hello or while streaming, are closed by it and the receiver refused.
+// the hello, with the proof or while streaming, are closed by it and the
+// receiver refused.
 func TestHostileReceiverSendsDescriptor(t *testing.T) {
 	for _, tc := range []struct {
 		name   string
-		before []byte // sent plain first
-		with   []byte // sent with the descriptors attached
+		stage  int // 0: with the hello, 1: with the proof, 2: with the second pull
 		chunks int
 	}{
-		{"with hello", nil, nil, 0},
-		{"with a pull", pullMsg{0, 1}.encode(), pullMsg{1, 1}.encode(), 1},
+		{"with hello", 0, 0},
+		{"with the proof", 1, 0},
+		{"with a pull", 2, 1},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			h := newHostileSetup(t)
-			fd, err := rawDial(h.s.Addr())
-			if err != nil {
-				t.Fatal(err)
-			}
-			file, err := patternMemfd(4096, 1)
-			if err != nil {
-				t.Fatal(err)
-			}
-			first, with := h.hello(), tc.with
-			if tc.before != nil {
-				first = cat(h.hello(), tc.before)
-			} else {
-				first, with = nil, h.hello()
-			}
-			if err := rawWrite(fd, first); err != nil {
-				t.Fatal(err)
-			}
-			if tc.before != nil {
+			file := newMemfd(t, 4096, pattern(4096, 1))
+			var fd int
+			var with []byte
+			switch tc.stage {
+			case 0:
+				var err error
+				if fd, err = rawDial(h.s.Addr()); err != nil {
+					t.Fatal(err)
+				}
+				nr, _ := newNonce()
+				with = helloMsg{RegID: h.tk.RegID, Nonce: nr}.encode()
+			case 1:
+				s, _ := rawHello(t, h.tk, 0)
+				fd, with = s.fd, s.proof(h.tk.Secret)
+			case 2:
+				fd = rawAuthenticate(t, h.tk, 0)
+				if err := rawWrite(fd, pullMsg{0, 1}.encode()); err != nil {
+					t.Fatal(err)
+				}
 				time.Sleep(20 * time.Millisecond) // let the server act on it first
+				with = pullMsg{1, 1}.encode()
 			}
 			if err := sendWithFDs(fd, with, []fdAttach{{0, 1}}, file); err != nil {
 				t.Fatal(err)
 			}
 			unix.Close(file)
 			_ = unix.Shutdown(fd, unix.SHUT_WR)
-			r := rawReadAll(fd, 5*time.Second)
-			msgs, err := splitMessages(r.Data)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if err := checkFDsOnChunks(msgs, r.FDAt); err != nil {
-				t.Fatal(err)
-			}
-			expectRefused(t, msgs, r, EINVAL, "must not send descriptors", tc.chunks)
+			msgs, r := readReply(t, fd)
 			unix.Close(fd)
+			expectRefused(t, msgs, r, EINVAL, "must not send descriptors", tc.chunks)
+			for _, m := range msgs {
+				if tc.stage < 2 && (m.Type == msgWelcome || m.Type == msgChunk) {
+					t.Fatalf("a %s reached a receiver that sent a descriptor before authenticating", msgName(m.Type))
+				}
+			}
 			h.check(t) // counts descriptors: the server closed the one we sent
 		})
 	}
 }
 
-// TestHostileSilentClient: a client that connects and never speaks does not
-// hold up other receivers, and is dropped after the hello timeout.
+// TestHostileSilentClient: clients that connect and never finish their
+// handshake (silent, stopping after the hello, or dribbling a hello a byte
+// at a time) do not hold up other receivers, and are dropped once the
+// handshake deadline passes (counted from the connection, not per byte),
+// without a word.
 func TestHostileSilentClient(t *testing.T) {
-	saved := helloTimeout
-	helloTimeout = 2 * time.Second
 	h := newHostileSetup(t)
-	defer func() {
-		// Restore only once no serve goroutine is left to read it (s.mu
-		// orders their exit before our write).
-		deadline := time.Now().Add(5 * time.Second)
-		for time.Now().Before(deadline) {
-			h.s.mu.Lock()
-			n := h.s.conns
-			h.s.mu.Unlock()
-			if n == 0 {
-				break
-			}
-			time.Sleep(time.Millisecond)
-		}
-		helloTimeout = saved
-	}()
+	start := time.Now()
 	silent, err := rawDial(h.s.Addr())
 	if err != nil {
 		t.Fatal(err)
 	}
-	start := time.Now()
-	m, err := ImportStream(h.tk, &HostImporter{}, -1, OpenOptions{})
+	stalled, _ := rawHello(t, h.tk, 0) // challenged, never proves
+	dribbler, err := rawDial(h.s.Addr())
 	if err != nil {
-		t.Fatalf("a receiver next to a silent client: %v", err)
+		t.Fatal(err)
 	}
-	took := time.Since(start)
-	verr := verifyMapping(m, 5)
+	dribbled := make(chan struct{})
+	go func() {
+		defer close(dribbled)
+		nr, _ := newNonce()
+		hello := helloMsg{RegID: h.tk.RegID, Nonce: nr}.encode()
+		for _, b := range hello {
+			if rawWrite(dribbler, []byte{b}) != nil {
+				return
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+	}()
+
+	importStart := time.Now()
+	m, err := Import(h.tk, DeviceHost, ImportOptions{}, nil)
+	took := time.Since(importStart)
+	if err != nil {
+		t.Fatalf("a receiver next to idle clients: %v", err)
+	}
+	verr := verifyRef(m, 5)
 	Unmap(m.ID, m.Base)
 	if verr != nil {
 		t.Fatal(verr)
 	}
-	if took > helloTimeout/2 {
-		t.Fatalf("a receiver next to a silent client took %v", took)
+	if took > handshakeTimeout/2 {
+		t.Fatalf("a receiver next to idle clients took %v", took)
 	}
-	r := rawReadAll(silent, 5*time.Second)
-	if r.Err != nil || len(r.FDAt) != 0 || len(r.Data) != 0 {
-		t.Fatalf("the silent client got %d bytes, %d descriptors, err %v; want a plain close", len(r.Data), len(r.FDAt), r.Err)
+	for _, c := range []struct {
+		name string
+		fd   int
+	}{{"silent", silent}, {"stalled after its hello", stalled.fd}, {"dribbling", dribbler}} {
+		r := rawReadAll(c.fd, 5*time.Second)
+		d := time.Since(start)
+		if r.Err != nil || len(r.FDAt) != 0 || len(r.Data) != 0 {
+			t.Fatalf("the %s client got %d bytes, %d descriptors, err %v; want a plain close", c.name, len(r.Data), len(r.FDAt), r.Err)
+		}
+		if d > handshakeTimeout+promptly {
+			t.Fatalf("the %s client was dropped after %v, handshake timeout %v", c.name, d, handshakeTimeout)
+		}
+		if d < handshakeTimeout-100*time.Millisecond {
+			t.Fatalf("the %s client was dropped after %v, before the handshake timeout %v", c.name, d, handshakeTimeout)
+		}
+		unix.Close(c.fd)
 	}
-	if d := time.Since(start); d > helloTimeout+promptly {
-		t.Fatalf("the silent client was dropped after %v, hello timeout %v", d, helloTimeout)
-	}
-	unix.Close(silent)
-	waitFDs(t, h.fdsBefore)
+	<-dribbled
+	ourFDs().waitFor(t, h.fdsBefore-1, "after the idle clients (and the only use)")
 }
 
 // TestHostileConnectionFlood opens 2000 connections to a sender process and
-// holds them open. Its descriptor count must stay bounded (the server
-// refuses connections beyond maxConns), and once the flood ends a
-// legitimate receiver gets the whole buffer.
+// holds them open. Its descriptor count must stay bounded (the server holds
+// at most connLimit connections), no flooding connection gets a
+// descriptor, and once the flood ends a legitimate receiver gets the whole
+// buffer.
 func TestHostileConnectionFlood(t *testing.T) {
 	const flood = 2000
-	sender := startHelper(t, roleSender, nil, nil, "")
+	sender := startHelper(t, partSender, helperOpts{})
+	senderFDs := fdsOf(sender.pid())
 	tk := sender.register(64, 4096, 1, -1, 3)
-	base := procFDs(t, sender.pid())
+	base := senderFDs.settled(t)
 	baseG := sender.goroutines(1 << 30)
 	bound := base + maxConns + 8
-	fdsBefore := settledFDs(t)
+	fdsBefore := ourFDs().settled(t)
 
-	stopSampling := samplePeakFDs(sender.pid())
+	stopSampling := senderFDs.samplePeak()
 	var conns []int
 	for i := 0; i < flood; i++ {
 		fd, err := rawDial(tk.Address)
@@ -333,40 +380,43 @@ func TestHostileConnectionFlood(t *testing.T) {
 	if most > bound {
 		t.Fatalf("the sender held %d descriptors during the flood, bound %d", most, bound)
 	}
-	for _, fd := range conns {
+	for i, fd := range conns {
+		var b [64]byte
+		_ = unix.SetNonblock(fd, true)
+		if _, oobn, _, _, err := unix.Recvmsg(fd, b[:], make([]byte, unix.CmsgSpace(4)), unix.MSG_CMSG_CLOEXEC); err == nil && oobn > 0 {
+			t.Fatalf("flooding connection %d received a descriptor", i)
+		}
 		unix.Close(fd)
 	}
-	if got := waitProcFDs(t, sender.pid(), base); got > base {
-		t.Fatalf("after the flood the sender holds %d descriptors, %d before", got, base)
-	}
+	senderFDs.waitFor(t, base, "the sender, after the flood")
 	if g := sender.goroutines(baseG); g > baseG {
 		t.Fatalf("after the flood the sender runs %d goroutines, %d before", g, baseG)
 	}
-	m, err := ImportStream(tk, &HostImporter{}, -1, OpenOptions{})
+	m, err := Import(tk, DeviceHost, ImportOptions{}, nil)
 	if err != nil {
 		t.Fatalf("a legitimate receiver after the flood: %v", err)
 	}
-	verr := verifyMapping(m, 3)
+	verr := verifyRef(m, 3)
 	Unmap(m.ID, m.Base)
 	if verr != nil {
 		t.Fatal(verr)
 	}
-	waitFDs(t, fdsBefore)
+	ourFDs().waitFor(t, fdsBefore, "after the flood")
 	t.Logf("%d connections: the sender peaked at %d descriptors (%d before, bound %d)", flood, most, base, bound)
 }
 
 // TestHostileForeignSocket: the ticket's address belongs to a process other
 // than the ticket's pid. The receiver refuses it with EAUTH before saying
-// anything (the listener reads 0 bytes), and takes no descriptor from it.
+// anything (the listener reads 0 bytes), and takes no descriptor from it. A
+// ticket whose pid no longer exists is refused at once, without connecting.
 func TestHostileForeignSocket(t *testing.T) {
 	addr := fmt.Sprintf("@vmmipc-test-foreign-%d-%d", os.Getpid(), randIndex(1<<30))
-	l := startHelper(t, roleListener, []string{"VMMIPC_TEST_ADDR=" + addr, "VMMIPC_TEST_LISTEN_MODE=count"}, nil, "")
+	l := startHelper(t, partImpostor, helperOpts{env: []string{envAddr + "=" + addr, envListenMode + "=count"}})
 	l.expect("listening", faultTimeout)
-	fdsBefore := settledFDs(t)
-	for _, pid := range []uint32{uint32(os.Getpid()), 1, uint32(l.pid()) + 1} {
-		tk := sampleTicket()
-		tk.Address, tk.Pid = addr, pid
-		_, err := ImportStream(tk, &HostImporter{}, -1, OpenOptions{Timeout: faultTimeout})
+	fdsBefore := ourFDs().settled(t)
+	for _, pid := range []int{os.Getpid(), 1, os.Getppid()} {
+		tk := ticketOf(t, pid, addr) // alive, with its true start time
+		_, err := Import(tk, DeviceHost, ImportOptions{OpenOptions: OpenOptions{Timeout: faultTimeout}}, nil)
 		if CodeOf(err) != EAUTH || !strings.Contains(err.Error(), fmt.Sprintf("belongs to pid %d", l.pid())) {
 			t.Fatalf("ticket claiming pid %d: got %v, want EAUTH", pid, err)
 		}
@@ -374,25 +424,37 @@ func TestHostileForeignSocket(t *testing.T) {
 			t.Fatalf("the receiver sent %s bytes (its hello?) to a socket it does not trust", n)
 		}
 	}
-	waitFDs(t, fdsBefore)
+	tk := ticketOf(t, os.Getpid(), addr)
+	tk.Pid = 1<<31 - 7 // above any pid_max: no such process
+	start := time.Now()
+	_, err := Import(tk, DeviceHost, ImportOptions{OpenOptions: OpenOptions{Timeout: faultTimeout}}, nil)
+	if CodeOf(err) != EIO || !strings.Contains(err.Error(), "has exited") || time.Since(start) > promptly {
+		t.Fatalf("ticket of a pid that does not exist: got %v after %v, want EIO at once", err, time.Since(start))
+	}
+	if conns, _ := l.report(); conns != 3 {
+		t.Fatalf("the listener saw %d connections, want the 3 refused by SO_PEERCRED and none for the dead pid", conns)
+	}
+	ourFDs().waitFor(t, fdsBefore, "after the foreign sockets")
 }
 
 // TestHostileSenderPushesDescriptor: a process that is the ticket's pid but
-// speaks nonsense (a welcome with a descriptor attached): the receiver
-// refuses it with EINVAL and closes the descriptor.
+// speaks nonsense (a welcome with a descriptor attached, before any
+// challenge): the receiver refuses it with EINVAL and closes the
+// descriptor.
 func TestHostileSenderPushesDescriptor(t *testing.T) {
+	flushCache(t)
 	addr := fmt.Sprintf("@vmmipc-test-pushfd-%d-%d", os.Getpid(), randIndex(1<<30))
-	l := startHelper(t, roleListener, []string{"VMMIPC_TEST_ADDR=" + addr, "VMMIPC_TEST_LISTEN_MODE=pushfd"}, nil, "")
+	l := startHelper(t, partImpostor, helperOpts{env: []string{envAddr + "=" + addr, envListenMode + "=pushfd"}})
 	l.expect("listening", faultTimeout)
-	tk := sampleTicket()
-	tk.Address, tk.Pid, tk.Count, tk.Total = addr, uint32(l.pid()), 1, 4096
-	fdsBefore := settledFDs(t)
-	_, err := ImportStream(tk, &HostImporter{}, -1, OpenOptions{Timeout: faultTimeout})
+	tk := ticketOf(t, l.pid(), addr)
+	tk.Count, tk.Total = 1, 4096
+	fdsBefore := ourFDs().settled(t)
+	_, err := Import(tk, DeviceHost, ImportOptions{OpenOptions: OpenOptions{Timeout: faultTimeout}}, nil)
 	if CodeOf(err) != EINVAL || !strings.Contains(err.Error(), "descriptor") {
 		t.Fatalf("got %v, want EINVAL about a descriptor", err)
 	}
-	waitFDs(t, fdsBefore)
-	checkRangeUnmapped(t, 0, 0)
+	ourFDs().waitFor(t, fdsBefore, "after the exporter that pushed a descriptor")
+	expectNoMemfdMappings(t, "after the exporter that pushed a descriptor")
 }
 
 // TestHostileOtherUID: a process of another uid holding a valid ticket is
@@ -412,8 +474,12 @@ func TestHostileOtherUID(t *testing.T) {
 	if err := os.Chmod(dir, 0o755); err != nil {
 		t.Fatal(err)
 	}
+	self, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
 	bin := filepath.Join(dir, "core.test")
-	data, err := os.ReadFile(os.Args[0])
+	data, err := os.ReadFile(self)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -421,8 +487,10 @@ func TestHostileOtherUID(t *testing.T) {
 		t.Fatal(err)
 	}
 	h := newHostileSetup(t)
-	o := startHelper(t, roleOpener, []string{"VMMIPC_TEST_TICKET=" + ticketHex(t, h.tk), "TMPDIR=" + dir, "HOME=" + dir, "GOCACHE=off"},
-		&syscall.Credential{Uid: 65534, Gid: 65534}, bin)
+	o := startHelper(t, partOpener, helperOpts{
+		env:  []string{envTicket + "=" + ticketHex(t, h.tk), "TMPDIR=" + dir, "HOME=" + dir, "GOCACHE=off"},
+		cred: &syscall.Credential{Uid: 65534, Gid: 65534}, bin: bin,
+	})
 	if got := o.expect("open ", faultTimeout); got != fmt.Sprintf("code=%d", EAUTH) {
 		t.Fatalf("Open as uid 65534: %s, want code=%d", got, EAUTH)
 	}
@@ -443,35 +511,23 @@ func TestHostileManyDescriptorsInOneMessage(t *testing.T) {
 }
 
 func testManyDescriptors(t *testing.T, n int) {
-	fdsBefore := settledFDs(t)
+	fdsBefore := ourFDs().settled(t)
 	sp, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
-	file, err := patternMemfd(4096, 1)
-	if err != nil {
-		t.Fatal(err)
-	}
+	file := newMemfd(t, 4096, pattern(4096, 1))
 	msg := chunkMsg{Index: 0, Offset: 0, Size: 4096}.encode()
 	if err := sendWithFDs(sp[1], msg, []fdAttach{{0, n}}, file); err != nil {
 		t.Fatal(err)
 	}
 	unix.Close(file)
-	osf := os.NewFile(uintptr(sp[0]), "two-fds")
-	nc, err := net.FileConn(osf)
-	osf.Close()
-	if err != nil {
-		t.Fatal(err)
-	}
-	c, err := newConn(nc.(*net.UnixConn), time.Second, "receiver")
-	if err != nil {
-		t.Fatal(err)
-	}
+	c := socketConn(t, sp[0], "receiver")
 	f, err := c.recv()
 	c.Close()
 	if CodeOf(err) != EINVAL || f.FD >= 0 {
 		t.Fatalf("%d descriptors with one message: got %v (fd %d), want EINVAL", n, err, f.FD)
 	}
 	unix.Close(sp[1])
-	waitFDs(t, fdsBefore)
+	ourFDs().waitFor(t, fdsBefore, "after a message with "+itoa(n)+" descriptors")
 }

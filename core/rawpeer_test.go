@@ -1,10 +1,15 @@
 package core
 
 import (
+	"bytes"
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"io"
+	"net"
+	"os"
 	"runtime"
+	"sync"
 	"testing"
 	"time"
 
@@ -199,32 +204,227 @@ func waitGoroutines(t testing.TB, want int) {
 	}
 }
 
-// waitFDsFast is waitFDs with a short poll, for fuzz loops.
-func waitFDsFast(t testing.TB, want int) {
-	t.Helper()
-	deadline := time.Now().Add(2 * time.Second)
-	for countFDs(t) != want && time.Now().Before(deadline) {
-		time.Sleep(100 * time.Microsecond)
+// rawRecv reads exactly one message from fd, waiting at most timeout. It
+// closes any descriptor that came with it and reports how many did.
+func rawRecv(fd int, timeout time.Duration) (m rawMsg, descriptors int, err error) {
+	var r rawReply
+	tv := unix.NsecToTimeval(timeout.Nanoseconds())
+	_ = unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv)
+	if !r.readN(fd, headerSize) {
+		return m, len(r.FDAt), cmpOr(r.Err, io.ErrUnexpectedEOF)
 	}
-	if got := countFDs(t); got != want {
-		t.Fatalf("descriptors: %d open, want %d", got, want)
+	h, err := parseHeader(r.Data)
+	if err != nil {
+		return m, len(r.FDAt), err
+	}
+	if !r.readN(fd, int(h.Len)) {
+		return m, len(r.FDAt), cmpOr(r.Err, io.ErrUnexpectedEOF)
+	}
+	return rawMsg{Type: h.Type, Body: r.Data[headerSize:]}, len(r.FDAt), nil
+}
+
+func cmpOr(err, otherwise error) error {
+	if err != nil {
+		return err
+	}
+	return otherwise
+}
+
+// The receiver's side of the handshake (handshake.go) done by hand, so that
+// a test can then send anything at all, or prove wrongly on purpose.
+
+// rawSession is one raw connection to a server, after its hello.
+type rawSession struct {
+	fd        int
+	tr        transcript // what both proofs cover, from both nonces
+	challenge []byte     // the server's challenge message, as received
+}
+
+// rawHello connects to tk's exporter and sends a hello for tk with flags
+// and a fresh nonce. It returns the server's answer: a challenge (then the
+// session's transcript is complete and the server's proof checked out) or
+// the refusal. The caller closes s.fd.
+func rawHello(t testing.TB, tk *Ticket, flags uint64) (*rawSession, rawMsg) {
+	t.Helper()
+	fd, err := rawDial(tk.Address)
+	if err != nil {
+		t.Fatalf("dialing %s: %v", tk.Address, err)
+	}
+	s := &rawSession{fd: fd}
+	if s.tr.ReceiverNonce, err = newNonce(); err != nil {
+		t.Fatal(err)
+	}
+	if s.tr.TicketDigest, err = tk.Digest(); err != nil {
+		t.Fatal(err)
+	}
+	s.tr.RegID, s.tr.Flags, s.tr.ServerPid, s.tr.ReceiverPid = tk.RegID, flags, tk.Pid, uint32(os.Getpid())
+	if err := rawWrite(fd, helloMsg{RegID: tk.RegID, Flags: flags, Nonce: s.tr.ReceiverNonce}.encode()); err != nil {
+		t.Fatalf("sending hello: %v", err)
+	}
+	m, descriptors, err := rawRecv(fd, 5*time.Second)
+	if err != nil {
+		t.Fatalf("reading the answer to hello: %v", err)
+	}
+	if descriptors != 0 {
+		t.Fatalf("the server sent %d descriptor(s) with its answer to a hello", descriptors)
+	}
+	if m.Type == msgChallenge {
+		ch, err := parseChallenge(m.Body)
+		if err != nil {
+			t.Fatal(err)
+		}
+		s.tr.ServerNonce = ch.Nonce
+		if !s.tr.verify(tk.Secret, roleServer, ch.Proof) {
+			t.Fatal("the server's proof does not check out for a ticket it issued")
+		}
+		s.challenge = ch.encode()
+	}
+	return s, m
+}
+
+// proof is the receiver's proof for this session under secret.
+func (s *rawSession) proof(secret Secret) []byte {
+	return proofMsg{Proof: s.tr.proof(secret, roleReceiver)}.encode()
+}
+
+// rawAuthenticate runs the receiver's whole handshake for tk by hand and
+// returns the connection, on which the server's next message is the
+// welcome. The caller closes it.
+func rawAuthenticate(t testing.TB, tk *Ticket, flags uint64) int {
+	t.Helper()
+	s, m := rawHello(t, tk, flags)
+	if m.Type != msgChallenge {
+		unix.Close(s.fd)
+		t.Fatalf("hello for %s answered with %s, want a challenge", tk, describeMsg(m))
+	}
+	if err := rawWrite(s.fd, s.proof(tk.Secret)); err != nil {
+		unix.Close(s.fd)
+		t.Fatalf("sending the proof: %v", err)
+	}
+	return s.fd
+}
+
+// describeMsg names a message, with the text of an error.
+func describeMsg(m rawMsg) string {
+	if m.Type == msgError {
+		if e, err := parseError(m.Body); err == nil {
+			return fmt.Sprintf("error %v %q", e.Code, e.Text)
+		}
+	}
+	return msgName(m.Type)
+}
+
+// containsSecret reports whether b holds any 8 consecutive bytes of the
+// secret (random bytes: a chance match is 1 in 2^64 per position).
+func containsSecret(b []byte, s Secret) bool {
+	for i := 0; i+8 <= len(s); i++ {
+		if bytes.Contains(b, s[i:i+8]) {
+			return true
+		}
+	}
+	return false
+}
+
+// recordingProxy relays connections between receivers and a server, bytes
+// and descriptors alike, and records the bytes in each direction.
+type recordingProxy struct {
+	addr   string
+	ln     *net.UnixListener
+	relays sync.WaitGroup
+
+	mu                   sync.Mutex
+	toServer, toReceiver []byte
+}
+
+func newRecordingProxy(t testing.TB, target string) *recordingProxy {
+	t.Helper()
+	p := &recordingProxy{addr: fmt.Sprintf("@vmmipc-test-proxy-%d-%d", os.Getpid(), randIndex(1<<30))}
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: p.addr, Net: "unix"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.ln = ln
+	p.relays.Add(1)
+	go func() {
+		defer p.relays.Done()
+		for {
+			rc, err := ln.AcceptUnix()
+			if err != nil {
+				return
+			}
+			sc, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: target, Net: "unix"})
+			if err != nil {
+				rc.Close()
+				continue
+			}
+			p.relays.Add(1)
+			go func() {
+				defer p.relays.Done()
+				var both sync.WaitGroup
+				both.Add(2)
+				go func() { defer both.Done(); p.relay(rc, sc, &p.toServer) }()
+				go func() { defer both.Done(); p.relay(sc, rc, &p.toReceiver) }()
+				both.Wait()
+				rc.Close()
+				sc.Close()
+			}()
+		}
+	}()
+	t.Cleanup(func() { p.recorded(t) })
+	return p
+}
+
+// relay copies from one connection to the other until end of stream,
+// descriptors included, then half-closes the other.
+func (p *recordingProxy) relay(from, to *net.UnixConn, record *[]byte) {
+	buf := make([]byte, 64<<10)
+	oob := make([]byte, unix.CmsgSpace(4*8))
+	for {
+		n, oobn, _, _, err := from.ReadMsgUnix(buf, oob)
+		var fds []int
+		if oobn > 0 {
+			if msgs, perr := unix.ParseSocketControlMessage(oob[:oobn]); perr == nil {
+				for i := range msgs {
+					got, _ := unix.ParseUnixRights(&msgs[i])
+					fds = append(fds, got...)
+				}
+			}
+		}
+		if n > 0 {
+			p.mu.Lock()
+			*record = append(*record, buf[:n]...)
+			p.mu.Unlock()
+			var rights []byte
+			if len(fds) > 0 {
+				rights = unix.UnixRights(fds...)
+			}
+			for rest := buf[:n]; len(rest) > 0 && err == nil; rights = nil {
+				var k int
+				k, _, err = to.WriteMsgUnix(rest, rights, nil)
+				rest = rest[k:]
+			}
+		}
+		closeAll(fds)
+		if err != nil || n == 0 {
+			_ = to.CloseWrite()
+			_ = from.CloseRead()
+			return
+		}
 	}
 }
 
-// settledFDs returns this process's descriptor count once it has not
-// changed for 50 ms, so that a baseline does not include a descriptor that
-// an earlier test's server goroutine is about to close.
-// It collects garbage first: a connection an earlier test dropped without
-// closing is closed by its finalizer, and the server then closes its end.
-func settledFDs(t testing.TB) int {
-	t.Helper()
-	runtime.GC()
-	n, since := countFDs(t), time.Now()
-	for deadline := since.Add(2 * time.Second); time.Since(since) < 50*time.Millisecond && time.Now().Before(deadline); {
-		time.Sleep(2 * time.Millisecond)
-		if m := countFDs(t); m != n {
-			n, since = m, time.Now()
-		}
+// recorded stops the proxy, waits for every relay to end and returns what
+// crossed it.
+func (p *recordingProxy) recorded(t testing.TB) (toServer, toReceiver []byte) {
+	p.ln.Close()
+	done := make(chan struct{})
+	go func() { p.relays.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("a proxied connection is still open 10 s after the proxy was stopped")
 	}
-	return n
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.toServer, p.toReceiver
 }

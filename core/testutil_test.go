@@ -1,0 +1,371 @@
+package core
+
+import (
+	"bufio"
+	"bytes"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"runtime"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// What the tests of this package share: memfds with a known pattern, an
+// Exporter made of functions, the in-process server, and the two ways to
+// see what the library holds: descriptors in /proc/<pid>/fd and its
+// mappings in /proc/self/maps.
+
+// testMemfdName names every memfd the tests make. No test maps one itself,
+// so a mapping of it in /proc/self/maps ("/memfd:vmmipc-test (deleted)") is
+// always one the library imported.
+const testMemfdName = "vmmipc-test"
+
+// pattern is the content of test buffers: it differs per page and per seed,
+// so a chunk mapped at the wrong place or from the wrong buffer shows.
+func pattern(n int, seed byte) []byte {
+	b := make([]byte, n)
+	for i := range b {
+		b[i] = byte(i/4096) ^ byte(i) ^ seed
+	}
+	return b
+}
+
+// newMemfd makes a memfd of size bytes that starts with content (the rest
+// reads as zeros and takes no memory), sealed against shrinking as host
+// memory must be: the one memfd maker of these tests. The caller closes it.
+func newMemfd(t testing.TB, size int, content []byte) int {
+	t.Helper()
+	fd, err := unix.MemfdCreate(testMemfdName, unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Ftruncate(fd, int64(size)); err != nil {
+		unix.Close(fd)
+		t.Fatal(err)
+	}
+	if _, err := unix.Pwrite(fd, content, 0); err != nil {
+		unix.Close(fd)
+		t.Fatal(err)
+	}
+	if _, err := unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK); err != nil {
+		unix.Close(fd)
+		t.Fatal(err)
+	}
+	return fd
+}
+
+// bytesAt views mapped memory at a raw address (the mapping is not Go
+// memory, so the GC does not care).
+func bytesAt(addr, n uint64) []byte {
+	return unsafe.Slice((*byte)(*(*unsafe.Pointer)(unsafe.Pointer(&addr))), n)
+}
+
+// expected caches the patterns verifyRef compares with: under the race
+// detector, computing one per receiver takes long enough to starve
+// handshakes of many concurrent receivers.
+var expected struct {
+	mu sync.Mutex
+	m  map[[2]int][]byte
+}
+
+// verifyRef checks an imported mapping byte for byte against
+// pattern(seed), naming the first byte that differs.
+func verifyRef(r Ref, seed byte) error {
+	expected.mu.Lock()
+	key := [2]int{int(r.Size), int(seed)}
+	want := expected.m[key]
+	if want == nil {
+		if expected.m == nil {
+			expected.m = map[[2]int][]byte{}
+		}
+		want = pattern(int(r.Size), seed)
+		expected.m[key] = want
+	}
+	expected.mu.Unlock()
+	got := bytesAt(r.Base, r.Size)
+	if bytes.Equal(got, want) {
+		return nil
+	}
+	for i := range want {
+		if got[i] != want[i] {
+			return fmt.Errorf("mapping at %#x: byte %d (page %d) is %#x, want %#x (seed %d)", r.Base, i, i/4096, got[i], want[i], seed)
+		}
+	}
+	return nil
+}
+
+// testExporter is an Exporter made of functions, for tests that inject
+// failures or stalls (the library itself exports files and CUDA handles).
+type testExporter struct {
+	export  func(index uint64) (fd int, fileOffset uint64, err error)
+	release func()
+}
+
+func (e *testExporter) ExportChunk(i uint64) (int, uint64, error) { return e.export(i) }
+
+func (e *testExporter) Release() {
+	if e.release != nil {
+		e.release()
+	}
+}
+
+// hookedFile is HostFile(fd, size, chunk) with before(i) run ahead of each
+// export: an error from it fails the chunk. The spec has no key, so it
+// never joins another registration of the same file.
+func hookedFile(t testing.TB, fd int, size, chunk uint64, before func(i uint64) error) BufferSpec {
+	t.Helper()
+	spec, err := HostFile(fd, size, chunk)
+	if err != nil {
+		t.Fatal(err)
+	}
+	file := spec.Exporter
+	spec.Key = ""
+	spec.Exporter = &testExporter{
+		export: func(i uint64) (int, uint64, error) {
+			if err := before(i); err != nil {
+				return -1, 0, err
+			}
+			return file.ExportChunk(i)
+		},
+		release: file.Release,
+	}
+	return spec
+}
+
+// newTestServer starts a server of its own for one test. At the end it
+// stops listening and ends every registration still live, so that the
+// descriptors they hold (memfd duplicates) do not outlive the test.
+func newTestServer(t testing.TB) *Server {
+	t.Helper()
+	s, err := NewServer("")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		s.Close()
+		s.reg.mu.Lock()
+		var live []*registration
+		for _, g := range s.reg.live {
+			live = append(live, g)
+		}
+		s.reg.mu.Unlock()
+		for _, g := range live {
+			g.end("ended with its test")
+		}
+	})
+	return s
+}
+
+// registerFile registers bytes [0, size) of fd in chunks of chunk bytes.
+func registerFile(t testing.TB, s *Server, fd int, size, chunk uint64, opts RegisterOptions) *Ticket {
+	t.Helper()
+	spec, err := HostFile(fd, size, chunk)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tk, err := s.Register(spec, opts)
+	if err != nil {
+		spec.Exporter.Release()
+		t.Fatal(err)
+	}
+	return tk
+}
+
+// importHost imports a host ticket and fails the test on error.
+func importHost(t testing.TB, tk *Ticket, opts ImportOptions) Ref {
+	t.Helper()
+	r, err := Import(tk, DeviceHost, opts, nil)
+	if err != nil {
+		t.Fatalf("import %s: %v", tk, err)
+	}
+	return r
+}
+
+// fds counts the descriptors of one process, the entries of /proc/<pid>/fd:
+// the one descriptor counter of these tests.
+type fds struct{ pid int }
+
+func ourFDs() fds       { return fds{os.Getpid()} }
+func fdsOf(pid int) fds { return fds{pid} }
+
+func (p fds) read() (int, error) {
+	ents, err := os.ReadDir(fmt.Sprintf("/proc/%d/fd", p.pid))
+	return len(ents), err
+}
+
+// now is the current count.
+func (p fds) now(t testing.TB) int {
+	t.Helper()
+	n, err := p.read()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// settled is the count once it has not changed for 50 ms, so that a
+// baseline does not include a descriptor that an earlier test's server
+// goroutine is about to close. For this process it collects garbage first:
+// a connection an earlier test dropped without closing is closed by its
+// finalizer, and a server then closes its end.
+func (p fds) settled(t testing.TB) int {
+	t.Helper()
+	if p.pid == os.Getpid() {
+		runtime.GC()
+	}
+	n, since := p.now(t), time.Now()
+	for deadline := since.Add(2 * time.Second); time.Since(since) < 50*time.Millisecond && time.Now().Before(deadline); {
+		time.Sleep(2 * time.Millisecond)
+		if m := p.now(t); m != n {
+			n, since = m, time.Now()
+		}
+	}
+	return n
+}
+
+// waitFor waits up to 3 s for the count to be exactly want (descriptors
+// closed asynchronously, by a server goroutine or a peer, need a moment)
+// and fails the test, saying what, if it is not.
+func (p fds) waitFor(t testing.TB, want int, what string) {
+	t.Helper()
+	deadline := time.Now().Add(3 * time.Second)
+	n := p.now(t)
+	for pause := 100 * time.Microsecond; n != want && time.Now().Before(deadline); pause = min(2*pause, 5*time.Millisecond) {
+		time.Sleep(pause)
+		n = p.now(t)
+	}
+	if n != want {
+		t.Fatalf("%s: process %d holds %d descriptors, want %d", what, p.pid, n, want)
+	}
+}
+
+// samplePeak samples the count every 200 µs until the returned function
+// is called, which returns the highest count seen. (It never calls t.Fatal:
+// it runs off the test goroutine.)
+func (p fds) samplePeak() (stop func() int) {
+	done := make(chan struct{})
+	peak := make(chan int)
+	go func() {
+		most := 0
+		for {
+			if n, err := p.read(); err == nil {
+				most = max(most, n)
+			}
+			select {
+			case <-done:
+				peak <- most
+				return
+			case <-time.After(200 * time.Microsecond):
+			}
+		}
+	}()
+	return func() int {
+		close(done)
+		return <-peak
+	}
+}
+
+// memfdMappings sums this process's mappings of test memfds in
+// /proc/self/maps: the mappings the library imported (see testMemfdName).
+// Adjacent chunks of one file merge into one line, so it reports bytes.
+func memfdMappings(t testing.TB) (lines int, bytes uint64) {
+	t.Helper()
+	f, err := os.Open("/proc/self/maps")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		line := sc.Text()
+		if !strings.Contains(line, "/memfd:"+testMemfdName+" ") {
+			continue
+		}
+		var lo, hi uint64
+		if _, err := fmt.Sscanf(line, "%x-%x", &lo, &hi); err != nil {
+			t.Fatalf("/proc/self/maps: %q: %v", line, err)
+		}
+		lines++
+		bytes += hi - lo
+	}
+	if err := sc.Err(); err != nil {
+		t.Fatal(err)
+	}
+	return lines, bytes
+}
+
+// expectNoMemfdMappings fails if any test memfd is still mapped here.
+func expectNoMemfdMappings(t testing.TB, what string) {
+	t.Helper()
+	if n, b := memfdMappings(t); n != 0 {
+		t.Fatalf("%s: %d mapping(s) of %d bytes of the senders' memfds are left in /proc/self/maps", what, n, b)
+	}
+}
+
+// flushCache undoes every unreferenced mapping of the import cache (which
+// is per process, shared by all tests) and keeps its limit, so that a test
+// that counts mappings starts from nothing kept by earlier tests.
+func flushCache(t testing.TB) {
+	t.Helper()
+	limit := GetCacheInfo().LimitBytes
+	if err := SetCacheLimit(0); err != nil {
+		t.Fatal(err)
+	}
+	if err := SetCacheLimit(limit); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// cat concatenates byte slices.
+func cat(bs ...[]byte) []byte {
+	var out []byte
+	for _, b := range bs {
+		out = append(out, b...)
+	}
+	return out
+}
+
+// trials returns n, or short under -short.
+func trials(n, short int) int {
+	if testing.Short() {
+		return short
+	}
+	return n
+}
+
+// randIndex picks an index in [0, n).
+func randIndex(n int) int { return rand.IntN(n) }
+
+func itoa(i int) string { return strconv.Itoa(i) }
+
+// waitUntil polls cond every millisecond until it holds or timeout passes,
+// and reports whether it held.
+func waitUntil(timeout time.Duration, cond func() bool) bool {
+	deadline := time.Now().Add(timeout)
+	for !cond() {
+		if time.Now().After(deadline) {
+			return false
+		}
+		time.Sleep(time.Millisecond)
+	}
+	return true
+}
+
+// knownBugsEnv runs the tests skipped for a known core bug, to check a fix.
+const knownBugsEnv = "VMMIPC_TEST_KNOWN_BUGS"
+
+// knownBug skips a test that fails because of the core bug described,
+// unless VMMIPC_TEST_KNOWN_BUGS=1.
+func knownBug(t *testing.T, bug string) {
+	t.Helper()
+	if os.Getenv(knownBugsEnv) != "1" {
+		t.Skipf("core bug: %s (%s=1 runs this test)", bug, knownBugsEnv)
+	}
+}
