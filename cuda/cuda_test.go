@@ -215,3 +215,21 @@ func TestDriverErrorMessage(t *testing.T) {
 		t.Fatal("DriverError not reachable with errors.As")
 	}
 }
+
+// TestQueryRangeArguments: a bad range is refused before the driver is
+// even looked for, so it is EINVAL with or without one.
+func TestQueryRangeArguments(t *testing.T) {
+	for _, c := range []struct {
+		dptr, size uint64
+		says       string
+	}{
+		{0x7f0000000000, 0, "size is 0"},
+		{math.MaxUint64 - 10, 20, "overflows 64 bits"},
+		{math.MaxUint64, 2, "overflows 64 bits"},
+	} {
+		_, _, _, _, err := QueryRange(c.dptr, c.size)
+		if core.CodeOf(err) != core.EINVAL || !strings.Contains(err.Error(), c.says) {
+			t.Errorf("QueryRange(%#x, %d): %v (%v), want EINVAL saying %q", c.dptr, c.size, core.CodeOf(err), err, c.says)
+		}
+	}
+}
