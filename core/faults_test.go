@@ -209,19 +209,28 @@ func importRetry(tk *Ticket) (Ref, error) {
 
 // TestSenderStalls: the sender's exporter blocks forever at a random chunk.
 // The receiver must give up after its timeout with EIO saying "timed out",
-// not hang, and leave nothing behind: no descriptor, no entry in the
-// library's table of mappings, no mapping of the sender's memory.
+// not hang, and leave nothing behind: no descriptor, no reservation (odd
+// trials import through a recordingImporter to see it), no entry in the
+// library's table of mappings (even trials, through Import), no mapping of
+// the sender's memory.
 func TestSenderStalls(t *testing.T) {
 	const timeout = 300 * time.Millisecond
 	flushCache(t)
 	sender := startHelper(t, partSender, helperOpts{})
-	for trial := 0; trial < 3; trial++ {
+	for trial := 0; trial < 4; trial++ {
 		k := randIndex(faultChunks)
 		tk := sender.register(faultChunks, faultChunkSize, 1, k, 9)
 		fdsBefore := ourFDs().settled(t)
 		entries := GetCacheInfo().Entries
+		imp := &recordingImporter{}
+		opts := OpenOptions{Timeout: timeout, Window: DefaultWindow}
 		start := time.Now()
-		_, err := Import(tk, DeviceHost, ImportOptions{OpenOptions: OpenOptions{Timeout: timeout}}, nil)
+		var err error
+		if trial%2 == 0 {
+			_, err = Import(tk, DeviceHost, ImportOptions{OpenOptions: opts}, nil)
+		} else {
+			_, _, err = importNew(tk, imp, opts)
+		}
 		took := time.Since(start)
 		if CodeOf(err) != EIO || !strings.Contains(err.Error(), "timed out") {
 			t.Fatalf("stall at chunk %d: got %v, want EIO timed out", k, err)
@@ -232,6 +241,9 @@ func TestSenderStalls(t *testing.T) {
 		ourFDs().waitFor(t, fdsBefore, "after the stalled import")
 		if n := GetCacheInfo().Entries; n != entries {
 			t.Fatalf("%d mappings in the library's table after a failed import, %d before", n, entries)
+		}
+		if trial%2 == 1 {
+			imp.checkUndone(t, "after the stalled import")
 		}
 		expectNoMemfdMappings(t, "after the stalled import")
 		if trial == 0 {

@@ -19,12 +19,12 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// Fault and hostile-peer tests need real separate processes: the test binary
-// re-executes itself running only TestHelperProcess, with helperRoleEnv
-// naming the part to play. Helpers talk to the test over stdin/stdout, one
-// line per message.
+// Fault, hostile-peer and attack tests need real separate processes: the
+// test binary re-executes itself running only TestHelperProcess, with
+// helperPartEnv naming the part to play. Helpers talk to the test over
+// stdin/stdout, one line per message.
 
-const helperRoleEnv = "VMMIPC_TEST_HELPER"
+const helperPartEnv = "VMMIPC_TEST_HELPER"
 
 // Helper parts (the roles they play).
 const (
@@ -49,13 +49,13 @@ const (
 )
 
 func TestHelperProcess(t *testing.T) {
-	role := os.Getenv(helperRoleEnv)
-	if role == "" {
-		t.Skip("not a test: the process that fault and hostile-peer tests start as their peer")
+	part := os.Getenv(helperPartEnv)
+	if part == "" {
+		t.Skip("not a test: the process that fault, hostile-peer and attack tests start as their peer")
 	}
 	out := &lineWriter{w: bufio.NewWriter(os.Stdout)}
 	var err error
-	switch role {
+	switch part {
 	case partSender:
 		err = helperSender(t, out)
 	case partReceiver:
@@ -71,7 +71,7 @@ func TestHelperProcess(t *testing.T) {
 	case partPidNS:
 		err = helperPidNS(t, out)
 	default:
-		err = fmt.Errorf("unknown role %q", role)
+		err = fmt.Errorf("unknown part %q", part)
 	}
 	if err != nil {
 		out.printf("error %v", err)
@@ -194,7 +194,7 @@ func execAs(s *Server, part string, args []string) error {
 	// ours before setting them anew.
 	var env []string
 	for _, kv := range os.Environ() {
-		if k, _, _ := strings.Cut(kv, "="); k != helperRoleEnv && k != envAddr && k != envListenMode && k != envReplay {
+		if k, _, _ := strings.Cut(kv, "="); k != helperPartEnv && k != envAddr && k != envListenMode && k != envReplay {
 			env = append(env, kv)
 		}
 	}
@@ -207,7 +207,7 @@ func execAs(s *Server, part string, args []string) error {
 	default:
 		return fmt.Errorf("exec %s %v: not a part and arguments to exec as", part, args)
 	}
-	env = append(env, helperRoleEnv+"="+part)
+	env = append(env, helperPartEnv+"="+part)
 	return syscall.Exec(exe, os.Args, env) // returns only on failure
 }
 
@@ -225,7 +225,7 @@ func forkListener(s *Server, out *lineWriter, mode, then string) error {
 		return err
 	}
 	cmd := exec.Command(exe, "-test.run=^TestHelperProcess$", "-test.timeout=5m")
-	cmd.Env = append(os.Environ(), helperRoleEnv+"="+partImpostor, envListenFD+"=3", envListenMode+"="+mode)
+	cmd.Env = append(os.Environ(), helperPartEnv+"="+partImpostor, envListenFD+"=3", envListenMode+"="+mode)
 	cmd.ExtraFiles = []*os.File{f}
 	cmd.Stdin, cmd.Stdout, cmd.Stderr = os.Stdin, os.Stdout, os.Stderr
 	if err := cmd.Start(); err != nil {
@@ -588,10 +588,10 @@ type helper struct {
 	err   error // its exit status
 }
 
-// startHelper starts the test binary as role. Its stdin and stdout are
+// startHelper starts the test binary playing part. Its stdin and stdout are
 // plain pipes, so that a child it hands them to (fork-listener) can use them
 // after it exited, and it is reaped as soon as it exits.
-func startHelper(t testing.TB, role string, o helperOpts) *helper {
+func startHelper(t testing.TB, part string, o helperOpts) *helper {
 	t.Helper()
 	bin := o.bin
 	if bin == "" {
@@ -602,7 +602,7 @@ func startHelper(t testing.TB, role string, o helperOpts) *helper {
 	}
 	args := append(append([]string(nil), o.wrap...), bin, "-test.run=^TestHelperProcess$", "-test.timeout=5m")
 	cmd := exec.Command(args[0], args[1:]...)
-	cmd.Env = append(append(os.Environ(), helperRoleEnv+"="+role), o.env...)
+	cmd.Env = append(append(os.Environ(), helperPartEnv+"="+part), o.env...)
 	cmd.Stderr = os.Stderr
 	if o.cred != nil {
 		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: o.cred}
@@ -622,7 +622,7 @@ func startHelper(t testing.TB, role string, o helperOpts) *helper {
 	if err != nil {
 		inW.Close()
 		outR.Close()
-		t.Fatalf("starting the %s helper: %v", role, err)
+		t.Fatalf("starting the %s helper: %v", part, err)
 	}
 	h := &helper{t: t, cmd: cmd, stdin: inW, lines: make(chan string, 1024), done: make(chan struct{})}
 	go func() {
