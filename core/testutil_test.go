@@ -67,9 +67,9 @@ func bytesAt(addr, n uint64) []byte {
 	return unsafe.Slice((*byte)(*(*unsafe.Pointer)(unsafe.Pointer(&addr))), n)
 }
 
-// expected caches the patterns verifyRef compares with: under the race
-// detector, computing one per receiver takes long enough to starve
-// handshakes of many concurrent receivers.
+// expected holds the patterns verifyRef compares with, computed once per
+// size and seed: a thousand concurrent receivers would otherwise each
+// compute their own, slowly under the race detector.
 var expected struct {
 	mu sync.Mutex
 	m  map[[2]int][]byte
