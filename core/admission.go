@@ -108,20 +108,23 @@ func (a *admission) wakeIn(d time.Duration) {
 	a.wake.Reset(d)
 }
 
-// evict drops a pending connection: it is told to retry and closed. Called
-// with a.mu held; the session serving it sees its socket close and ends.
+// evict drops a pending connection. Called with a.mu held. Shutting down
+// its read side wakes the session serving it (wherever it waits for the
+// peer), which then tells the peer "busy" and closes: the session alone
+// writes to its socket, so nothing can cut that message off.
 func (a *admission) evict(p *pendingConn) {
 	p.evicted = true
 	a.pending.Remove(p.elem)
 	p.elem = nil
 	a.leaving++
-	go func() {
-		defer func() { _ = recover() }()
-		if c, err := newConn(p.uc, 100*time.Millisecond, "server"); err == nil {
-			_ = c.send(encodeMsg(msgBusy, nil), -1)
-		}
-		_ = p.uc.Close()
-	}()
+	_ = p.uc.CloseRead()
+}
+
+// wasEvicted reports whether p was evicted.
+func (a *admission) wasEvicted(p *pendingConn) bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return p.evicted
 }
 
 // admit counts a newly accepted connection as held and pending.

@@ -1,6 +1,10 @@
 package core
 
 import (
+	"os"
+	"strconv"
+	"strings"
+
 	"golang.org/x/sys/unix"
 )
 
@@ -18,7 +22,7 @@ func checkHostFile(fd int, end uint64) (unix.Stat_t, error) {
 		return st, Errorf(EINVAL, "fd %d: %w", fd, err)
 	}
 	if st.Mode&unix.S_IFMT != unix.S_IFREG {
-		return st, Errorf(EINVAL, "fd %d is not a regular file or memfd (mode %#o): is this a CUDA ticket? import it onto a GPU", fd, st.Mode)
+		return st, Errorf(EINVAL, "fd %d is not a regular file or memfd (mode %#o)", fd, st.Mode)
 	}
 	if uint64(st.Size) < end {
 		return st, Errorf(EINVAL, "fd %d holds %d bytes, fewer than the %d needed", fd, st.Size, end)
@@ -34,8 +38,19 @@ func checkShrinkSeal(fd int) error {
 	if seals&unix.F_SEAL_SHRINK != 0 {
 		return nil
 	}
+	if seals&unix.F_SEAL_SEAL != 0 && !isMemfd(fd) {
+		// Other tmpfs files (/dev/shm) answer F_GET_SEALS with F_SEAL_SEAL.
+		return Errorf(EINVAL, "fd %d is a file that cannot be sealed (a tmpfs file such as one in /dev/shm, not a memfd); host memory must be a memfd sealed against shrinking: create it with memfd_create(name, MFD_ALLOW_SEALING) and seal it with fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK)", fd)
+	}
 	if seals&unix.F_SEAL_SEAL != 0 {
 		return Errorf(EINVAL, "fd %d is a memfd that is not sealed against shrinking and can no longer be (created without MFD_ALLOW_SEALING, or F_SEAL_SEAL is set): create it with MFD_ALLOW_SEALING and add F_SEAL_SHRINK", fd)
 	}
 	return Errorf(EINVAL, "fd %d is a memfd that is not sealed against shrinking: seal it with fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK) so that it can never be truncated under a mapping", fd)
+}
+
+// isMemfd tells a memfd from other tmpfs files: its /proc link reads
+// "/memfd:NAME".
+func isMemfd(fd int) bool {
+	target, err := os.Readlink("/proc/self/fd/" + strconv.Itoa(fd))
+	return err == nil && strings.HasPrefix(target, "/memfd:")
 }

@@ -249,8 +249,8 @@ func (g *registration) drop(c *claim) {
 }
 
 // end ends the registration (the first caller wins and gets true): it
-// refuses new receivers, cuts the sessions being served, leaves its buffer
-// and releases what it lent.
+// refuses new receivers, cuts the sessions still being sent chunks, leaves
+// its buffer and releases what it lent.
 func (g *registration) end(why string) bool {
 	g.mu.Lock()
 	if g.ended != "" {
@@ -262,9 +262,14 @@ func (g *registration) end(why string) bool {
 	if g.timer != nil {
 		g.timer.Stop()
 	}
+	// A spent claim has had every chunk (or its confirmation): its session
+	// only waits for done. Cutting it would fail a receiver that got
+	// everything, e.g. when another receiver spends the last use.
 	cancels := make([]func(), 0, len(g.claims))
 	for c := range g.claims {
-		cancels = append(cancels, c.cancel)
+		if !c.spent {
+			cancels = append(cancels, c.cancel)
+		}
 	}
 	g.mu.Unlock()
 

@@ -224,8 +224,11 @@ func (s *Server) Wait(t *Ticket, timeout time.Duration) error {
 	}
 }
 
-// issuedBy reports whether t names this server.
-func (s *Server) issuedBy(t *Ticket) bool { return t.Address == s.addr && t.Pid == s.pid }
+// issuedBy reports whether t names this server (this process, not an
+// earlier one with the same pid).
+func (s *Server) issuedBy(t *Ticket) bool {
+	return t.Address == s.addr && t.Pid == s.pid && t.StartTime == s.reg.start
+}
 
 // own finds the registration of this server that t names.
 func (s *Server) own(t *Ticket, releasing bool, op string) (*registration, error) {

@@ -35,6 +35,10 @@ func (s *Server) serve(p *pendingConn) {
 		ss.peerPid = uint32(cred.Pid)
 	}
 	ss.run()
+	if s.adm.wasEvicted(p) { // a libvmmipc receiver told so retries
+		c.deadline, c.timeout = time.Time{}, 100*time.Millisecond
+		_ = c.send(encodeMsg(msgBusy, nil), -1)
+	}
 }
 
 func (ss *session) run() {

@@ -191,11 +191,18 @@ func QueryRange(dptr, size uint64) (base, n uint64, handleTypes uint32, device i
 		return 0, 0, 0, 0, err
 	}
 	// Retaining a handle is the driver's way to say "VMM memory": it fails
-	// for cudaMalloc and host memory. These two calls need no context.
-	var h C.CUmemGenericAllocationHandle
+	// for cudaMalloc, host and unmapped memory. These calls need no
+	// context. Both ends are asked, so a range running past the mapping is
+	// ENOENT too.
+	var h, hEnd C.CUmemGenericAllocationHandle
 	if r := C.vcu_mem_retain_allocation_handle(&h, C.CUdeviceptr(dptr)); r != 0 {
 		return 0, 0, 0, 0, checkAs(core.ENOENT, fmt.Sprintf("%#x is not mapped CUDA VMM memory (cudaMalloc, host or unmapped memory): cuMemRetainAllocationHandle", dptr), r)
 	}
+	if r := C.vcu_mem_retain_allocation_handle(&hEnd, C.CUdeviceptr(last)); r != 0 {
+		_ = C.vcu_mem_release(h) // best effort without a context
+		return 0, 0, 0, 0, checkAs(core.ENOENT, fmt.Sprintf("the range's end %#x is not mapped CUDA VMM memory: cuMemRetainAllocationHandle", last), r)
+	}
+	_ = C.vcu_mem_release(hEnd) // only needed the answer
 	a, err := properties(h)
 	var g *gpu
 	if err == nil && !a.onDevice {

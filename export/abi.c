@@ -4,6 +4,7 @@
  * compiler check every definition against the contract. */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <sys/syscall.h>
 #include <time.h>
@@ -273,9 +274,41 @@ int vmmipc_close(vmmipc_stream *stream) {
   return vmmipcgo_close(stream);
 }
 
+/* The Go runtime aborts the process when it cannot get address space for
+ * itself, and merely entering Go from C can need some (a cgo callback on a
+ * new thread allocates). So an import is refused here, before entering Go,
+ * when RLIMIT_AS leaves less than the headroom the runtime is kept
+ * (runtimeHeadroom in core/addrspace.go, which then checks the import's own
+ * size). Reads /proc/self/statm into a stack buffer: no allocation. */
+#define RUNTIME_HEADROOM (128ull << 20)
+
+static int address_space_short(unsigned long long *limit, unsigned long long *used) {
+  struct rlimit r;
+  if (getrlimit(RLIMIT_AS, &r) != 0 || r.rlim_cur == RLIM_INFINITY) return 0;
+  int fd = open("/proc/self/statm", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return 0;
+  char buf[64];
+  ssize_t n = read(fd, buf, sizeof buf - 1);
+  close(fd);
+  if (n <= 0) return 0;
+  buf[n] = '\0';
+  *used = strtoull(buf, NULL, 10) * (unsigned long long)sysconf(_SC_PAGESIZE);
+  *limit = r.rlim_cur;
+  return *limit < *used || *limit - *used < RUNTIME_HEADROOM;
+}
+
 int vmmipc_import_stream(const vmmipc_ticket *ticket, int device, const vmmipc_options *opts,
                          vmmipc_mapping *mapping_out) {
   FORK_GUARD("vmmipc_import_stream");
+  unsigned long long limit = 0, used = 0;
+  if (address_space_short(&limit, &used)) {
+    char msg[512];
+    snprintf(msg, sizeof msg,
+             "import: RLIMIT_AS (%llu MiB) leaves %llu MiB free (%llu MiB in use), less than the %llu MiB "
+             "the Go runtime inside libvmmipc is kept: raise RLIMIT_AS (ulimit -v) or import less at a time",
+             limit >> 20, limit > used ? (limit - used) >> 20 : 0, used >> 20, RUNTIME_HEADROOM >> 20);
+    return set_error_str(VMMIPC_ENOMEM, msg);
+  }
   return vmmipcgo_import_stream((vmmipc_ticket *)ticket, device, (vmmipc_options *)opts,
                                 mapping_out);
 }
