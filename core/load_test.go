@@ -13,7 +13,6 @@ import (
 // descriptor count, sampled from /proc while they run, never exceeds
 // 64 × (window + 1) + 16.
 func TestLoad64Receivers(t *testing.T) {
-	knownBug(t, "when the 64th use is spent, registration.end cuts receivers whose chunks were all sent but who have not had their done-ack yet (see TestUsedUpLetsFinishedReceiversFinish): some of the 64 fail now and then with EIO \"the sender closed the connection\"")
 	const (
 		receivers = 64
 		chunks    = 1024
