@@ -2,6 +2,7 @@ package core
 
 import (
 	"errors"
+	"strings"
 	"syscall"
 	"testing"
 )
@@ -20,5 +21,33 @@ func TestErrorfWrapsOnce(t *testing.T) {
 	}
 	if !errors.Is(w, syscall.ENOMEM) {
 		t.Fatal("wrapErr lost the cause")
+	}
+}
+
+// TestCodes: every status of vmmipc.h, most negative first, each with its
+// name; IsError holds for exactly the negative ones.
+func TestCodes(t *testing.T) {
+	cs := Codes()
+	if len(cs) != 14 || cs[0] != ETIMEDOUT || cs[len(cs)-1] != End {
+		t.Fatalf("Codes() = %v, want VMMIPC_ETIMEDOUT (-12) .. VMMIPC_END (1)", cs)
+	}
+	for i, c := range cs {
+		if int(c) != -12+i {
+			t.Fatalf("Codes()[%d] = %d", i, c)
+		}
+		if c.IsError() != (c < 0) {
+			t.Errorf("%v.IsError() = %v", c, c.IsError())
+		}
+		if s := c.String(); !strings.HasPrefix(s, "VMMIPC_") || strings.Contains(s, "UNKNOWN") {
+			t.Errorf("code %d is named %q", c, s)
+		}
+	}
+	for _, c := range []Code{ETIMEDOUT - 1, End + 1} {
+		if c.IsError() || !strings.Contains(c.String(), "UNKNOWN") {
+			t.Errorf("code %d: IsError %v, named %q", c, c.IsError(), c.String())
+		}
+	}
+	if ENOMEM != -11 || ETIMEDOUT != -12 {
+		t.Fatal("ENOMEM and ETIMEDOUT differ from vmmipc.h")
 	}
 }
