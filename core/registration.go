@@ -184,6 +184,10 @@ type claim struct {
 
 func (g *registration) why() string { return fmt.Sprintf("registration %d %s", g.id, g.ended) }
 
+func usedUpWhy(g *registration) string {
+	return fmt.Sprintf("was used up: all %d use(s) consumed", g.uses)
+}
+
 // claim reserves one use for a receiver that is about to be served.
 func (g *registration) claim(cancel func()) (*claim, error) {
 	deadline := time.Now().Add(claimGrace)
@@ -192,6 +196,11 @@ func (g *registration) claim(cancel func()) (*claim, error) {
 	for {
 		if g.ended != "" {
 			return nil, Errorf(ENOENT, "%s", g.why())
+		}
+		if g.uses != 0 && g.consumed >= g.uses {
+			// Used up, if not yet ended (that waits for the last
+			// receiver's answer): the same words either way.
+			return nil, Errorf(ENOENT, "registration %d %s", g.id, usedUpWhy(g))
 		}
 		if g.uses == 0 || g.consumed+g.claimed < g.uses {
 			c := &claim{cancel: cancel}

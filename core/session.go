@@ -1,7 +1,6 @@
 package core
 
 import (
-	"fmt"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -106,10 +105,6 @@ func (ss *session) run() {
 		flags |= ackBufferLives
 	}
 	_ = ss.c.send(doneAckMsg{Flags: flags}.encode(), -1)
-}
-
-func usedUpWhy(g *registration) string {
-	return fmt.Sprintf("was used up: all %d use(s) consumed", g.uses)
 }
 
 // authenticate runs the server's half of the handshake (handshake.go) and

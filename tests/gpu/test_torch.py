@@ -573,6 +573,11 @@ def legacy_and_cpu(vt, w):
     problems += problems_of(w.call("w_check_pattern", t, "float32", 6))
     c = base("int8", 7).cpu()
     problems += problems_of(w.call("w_check_cpu", c))
+    # The caching allocator would hand the freed cudaMalloc block to the
+    # next tensor of that size, expandable segments or not: give it back.
+    del t
+    gc.collect()
+    torch.cuda.empty_cache()
     return problems, "cudaMalloc and CPU tensors went through torch's own reducers"
 
 

@@ -22,11 +22,18 @@ def fd_count() -> int:
 
 def settled_fd_count(timeout: float = 2.0) -> int:
     """fd_count() once earlier tests' leftovers are gone: objects in cycles
-    collected (Queues hold pipes), and the count unchanged over 3 samples
-    (a server closes its end of a finished stream on its own thread)."""
+    collected (Queues hold pipes), no unreferenced mapping left in the
+    import cache (while there is one, the cache asks its exporter about it
+    every 250 ms over a short-lived socket), and the count unchanged over 3
+    samples (a server closes its end of a finished stream on its own
+    thread)."""
     import gc
+    import vmmipc
+    from vmmipc import _lib
     gc.collect()
     deadline = time.monotonic() + timeout
+    while _lib.loaded() and vmmipc.cache_info().unreferenced_bytes and time.monotonic() < deadline:
+        time.sleep(0.02)
     seen = [fd_count()]
     while time.monotonic() < deadline and (len(seen) < 3 or len(set(seen[-3:])) > 1):
         time.sleep(0.02)

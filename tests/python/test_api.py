@@ -289,7 +289,7 @@ def test_uses_are_counted(hb):
 def test_stream_yields_chunks_and_closes_each_fd(hb):
     live = vmmipc.live_registrations()
     t = hb.share()
-    base = fd_count()
+    base = settled_fd_count()
     seen = []
     with vmmipc.open(t) as s:
         assert (s.count, s.total_size) == (16, 16 * PAGE)
@@ -326,7 +326,7 @@ def test_detach_transfers_the_fd(hb):
 
 def test_closing_a_stream_early_gives_the_use_back(hb):
     t = hb.share()
-    base = fd_count()
+    base = settled_fd_count()
     s = vmmipc.open(t, window=1)  # the use is spent once all 16 chunks were sent
     next(s), next(s)
     s.close()
@@ -362,7 +362,7 @@ def test_register_export_fn_and_release_once():
         calls.append(threading.get_ident())
         released.set()
 
-    base = fd_count()
+    base = settled_fd_count()
     t = vmmipc.register([PAGE] * 8, export, uses=1, release=release)
     assert fd_count() == base  # registering opens nothing
     with vmmipc.import_stream(t) as m:
@@ -381,7 +381,7 @@ def test_export_fn_failure_names_the_chunk():
         return memfd_with(b"x" * PAGE)
 
     t = vmmipc.register([PAGE] * 8, export, uses=0)
-    base = fd_count()
+    base = settled_fd_count()
     with pytest.raises(vmmipc.ExportError, match="chunk 5") as e:
         vmmipc.import_stream(t)
     assert "28" in e.value.message  # export_fn's return value: the errno
@@ -404,7 +404,7 @@ def test_release_runs_on_unregister_and_ttl():
 # -- export-side generators --------------------------------------------------
 
 def test_export_fds_yields_one_fd_at_a_time(hb):
-    live, base = vmmipc.live_registrations(), fd_count()
+    live, base = vmmipc.live_registrations(), settled_fd_count()
     got = []
     for c in vmmipc.export_chunks(hb):
         assert fd_count() <= base + 4  # as above: both ends are here
@@ -420,7 +420,7 @@ def test_export_fds_yields_one_fd_at_a_time(hb):
 
 
 def test_export_generator_closed_early_unregisters(hb):
-    live, base = vmmipc.live_registrations(), fd_count()
+    live, base = vmmipc.live_registrations(), settled_fd_count()
     g = vmmipc.export_fds(hb, window=1)  # with a wider window all 16 chunks go at once
     next(g)
     assert vmmipc.live_registrations() == live + 1
