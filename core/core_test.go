@@ -116,7 +116,6 @@ func TestWrongSecretAndUnregister(t *testing.T) {
 }
 
 func TestTTLExpires(t *testing.T) {
-	skipTTLRace(t)
 	s := newTestServer(t)
 	fd := newMemfd(t, int(pageSize), pattern(int(pageSize), 1))
 	defer unix.Close(fd)
@@ -209,13 +208,4 @@ func TestSecretNeverCrossesTheSocket(t *testing.T) {
 		t.Fatal("the ticket's secret crossed the socket")
 	}
 	t.Logf("%d bytes to the server, %d to the receiver, no 8 bytes of the secret among them", len(toServer), len(toReceiver))
-}
-
-// skipTTLRace skips a test with a short ttl under the race detector: the
-// ttl timer's callback reads registration.timer, which newRegistration
-// writes without the registration's lock.
-func skipTTLRace(t *testing.T) {
-	if raceEnabled {
-		knownBug(t, "data race on registration.timer under -race: registry.go newRegistration assigns g.timer without g.mu while the ttl timer's g.end reads it under g.mu; assign it with g.mu held")
-	}
 }

@@ -244,7 +244,6 @@ func TestRegisterAgainRefusals(t *testing.T) {
 // TestRegisterAgainOwnTTL: the new registration expires on its own ttl;
 // the original is untouched.
 func TestRegisterAgainOwnTTL(t *testing.T) {
-	skipTTLRace(t)
 	s := newTestServer(t)
 	fd := newMemfd(t, 4096, pattern(4096, 1))
 	defer unix.Close(fd)
@@ -513,7 +512,6 @@ func TestUsedUpLetsFinishedReceiversFinish(t *testing.T) {
 // the last use: when A says done, no registration of the buffer lives, and
 // its done-ack must say so.
 func TestDoneAckSaysWhetherTheBufferLives(t *testing.T) {
-	knownBug(t, "a session whose use was spent before another receiver used the registration up still answers ackBufferLives (session.go run sets it for !usedUp), though no registration of the buffer lives: the receiver caches a mapping of an ended buffer until the poller drops it. Fix in session.go run: set ackBufferLives only if g.live() && !usedUp, or the buffer has another live registration")
 	s := newTestServer(t)
 	const chunks = 4
 	fd := newMemfd(t, chunks*4096, pattern(chunks*4096, 7))

@@ -119,7 +119,9 @@ func (r *Registry) newRegistration(b *buffer, opts RegisterOptions) (*registrati
 	}
 	if opts.TTL > 0 {
 		ttl := opts.TTL
+		g.mu.Lock() // the timer may fire before this assignment is done
 		g.timer = time.AfterFunc(ttl, func() { g.end(fmt.Sprintf("expired after its ttl of %v", ttl)) })
+		g.mu.Unlock()
 	}
 	return g, nil
 }

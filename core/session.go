@@ -101,7 +101,9 @@ func (ss *session) run() {
 		return
 	}
 	var flags uint64
-	if !usedUp || ss.srv.reg.bufferHasOthers(g) {
+	// Another receiver may have spent the last use meanwhile: ask whether
+	// the registration still lives, not only whether we used it up.
+	if (!usedUp && g.live()) || ss.srv.reg.bufferHasOthers(g) {
 		flags |= ackBufferLives
 	}
 	_ = ss.c.send(doneAckMsg{Flags: flags}.encode(), -1)

@@ -357,15 +357,3 @@ func waitUntil(timeout time.Duration, cond func() bool) bool {
 	}
 	return true
 }
-
-// knownBugsEnv runs the tests skipped for a known core bug, to check a fix.
-const knownBugsEnv = "VMMIPC_TEST_KNOWN_BUGS"
-
-// knownBug skips a test that fails because of the core bug described,
-// unless VMMIPC_TEST_KNOWN_BUGS=1.
-func knownBug(t *testing.T, bug string) {
-	t.Helper()
-	if os.Getenv(knownBugsEnv) != "1" {
-		t.Skipf("core bug: %s (%s=1 runs this test)", bug, knownBugsEnv)
-	}
-}
