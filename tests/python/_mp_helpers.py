@@ -20,6 +20,25 @@ def fd_count() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def fd_table() -> dict:
+    """This process's descriptors and what each refers to (for messages)."""
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            out[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            pass  # the directory's own descriptor, gone already
+    return out
+
+
+def fd_changes(before: dict) -> str:
+    """What differs between fd_table() now and before, for a failed check."""
+    now = fd_table()
+    gone = {fd: t for fd, t in before.items() if now.get(fd) != t}
+    new = {fd: t for fd, t in now.items() if before.get(fd) != t}
+    return f"descriptors opened since: {new or 'none'}; closed since: {gone or 'none'}"
+
+
 def settled_fd_count(timeout: float = 2.0) -> int:
     """fd_count() once earlier tests' leftovers are gone: objects in cycles
     collected (Queues hold pipes), no unreferenced mapping left in the

@@ -20,7 +20,7 @@ import pytest
 import conftest
 import vmmipc
 from vmmipc import _lib
-from _mp_helpers import fd_count, pattern, settled_fd_count
+from _mp_helpers import fd_changes, fd_count, fd_table, pattern, settled_fd_count
 
 PAGE = mmap.PAGESIZE
 
@@ -421,11 +421,12 @@ def test_export_fds_yields_one_fd_at_a_time(hb):
 
 def test_export_generator_closed_early_unregisters(hb):
     live, base = vmmipc.live_registrations(), settled_fd_count()
+    before = fd_table()
     g = vmmipc.export_fds(hb, window=1)  # with a wider window all 16 chunks go at once
     next(g)
     assert vmmipc.live_registrations() == live + 1
     g.close()
-    assert wait_for(lambda: fd_count() == base)
+    assert wait_for(lambda: fd_count() == base), fd_changes(before)
     assert wait_for(lambda: vmmipc.live_registrations() == live)
 
 
