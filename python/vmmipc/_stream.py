@@ -164,8 +164,15 @@ def export_fds(source, **kw) -> Iterator[int]:
     """Like export_chunks, but yields the bare descriptor of each chunk (for
     from_fds()-style importers that take an iterable of fds). Each fd is
     closed when iteration moves on; dup it to keep it."""
-    for chunk in export_chunks(source, **kw):
-        yield chunk.fd
+    chunks = export_chunks(source, **kw)
+    try:
+        for chunk in chunks:
+            yield chunk.fd
+    finally:
+        # Closing this generator early must close the stream now, not when
+        # the inner generator happens to be collected (a traceback that
+        # holds this frame keeps it alive).
+        chunks.close()
 
 
 def _ticket_for(source) -> tuple[Ticket, bool]:

@@ -1187,12 +1187,16 @@ static void run_cache(void) {
       CK(cuMemsetD8(b.base, 0xA5, b.total));
       CK(cuCtxSynchronize());
     } else if (cmd == 'U') { /* end everything and free our side */
-      VK(vmmipc_unregister(&t0));
-      check(wait_live_registrations(0, 5), "every registration ended (the receiver used the others up)");
+      check(wait_live_registrations(1, 5), "every registration but the anchor ended (the receiver used them up)");
       check(__atomic_load_n(&cache_handles_released, __ATOMIC_SEQ_CST) == 1,
             "release_fn of register_cuda_handles ran once");
+      /* Free our buffer while the anchor still holds the memory, and count
+       * then: once the anchor ends, the receiver's cache may undo its
+       * mapping at any moment (its poller asks every 250 ms). */
       vbuf_free(&b);
-      held = free_mem(); /* the receiver's cached mapping still holds the memory */
+      held = free_mem(); /* the anchor and the receiver's cached mapping hold the memory */
+      VK(vmmipc_unregister(&t0));
+      check(wait_live_registrations(0, 5), "every registration ended");
     } else if (cmd == 'D') { /* the receiver's mapping is undone: the memory comes back */
       double until = now_s() + 5;
       size_t f;
