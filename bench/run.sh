@@ -45,10 +45,8 @@ COMMAND="bench/run.sh $*"
 # a knob the library might read:
 #   SCHEDULES+=("batch64 VMMIPC_SCHEDULE=batch:64")
 SCHEDULES=()
-# Knobs that only the CUDA import reads; run on the GPU only.
-# VMMIPC_SET_ACCESS_EVERY=n (cuda/importer.go): cuMemSetAccess every n chunks
-# while the transfer runs, instead of once over the whole range at the end.
-CUDA_SCHEDULES=("access-every-64 VMMIPC_SET_ACCESS_EVERY=64" "access-every-512 VMMIPC_SET_ACCESS_EVERY=512")
+# (Schedule knobs were measured on 2026-12-01 and lost or did not win:
+# bench/results/2026-12-01-h200-schedules.md. Add new ones to SCHEDULES.)
 
 while [ $# -gt 0 ]; do
   case $1 in
@@ -77,7 +75,6 @@ export VMMIPC_LIBRARY=$PWD/$BUILD/libvmmipc.so # for the Python tools and their 
 
 if [ $HOST = 0 ] && "$BENCH" --probe; then
   MEM=--cuda PYMEM=
-  SCHEDULES+=("${CUDA_SCHEDULES[@]}")
   say "CUDA run: a GPU is usable here"
 else
   MEM=--host PYMEM=--host

@@ -92,17 +92,6 @@ func (c *conn) send(msg []byte, fd int) error {
 	}
 }
 
-// queued returns the bytes waiting in the socket's receive queue.
-func (c *conn) queued() (uint64, error) {
-	var n int
-	var ierr error
-	err := c.raw.Control(func(s uintptr) { n, ierr = unix.IoctlGetInt(int(s), unix.SIOCINQ) })
-	if err == nil {
-		err = ierr
-	}
-	return uint64(n), err
-}
-
 // frame is one received message. fd is -1 unless a descriptor came with it;
 // the receiver of a frame owns fd and must close it.
 type frame struct {

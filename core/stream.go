@@ -4,8 +4,6 @@ import (
 	"errors"
 	"net"
 	"os"
-	"strconv"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -31,8 +29,7 @@ type Stream struct {
 	offset      uint64 // expected offset of the next chunk
 	err         error  // sticky: once broken, always broken
 	done        bool
-	bufferLives bool   // the exporter said the buffer outlives this use
-	turnBatch   uint64 // ScheduleEnv "turns:B"; 0 = overlap
+	bufferLives bool // the exporter said the buffer outlives this use
 	closed      bool
 	closing     atomic.Bool // set once by Close, before it takes mu
 }
@@ -48,28 +45,7 @@ func Open(t *Ticket, opts OpenOptions) (*Stream, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Stream{c: c, t: t, window: uint64(opts.Window), turnBatch: turnBatch()}, nil
-}
-
-// ScheduleEnv selects how a receiver paces its requests. Unset: keep up to
-// window requests in flight, topped up as they drain, so that export and
-// import overlap. "turns:B": ask for B chunks, hand out none until all B
-// have arrived (they wait in the socket, not in either process's table),
-// and ask for the next B only when those are consumed, so that the two
-// processes take turns in the driver. It exists to measure schedules
-// (bench/).
-const ScheduleEnv = "VMMIPC_SCHEDULE"
-
-func turnBatch() uint64 {
-	v, ok := strings.CutPrefix(os.Getenv(ScheduleEnv), "turns:")
-	if !ok {
-		return 0
-	}
-	n, err := strconv.ParseUint(v, 10, 64)
-	if err != nil {
-		return 0
-	}
-	return min(n, 1<<16)
+	return &Stream{c: c, t: t, window: uint64(opts.Window)}, nil
 }
 
 // errBusy is the server's "too many unauthenticated peers, retry".
@@ -299,18 +275,9 @@ func (s *Stream) next() (Chunk, error) {
 	if s.received == count {
 		return Chunk{FD: -1}, s.finish()
 	}
-	if s.turnBatch > 0 {
-		if s.requested == s.received && s.requested < count {
-			n := min(s.turnBatch, count-s.requested)
-			if err := s.c.send(pullMsg{First: s.requested, Count: n}.encode(), -1); err != nil {
-				return Chunk{FD: -1}, s.chunkErr(pendingError(s.c, err))
-			}
-			s.requested += n
-			s.awaitQueued(n * (headerSize + chunkMsgSize))
-		}
-	} else if inFlight := s.requested - s.received; inFlight <= s.window/2 && s.requested < count {
-		// Top up the requests in flight once half the window has drained,
-		// so the exporter never waits on us and requests go out in batches.
+	// Top up the requests in flight once half the window has drained, so
+	// the exporter never waits on us and requests go out in batches.
+	if inFlight := s.requested - s.received; inFlight <= s.window/2 && s.requested < count {
 		n := min(s.window-inFlight, count-s.requested)
 		if sendErr := s.c.send(pullMsg{First: s.requested, Count: n}.encode(), -1); sendErr != nil {
 			// The exporter may have hung up after telling us why: what it
@@ -346,27 +313,6 @@ func (s *Stream) next() (Chunk, error) {
 	s.received++
 	s.offset += m.Size
 	return Chunk{Index: m.Index, Offset: m.Offset, Size: m.Size, FileOffset: m.FileOffset, FD: f.FD}, nil
-}
-
-// awaitQueued waits until n bytes are queued in the socket (a whole batch
-// of chunk messages), or until they stop coming for a while: a sender held
-// back by the kernel's limit on descriptors in flight (ETOOMANYREFS) sends
-// the rest only as we read, so then we read what is there.
-func (s *Stream) awaitQueued(n uint64) {
-	const stall = 5 * time.Millisecond
-	last, since := uint64(0), time.Now()
-	for deadline := time.Now().Add(s.c.timeout); time.Now().Before(deadline); {
-		q, err := s.c.queued()
-		if err != nil || q >= n {
-			return
-		}
-		if q != last {
-			last, since = q, time.Now()
-		} else if time.Since(since) > stall && q > 0 {
-			return
-		}
-		time.Sleep(20 * time.Microsecond)
-	}
 }
 
 // finish says done and reads the exporter's done-ack: the use is spent.

@@ -7,8 +7,6 @@ import "C"
 
 import (
 	"fmt"
-	"os"
-	"strconv"
 	"sync"
 	"unsafe"
 
@@ -26,24 +24,6 @@ type gpuImporter struct {
 	reserved uint64 // bytes reserved at base; 0 = nothing reserved
 	total    uint64 // bytes the ticket holds
 	mapped   []span // offsets and sizes mapped so far, in order
-	accessed uint64 // bytes from base given access so far
-
-	// accessEvery > 0 grants access after every accessEvery chunks
-	// instead of once at Finish (AccessEveryEnv; a schedule experiment).
-	accessEvery int
-}
-
-// AccessEveryEnv, when set to n > 0, makes imports set access every n
-// chunks while the transfer runs instead of once at the end. It exists to
-// measure schedules (bench/); the default is once at the end.
-const AccessEveryEnv = "VMMIPC_SET_ACCESS_EVERY"
-
-func accessEvery() int {
-	n, err := strconv.Atoi(os.Getenv(AccessEveryEnv))
-	if err != nil || n < 0 {
-		return 0
-	}
-	return n
 }
 
 // NewImporter prepares an import onto device (an ordinal, or DeviceSame for
@@ -106,7 +86,7 @@ func NewImporter(device int32, uuid [16]byte, access []int32) (core.Importer, er
 	if err != nil {
 		return nil, err
 	}
-	return &gpuImporter{gpu: g, access: devices, gran: gran, accessEvery: accessEvery()}, nil
+	return &gpuImporter{gpu: g, access: devices, gran: gran}, nil
 }
 
 // checkPeers makes sure every device can reach memory on owner.
@@ -203,33 +183,8 @@ func (m *gpuImporter) Map(c core.Chunk) error {
 		if mapErr != nil {
 			return mapErr
 		}
-		if relErr != nil {
-			return relErr
-		}
-		if m.accessEvery > 0 && len(m.mapped)%m.accessEvery == 0 {
-			return m.setAccess(c.Offset + c.Size)
-		}
-		return nil
+		return relErr
 	})
-}
-
-// setAccess grants read-write access from the end of what has access so
-// far up to end (chunks arrive in order, so the mapped part is one range).
-// Runs with the context current.
-func (m *gpuImporter) setAccess(end uint64) error {
-	if end <= m.accessed {
-		return nil
-	}
-	ords := make([]C.int, len(m.access))
-	for i, d := range m.access {
-		ords[i] = C.int(d)
-	}
-	err := check("cuMemSetAccess", C.vcu_mem_set_access_rw(C.CUdeviceptr(m.base+m.accessed), C.size_t(end-m.accessed),
-		(*C.int)(unsafe.Pointer(&ords[0])), C.size_t(len(ords))))
-	if err == nil {
-		m.accessed = end
-	}
-	return err
 }
 
 // Finish grants read-write access over the whole mapped range to the
@@ -247,7 +202,14 @@ func (m *gpuImporter) Finish() error {
 	if mappedBytes != m.total {
 		return core.Errorf(core.EINTERNAL, "import: %d of %d bytes mapped at Finish", mappedBytes, m.total)
 	}
-	return m.gpu.run(func() error { return m.setAccess(m.total) })
+	return m.gpu.run(func() error {
+		ords := make([]C.int, len(m.access))
+		for i, d := range m.access {
+			ords[i] = C.int(d)
+		}
+		return check("cuMemSetAccess", C.vcu_mem_set_access_rw(C.CUdeviceptr(m.base), C.size_t(m.total),
+			(*C.int)(unsafe.Pointer(&ords[0])), C.size_t(len(ords))))
+	})
 }
 
 // Unmap unmaps every chunk mapped so far (newest first) and frees the
@@ -260,7 +222,7 @@ func (m *gpuImporter) Unmap() error {
 		return nil
 	}
 	base, reserved, mapped := m.base, m.reserved, m.mapped
-	m.base, m.reserved, m.mapped, m.accessed = 0, 0, nil, 0
+	m.base, m.reserved, m.mapped = 0, 0, nil
 	return m.gpu.run(func() error {
 		var first error
 		for i := len(mapped) - 1; i >= 0; i-- {
