@@ -15,6 +15,8 @@ type session struct {
 	c       *conn
 	p       *pendingConn
 	peerPid uint32
+	authed  bool // the peer proved the secret
+	refused bool // the peer was told why it gets nothing
 }
 
 // serve runs one connection: status queries, or a handshake and then the
@@ -34,7 +36,10 @@ func (s *Server) serve(p *pendingConn) {
 		ss.peerPid = uint32(cred.Pid)
 	}
 	ss.run()
-	if s.adm.wasEvicted(p) { // a libvmmipc receiver told so retries
+	// A peer dropped before it authenticated, evicted or out of time (a
+	// receiver starved of CPU, say), is told "busy": a libvmmipc receiver
+	// retries within its own timeout.
+	if !ss.authed && !ss.refused && (s.adm.wasEvicted(p) || time.Now().After(p.since.Add(handshakeTimeout))) {
 		c.deadline, c.timeout = time.Time{}, 100*time.Millisecond
 		_ = c.send(encodeMsg(msgBusy, nil), -1)
 	}
@@ -141,7 +146,8 @@ func (ss *session) authenticate(g *registration, hello helloMsg) bool {
 		ss.refuse(Errorf(EAUTH, "the receiver's proof for registration %d does not check out: its ticket is corrupted or forged", g.id))
 		return false
 	}
-	return ss.srv.adm.authenticated(ss.p)
+	ss.authed = ss.srv.adm.authenticated(ss.p)
+	return ss.authed
 }
 
 // recv reads one message from the receiver; on failure it says why when
@@ -262,6 +268,7 @@ func (ss *session) refuse(err error) {
 	if !code.IsError() {
 		code = EINTERNAL
 	}
+	ss.refused = true
 	ss.c.deadline = time.Time{}
 	ss.c.timeout = time.Second // never block long on a receiver that does not read
 	_ = ss.c.send(errorMsg{Code: code, Text: err.Error()}.encode(), -1)
