@@ -67,8 +67,9 @@
  *   the backlog full retries with back-off until its timeout_ms. Connections
  *   that have not yet authenticated have a bound of their own, max(4, C/4),
  *   and must authenticate within 2 seconds; when that bound is full, the
- *   oldest of them (if older than 100 ms) is told "busy" and dropped, and a
- *   libvmmipc receiver told so retries. So idle connections cannot lock
+ *   oldest of them (if older than 100 ms) is dropped. A connection dropped
+ *   either way is told "busy" first, and a libvmmipc receiver told so
+ *   retries within its timeout_ms. So idle connections cannot lock
  *   authenticated receivers out. Peers of a foreign uid are told why and
  *   dropped at once (at most 64 at a time; beyond that, without a word).
  */
