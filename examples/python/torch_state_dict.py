@@ -17,7 +17,7 @@ import vmmipc.torch  # noqa: F401  (installs the reducers)
 def child(q, results):
     state, x = q.get()                      # tensors on the sender's GPU, zero-copy
     y = torch.nn.functional.linear(x, state["weight"], state["bias"])
-    results.put(y.cpu())
+    results.put(y.cpu().numpy())            # plain data: this child may exit at once
 
 if __name__ == "__main__":
     model = torch.nn.Linear(4096, 4096).cuda()
@@ -27,7 +27,7 @@ if __name__ == "__main__":
     p = ctx.Process(target=child, args=(q, results))
     p.start()
     q.put((model.state_dict(), x))          # keep model and x alive while the child uses them
-    got = results.get()
+    got = torch.from_numpy(results.get())
     p.join()
 # end readme-snippet
     want = model(x).detach().cpu()
