@@ -13,22 +13,26 @@ import (
 // Code is a libvmmipc status code. The values are the ones in vmmipc.h.
 type Code int32
 
-// Status codes, mirroring include/vmmipc.h.
+// Status codes, mirroring include/vmmipc.h: OK and End, then the errors
+// from -1 down, in the header's order (tests check the values).
 const (
-	OK        Code = 0
-	End       Code = 1
-	EINVAL    Code = -1
-	EBADF     Code = -2
-	EAUTH     Code = -3
-	ENOENT    Code = -4
-	EIO       Code = -5
-	EEXPORT   Code = -6
-	ECUDA     Code = -7
-	ENFILE    Code = -8
-	EFORK     Code = -9
-	EINTERNAL Code = -10
-	ENOMEM    Code = -11
-	ETIMEDOUT Code = -12
+	OK  Code = 0
+	End Code = 1
+)
+
+const (
+	EINVAL    Code = -1 - iota // -1
+	EBADF                      // -2
+	EAUTH                      // -3
+	ENOENT                     // -4
+	EIO                        // -5
+	EEXPORT                    // -6
+	ECUDA                      // -7
+	ENFILE                     // -8
+	EFORK                      // -9
+	EINTERNAL                  // -10
+	ENOMEM                     // -11
+	ETIMEDOUT                  // -12
 )
 
 // firstCode is the most negative status; codes run from it to End.

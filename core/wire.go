@@ -195,30 +195,43 @@ func encodeMsg(typ uint8, body []byte) []byte {
 	return b
 }
 
-// bodyOf checks the body length of a fixed-size message.
-func bodyOf(typ uint8, body []byte) error {
+// fields writes a body as little-endian fields in order; reader takes them
+// back in the same order. Each message's layout is then one line each way.
+type fields []byte
+
+func (f fields) u64(v uint64) fields  { return binary.LittleEndian.AppendUint64(f, v) }
+func (f fields) raw(p []byte) fields  { return append(f, p...) }
+func (f fields) msg(typ uint8) []byte { return encodeMsg(typ, f) }
+
+type reader struct{ b []byte }
+
+// readBody checks the body length of a fixed-size message.
+func readBody(typ uint8, body []byte) (*reader, error) {
 	if len(body) != bodySizes[typ] {
-		return Errorf(EINVAL, "protocol: %s of %d bytes, want %d", msgName(typ), len(body), bodySizes[typ])
+		return nil, Errorf(EINVAL, "protocol: %s of %d bytes, want %d", msgName(typ), len(body), bodySizes[typ])
 	}
-	return nil
+	return &reader{body}, nil
 }
+
+func (r *reader) u64() uint64 {
+	v := binary.LittleEndian.Uint64(r.b)
+	r.b = r.b[8:]
+	return v
+}
+
+func (r *reader) raw(p []byte) { r.b = r.b[copy(p, r.b):] }
 
 func (m helloMsg) encode() []byte {
-	body := make([]byte, helloSize)
-	binary.LittleEndian.PutUint64(body[0:], m.RegID)
-	binary.LittleEndian.PutUint64(body[8:], m.Flags)
-	copy(body[16:], m.Nonce[:])
-	return encodeMsg(msgHello, body)
+	return fields{}.u64(m.RegID).u64(m.Flags).raw(m.Nonce[:]).msg(msgHello)
 }
 
-func parseHello(body []byte) (helloMsg, error) {
-	var m helloMsg
-	if err := bodyOf(msgHello, body); err != nil {
+func parseHello(body []byte) (m helloMsg, err error) {
+	r, err := readBody(msgHello, body)
+	if err != nil {
 		return m, err
 	}
-	m.RegID = binary.LittleEndian.Uint64(body[0:])
-	m.Flags = binary.LittleEndian.Uint64(body[8:])
-	copy(m.Nonce[:], body[16:])
+	m.RegID, m.Flags = r.u64(), r.u64()
+	r.raw(m.Nonce[:])
 	if m.Flags&^helloKnown != 0 {
 		return m, Errorf(EINVAL, "protocol: hello flags %#x not understood", m.Flags)
 	}
@@ -226,142 +239,113 @@ func parseHello(body []byte) (helloMsg, error) {
 }
 
 func (m challengeMsg) encode() []byte {
-	body := make([]byte, challengeSize)
-	copy(body, m.Nonce[:])
-	copy(body[nonceSize:], m.Proof[:])
-	return encodeMsg(msgChallenge, body)
+	return fields{}.raw(m.Nonce[:]).raw(m.Proof[:]).msg(msgChallenge)
 }
 
-func parseChallenge(body []byte) (challengeMsg, error) {
-	var m challengeMsg
-	if err := bodyOf(msgChallenge, body); err != nil {
-		return m, err
+func parseChallenge(body []byte) (m challengeMsg, err error) {
+	r, err := readBody(msgChallenge, body)
+	if err == nil {
+		r.raw(m.Nonce[:])
+		r.raw(m.Proof[:])
 	}
-	copy(m.Nonce[:], body)
-	copy(m.Proof[:], body[nonceSize:])
-	return m, nil
+	return m, err
 }
 
-func (m proofMsg) encode() []byte { return encodeMsg(msgProof, m.Proof[:]) }
+func (m proofMsg) encode() []byte { return fields{}.raw(m.Proof[:]).msg(msgProof) }
 
-func parseProof(body []byte) (proofMsg, error) {
-	var m proofMsg
-	if err := bodyOf(msgProof, body); err != nil {
-		return m, err
+func parseProof(body []byte) (m proofMsg, err error) {
+	r, err := readBody(msgProof, body)
+	if err == nil {
+		r.raw(m.Proof[:])
 	}
-	copy(m.Proof[:], body)
-	return m, nil
+	return m, err
 }
 
+// The welcome's kind is a byte followed by 7 reserved zero bytes: one
+// little-endian u64 whose upper bytes must be zero.
 func (m welcomeMsg) encode() []byte {
-	body := make([]byte, welcomeSize)
-	binary.LittleEndian.PutUint64(body[0:], m.Count)
-	binary.LittleEndian.PutUint64(body[8:], m.Total)
-	body[16] = m.Kind
-	binary.LittleEndian.PutUint64(body[24:], m.BufferID)
-	return encodeMsg(msgWelcome, body)
+	return fields{}.u64(m.Count).u64(m.Total).u64(uint64(m.Kind)).u64(m.BufferID).msg(msgWelcome)
 }
 
-func parseWelcome(body []byte) (welcomeMsg, error) {
-	var m welcomeMsg
-	if err := bodyOf(msgWelcome, body); err != nil {
+func parseWelcome(body []byte) (m welcomeMsg, err error) {
+	r, err := readBody(msgWelcome, body)
+	if err != nil {
 		return m, err
 	}
-	m.Count = binary.LittleEndian.Uint64(body[0:])
-	m.Total = binary.LittleEndian.Uint64(body[8:])
-	m.Kind = body[16]
-	m.BufferID = binary.LittleEndian.Uint64(body[24:])
-	for _, c := range body[17:24] {
-		if c != 0 {
-			return m, Errorf(EINVAL, "protocol: welcome reserved bytes are not zero")
-		}
+	var kind uint64
+	m.Count, m.Total, kind, m.BufferID = r.u64(), r.u64(), r.u64(), r.u64()
+	if kind > 0xff {
+		return m, Errorf(EINVAL, "protocol: welcome reserved bytes are not zero")
 	}
+	m.Kind = uint8(kind)
 	return m, nil
 }
 
-func (m pullMsg) encode() []byte {
-	body := make([]byte, pullSize)
-	binary.LittleEndian.PutUint64(body[0:], m.First)
-	binary.LittleEndian.PutUint64(body[8:], m.Count)
-	return encodeMsg(msgPull, body)
-}
+func (m pullMsg) encode() []byte { return fields{}.u64(m.First).u64(m.Count).msg(msgPull) }
 
-func parsePull(body []byte) (pullMsg, error) {
-	if err := bodyOf(msgPull, body); err != nil {
-		return pullMsg{}, err
+func parsePull(body []byte) (m pullMsg, err error) {
+	r, err := readBody(msgPull, body)
+	if err == nil {
+		m.First, m.Count = r.u64(), r.u64()
 	}
-	return pullMsg{First: binary.LittleEndian.Uint64(body[0:]), Count: binary.LittleEndian.Uint64(body[8:])}, nil
+	return m, err
 }
 
 func (m chunkMsg) encode() []byte {
-	body := make([]byte, chunkMsgSize)
-	binary.LittleEndian.PutUint64(body[0:], m.Index)
-	binary.LittleEndian.PutUint64(body[8:], m.Offset)
-	binary.LittleEndian.PutUint64(body[16:], m.Size)
-	binary.LittleEndian.PutUint64(body[24:], m.FileOffset)
-	return encodeMsg(msgChunk, body)
+	return fields{}.u64(m.Index).u64(m.Offset).u64(m.Size).u64(m.FileOffset).msg(msgChunk)
 }
 
-func parseChunk(body []byte) (chunkMsg, error) {
-	if err := bodyOf(msgChunk, body); err != nil {
-		return chunkMsg{}, err
+func parseChunk(body []byte) (m chunkMsg, err error) {
+	r, err := readBody(msgChunk, body)
+	if err == nil {
+		m.Index, m.Offset, m.Size, m.FileOffset = r.u64(), r.u64(), r.u64(), r.u64()
 	}
-	return chunkMsg{
-		Index:      binary.LittleEndian.Uint64(body[0:]),
-		Offset:     binary.LittleEndian.Uint64(body[8:]),
-		Size:       binary.LittleEndian.Uint64(body[16:]),
-		FileOffset: binary.LittleEndian.Uint64(body[24:]),
-	}, nil
+	return m, err
 }
 
-func (m doneAckMsg) encode() []byte {
-	body := make([]byte, doneAckSize)
-	binary.LittleEndian.PutUint64(body, m.Flags)
-	return encodeMsg(msgDoneAck, body)
-}
+func (m doneAckMsg) encode() []byte { return fields{}.u64(m.Flags).msg(msgDoneAck) }
 
-func parseDoneAck(body []byte) (doneAckMsg, error) {
-	if err := bodyOf(msgDoneAck, body); err != nil {
-		return doneAckMsg{}, err
+func parseDoneAck(body []byte) (m doneAckMsg, err error) {
+	r, err := readBody(msgDoneAck, body)
+	if err != nil {
+		return m, err
 	}
-	m := doneAckMsg{Flags: binary.LittleEndian.Uint64(body)}
-	if m.Flags&^ackKnown != 0 {
+	if m.Flags = r.u64(); m.Flags&^ackKnown != 0 {
 		return m, Errorf(EINVAL, "protocol: done-ack flags %#x not understood", m.Flags)
 	}
 	return m, nil
 }
 
-func (m statusMsg) encode() []byte {
-	body := make([]byte, statusSize)
-	binary.LittleEndian.PutUint64(body, m.BufferID)
-	return encodeMsg(msgStatus, body)
-}
+func (m statusMsg) encode() []byte { return fields{}.u64(m.BufferID).msg(msgStatus) }
 
-func parseStatus(body []byte) (statusMsg, error) {
-	if err := bodyOf(msgStatus, body); err != nil {
-		return statusMsg{}, err
+func parseStatus(body []byte) (m statusMsg, err error) {
+	r, err := readBody(msgStatus, body)
+	if err == nil {
+		m.BufferID = r.u64()
 	}
-	return statusMsg{BufferID: binary.LittleEndian.Uint64(body)}, nil
+	return m, err
 }
 
 func (m statusAckMsg) encode() []byte {
-	body := make([]byte, statusAckSize)
-	binary.LittleEndian.PutUint64(body, m.BufferID)
+	alive := uint64(0)
 	if m.Alive {
-		body[8] = 1
+		alive = 1
 	}
-	return encodeMsg(msgStatusAck, body)
+	return fields{}.u64(m.BufferID).u64(alive).msg(msgStatusAck)
 }
 
-func parseStatusAck(body []byte) (statusAckMsg, error) {
-	if err := bodyOf(msgStatusAck, body); err != nil {
-		return statusAckMsg{}, err
+func parseStatusAck(body []byte) (m statusAckMsg, err error) {
+	r, err := readBody(msgStatusAck, body)
+	if err != nil {
+		return m, err
 	}
-	v := binary.LittleEndian.Uint64(body[8:])
-	if v > 1 {
-		return statusAckMsg{}, Errorf(EINVAL, "protocol: status-ack alive flag %d is not 0 or 1", v)
+	var alive uint64
+	m.BufferID, alive = r.u64(), r.u64()
+	if alive > 1 {
+		return m, Errorf(EINVAL, "protocol: status-ack alive flag %d is not 0 or 1", alive)
 	}
-	return statusAckMsg{BufferID: binary.LittleEndian.Uint64(body), Alive: v == 1}, nil
+	m.Alive = alive == 1
+	return m, nil
 }
 
 func (m errorMsg) encode() []byte {

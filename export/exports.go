@@ -78,13 +78,21 @@ func releaseCallback(fn C.vmmipc_release_fn, user unsafe.Pointer) func() {
 	return func() { C.vmmipc_abi_call_release(fn, user) }
 }
 
-// registerArgs reads the options of a register call and checks ticket_out.
-func registerArgs(fn string, opts *C.vmmipc_options, out *C.vmmipc_ticket) (options, error) {
+// registerArgs reads the options of a register call, checks ticket_out and
+// copies its arrays of count uint64s (vmmipc_register: sizes;
+// vmmipc_register_cuda_handles: handles, sizes), named in messages by names.
+func registerArgs(fn string, opts *C.vmmipc_options, out *C.vmmipc_ticket, count C.uint64_t, names []string, arrays ...*C.uint64_t) (options, [][]uint64, error) {
 	o, err := readOptions(opts)
 	if err == nil && out == nil {
 		err = core.Errorf(core.EINVAL, "%s: ticket_out is NULL", fn)
 	}
-	return o, err
+	copies := make([][]uint64, len(arrays))
+	for i, p := range arrays {
+		if err == nil {
+			copies[i], err = u64s(p, count, fn+": "+names[i])
+		}
+	}
+	return o, copies, err
 }
 
 // register registers spec with this process's server and writes the ticket.
@@ -106,17 +114,13 @@ func vmmipcgo_register(sizes *C.uint64_t, count C.uint64_t, exportFn C.vmmipc_ex
 		if exportFn == nil {
 			return core.Errorf(core.EINVAL, "vmmipc_register: export_fn is NULL")
 		}
-		o, err := registerArgs("vmmipc_register", opts, ticketOut)
-		if err != nil {
-			return err
-		}
-		sz, err := u64s(sizes, count, "vmmipc_register: sizes")
+		o, a, err := registerArgs("vmmipc_register", opts, ticketOut, count, []string{"sizes"}, sizes)
 		if err != nil {
 			return err
 		}
 		ro := o.register()
 		ro.OnRelease, ro.LendsExporter = releaseCallback(releaseFn, user), true
-		spec := core.BufferSpec{Sizes: sz, Kind: o.kind, Exporter: &exportCallback{export: exportFn, user: user}}
+		spec := core.BufferSpec{Sizes: a[0], Kind: o.kind, Exporter: &exportCallback{export: exportFn, user: user}}
 		return register(spec, ro, ticketOut)
 	})
 }
@@ -124,7 +128,7 @@ func vmmipcgo_register(sizes *C.uint64_t, count C.uint64_t, exportFn C.vmmipc_ex
 //export vmmipcgo_register_host_file
 func vmmipcgo_register_host_file(fd C.int, size, chunkSize C.uint64_t, releaseFn C.vmmipc_release_fn, user unsafe.Pointer, opts *C.vmmipc_options, ticketOut *C.vmmipc_ticket) C.int {
 	return call("vmmipc_register_host_file", func() error {
-		o, err := registerArgs("vmmipc_register_host_file", opts, ticketOut)
+		o, _, err := registerArgs("vmmipc_register_host_file", opts, ticketOut, 0, nil)
 		if err != nil {
 			return err
 		}
@@ -145,7 +149,7 @@ func vmmipcgo_register_host_file(fd C.int, size, chunkSize C.uint64_t, releaseFn
 //export vmmipcgo_register_cuda
 func vmmipcgo_register_cuda(dptr, size C.uint64_t, opts *C.vmmipc_options, ticketOut *C.vmmipc_ticket) C.int {
 	return call("vmmipc_register_cuda", func() error {
-		o, err := registerArgs("vmmipc_register_cuda", opts, ticketOut)
+		o, _, err := registerArgs("vmmipc_register_cuda", opts, ticketOut, 0, nil)
 		if err != nil {
 			return err
 		}
@@ -164,19 +168,11 @@ func vmmipcgo_register_cuda(dptr, size C.uint64_t, opts *C.vmmipc_options, ticke
 //export vmmipcgo_register_cuda_handles
 func vmmipcgo_register_cuda_handles(handles, sizes *C.uint64_t, count C.uint64_t, releaseFn C.vmmipc_release_fn, user unsafe.Pointer, opts *C.vmmipc_options, ticketOut *C.vmmipc_ticket) C.int {
 	return call("vmmipc_register_cuda_handles", func() error {
-		o, err := registerArgs("vmmipc_register_cuda_handles", opts, ticketOut)
+		o, a, err := registerArgs("vmmipc_register_cuda_handles", opts, ticketOut, count, []string{"handles", "sizes"}, handles, sizes)
 		if err != nil {
 			return err
 		}
-		hs, err := u64s(handles, count, "vmmipc_register_cuda_handles: handles")
-		if err != nil {
-			return err
-		}
-		sz, err := u64s(sizes, count, "vmmipc_register_cuda_handles: sizes")
-		if err != nil {
-			return err
-		}
-		spec, err := cuda.RegisterHandles(hs, sz)
+		spec, err := cuda.RegisterHandles(a[0], a[1])
 		if err != nil {
 			return err
 		}
@@ -206,7 +202,7 @@ func vmmipcgo_register_again(ticket *C.vmmipc_ticket, releaseFn C.vmmipc_release
 		if err != nil {
 			return err
 		}
-		o, err := registerArgs("vmmipc_register_again", opts, ticketOut)
+		o, _, err := registerArgs("vmmipc_register_again", opts, ticketOut, 0, nil)
 		if err != nil {
 			return err
 		}
