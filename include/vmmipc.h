@@ -23,6 +23,9 @@
  *     stream is finished; not an error) or a negative VMMIPC_E* error.
  *   - After a negative status, vmmipc_last_error() gives this thread's detail
  *     of what failed and what to do. Successful calls leave it unchanged.
+ *   - Any function may also return VMMIPC_EINTERNAL: a bug inside libvmmipc,
+ *     recovered (a Go panic never reaches the host). The Returns lists below
+ *     do not repeat it.
  *   - Every descriptor the library hands out is O_CLOEXEC and belongs to the
  *     caller; every descriptor the caller hands in stays the caller's unless
  *     the function says otherwise.
