@@ -8,7 +8,6 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
@@ -226,7 +225,7 @@ func TestImpostorInheritsListener(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			t.Cleanup(func() { _ = syscall.Kill(child, syscall.SIGKILL) }) // before the sender's cleanup
+			t.Cleanup(func() { _ = unix.Kill(child, unix.SIGKILL) }) // before the sender's cleanup
 			switch tc.then {
 			case "close":
 				sender.expectAll(faultTimeout, "listening ", "closed")
@@ -309,10 +308,8 @@ func TestEverySingleByteCorruption(t *testing.T) {
 		t.Fatalf("%d live registrations, want the 1", s.Live())
 	}
 	r := importHost(t, tk, ImportOptions{}) // the only use is still there
-	verr := verifyRef(r, 6)
-	Unmap(r.ID, r.Base)
-	if verr != nil {
-		t.Fatal(verr)
+	if err := verifyAndUnmap(r, 6); err != nil {
+		t.Fatal(err)
 	}
 	t.Logf("outcomes %v; slowest refusal after an import attempt %v", outcomes, slowest)
 }
@@ -367,44 +364,7 @@ func TestThousandReceiversAtOnce(t *testing.T) {
 	bound := base + 2*(limit+pendingLimit(limit)) // a socket and a chunk in hand per connection
 	fdsBefore := ourFDs().settled(t)
 
-	stopSampling := senderFDs.samplePeak()
-	start := time.Now()
-	var ready, wg sync.WaitGroup
-	ready.Add(1)
-	errs := make(chan error, receivers)
-	for i := 0; i < receivers; i++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			ready.Wait()
-			r, err := Import(tk, DeviceHost, ImportOptions{OpenOptions: OpenOptions{Timeout: time.Minute}, NoCache: true}, nil)
-			if err != nil {
-				errs <- err
-				return
-			}
-			verr := verifyRef(r, 12)
-			if err := Unmap(r.ID, r.Base); err != nil && verr == nil {
-				verr = err
-			}
-			errs <- verr
-		}()
-	}
-	ready.Done()
-	wg.Wait()
-	took := time.Since(start)
-	most := stopSampling()
-	close(errs)
-	failed := 0
-	var first error
-	for err := range errs {
-		if err != nil {
-			failed++
-			first = cmpOr(first, err)
-		}
-	}
-	if failed > 0 {
-		t.Fatalf("%d of %d receivers failed; the first: %v", failed, receivers, first)
-	}
+	took, most := receiversAtOnce(t, senderFDs, tk, receivers, ImportOptions{OpenOptions: OpenOptions{Timeout: time.Minute}, NoCache: true}, 12)
 	if most > bound {
 		t.Fatalf("the sender held %d descriptors at its peak, bound %d (its limit is 1024)", most, bound)
 	}
@@ -482,10 +442,8 @@ func TestIdleConnectionsDoNotLockOut(t *testing.T) {
 	if err != nil {
 		t.Fatalf("a legitimate receiver among %d idle connections: %v", idle, err)
 	}
-	verr := verifyRef(r, 13)
-	Unmap(r.ID, r.Base)
-	if verr != nil {
-		t.Fatal(verr)
+	if err := verifyAndUnmap(r, 13); err != nil {
+		t.Fatal(err)
 	}
 	if dialErr != nil {
 		t.Fatalf("an idle connection could not even connect: %v", dialErr)
@@ -524,10 +482,8 @@ func TestRegisteredFileNotItsNumber(t *testing.T) {
 	}
 	for i := 0; i < 2; i++ {
 		r := importHost(t, tk, ImportOptions{NoCache: true})
-		verr := verifyRef(r, 21)
-		Unmap(r.ID, r.Base)
-		if verr != nil {
-			t.Fatalf("import %d after the descriptor number was reused: %v", i, verr)
+		if err := verifyAndUnmap(r, 21); err != nil {
+			t.Fatalf("import %d after the descriptor number was reused: %v", i, err)
 		}
 	}
 	// Registering the new file at the same number is another buffer.
@@ -536,10 +492,8 @@ func TestRegisteredFileNotItsNumber(t *testing.T) {
 		t.Fatalf("another file at the same descriptor number joined buffer %d", tk.BufferID)
 	}
 	r := importHost(t, tk2, ImportOptions{})
-	verr := verifyRef(r, 22)
-	Unmap(r.ID, r.Base)
-	if verr != nil {
-		t.Fatal(verr)
+	if err := verifyAndUnmap(r, 22); err != nil {
+		t.Fatal(err)
 	}
 	unix.Close(fd)
 	ourFDs().waitFor(t, before-1, "after both registrations were used up (the library's duplicates closed)")

@@ -7,6 +7,22 @@ import (
 	"golang.org/x/sys/unix"
 )
 
+// The benchmarks' buffer: 4096 chunks of 64 KiB.
+const (
+	benchChunks    = 4096
+	benchChunkSize = 64 << 10
+	benchSize      = benchChunks * benchChunkSize
+)
+
+// benchBuffer is a server of the benchmark's own and a memfd of benchSize
+// bytes for it to register, both closed at the end.
+func benchBuffer(b *testing.B) (*Server, int) {
+	b.Helper()
+	fd := newMemfd(b, benchSize, nil)
+	b.Cleanup(func() { unix.Close(fd) })
+	return newTestServer(b), fd
+}
+
 // BenchmarkHostImport moves 4096 chunks of 64 KiB of host memory through a
 // real server and stream (one process, a real Unix socket, one descriptor
 // per chunk) into a reserved range, with the receiver in lockstep and with
@@ -18,19 +34,14 @@ import (
 //
 //	go test -run '^$' -bench HostImport -benchmem ./core
 func BenchmarkHostImport(b *testing.B) {
-	const chunks = 4096
-	const chunkSize = 64 << 10
-	size := chunks * chunkSize
-	fd := newMemfd(b, size, nil)
-	defer unix.Close(fd)
-	s := newTestServer(b)
+	s, fd := benchBuffer(b)
 	for _, window := range []uint32{1, DefaultWindow} {
 		b.Run(fmt.Sprintf("window=%d", window), func(b *testing.B) {
-			b.SetBytes(int64(size))
+			b.SetBytes(benchSize)
 			b.ReportAllocs()
 			for b.Loop() {
 				b.StopTimer() // registering is the sender's, before the wait
-				tk := registerFile(b, s, fd, uint64(size), chunkSize, RegisterOptions{Uses: 1})
+				tk := registerFile(b, s, fd, benchSize, benchChunkSize, RegisterOptions{Uses: 1})
 				b.StartTimer()
 				m, err := Import(tk, DeviceHost, ImportOptions{OpenOptions: OpenOptions{Window: window}, NoCache: true}, nil)
 				if err != nil {
@@ -42,19 +53,14 @@ func BenchmarkHostImport(b *testing.B) {
 				}
 				b.StartTimer()
 			}
-			b.ReportMetric(float64(b.Elapsed().Microseconds())/float64(b.N)/chunks, "us/chunk")
+			b.ReportMetric(float64(b.Elapsed().Microseconds())/float64(b.N)/benchChunks, "us/chunk")
 		})
 	}
 }
 
 func BenchmarkHostImportCached(b *testing.B) {
-	const chunks = 4096
-	const chunkSize = 64 << 10
-	size := chunks * chunkSize
-	fd := newMemfd(b, size, nil)
-	defer unix.Close(fd)
-	s := newTestServer(b)
-	tk := registerFile(b, s, fd, uint64(size), chunkSize, RegisterOptions{})
+	s, fd := benchBuffer(b)
+	tk := registerFile(b, s, fd, benchSize, benchChunkSize, RegisterOptions{})
 	first := importHost(b, tk, ImportOptions{}) // the miss; held so every import below hits
 	defer Unmap(first.ID, first.Base)
 	b.ReportAllocs()

@@ -5,7 +5,6 @@ import (
 	"os"
 	"strconv"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -22,8 +21,10 @@ const cachePages = 16
 const cacheSize = cachePages * 4096
 
 // cacheTest starts from an empty cache (nothing kept by earlier tests, no
-// reference leaked by one) and restores its limit at the end.
-func cacheTest(t *testing.T) {
+// reference leaked by one) and restores its limit at the end. It returns
+// the cache as it starts, the base of the counters that expectCache
+// compares.
+func cacheTest(t *testing.T) CacheInfo {
 	t.Helper()
 	flushCache(t)
 	info := GetCacheInfo()
@@ -36,6 +37,7 @@ func cacheTest(t *testing.T) {
 		_ = SetCacheLimit(0) // undo what the test kept
 		_ = SetCacheLimit(limit)
 	})
+	return info
 }
 
 // counting is a registration of a memfd of pattern(seed) whose exporter
@@ -96,15 +98,27 @@ func unmapRef(t *testing.T, r Ref) {
 	}
 }
 
+// unmapLast checks r against pattern(seed) and unmaps it, the last
+// reference of a buffer that has ended: the cache keeps nothing of it
+// (want: the cache after, counters as deltas since before) and nothing
+// stays mapped.
+func unmapLast(t *testing.T, what string, r Ref, seed byte, before, want CacheInfo) {
+	t.Helper()
+	if err := verifyAndUnmap(r, seed); err != nil {
+		t.Fatal(err)
+	}
+	expectCache(t, what, before, want)
+	expectMapped(t, what, 0)
+}
+
 // TestCacheHitSameTicket: the same ticket imported again (uses = 2) is a
 // hit: the same address, no descriptor made, one use spent. The second
 // import uses the registration up, so the exporter says the buffer does
 // not live on and the last Unmap undoes the mapping.
 func TestCacheHitSameTicket(t *testing.T) {
-	cacheTest(t)
+	before := cacheTest(t)
 	s := newTestServer(t)
 	reg := registerCounting(t, s, cacheSize, 1, RegisterOptions{Uses: 2})
-	before := GetCacheInfo()
 	first := importHost(t, reg.tk, ImportOptions{})
 	if err := verifyRef(first, 1); err != nil {
 		t.Fatal(err)
@@ -127,13 +141,8 @@ func TestCacheHitSameTicket(t *testing.T) {
 	if !waitUntil(2*time.Second, func() bool { return s.Live() == 0 }) {
 		t.Fatal("the hit did not spend the registration's second use")
 	}
-	if err := verifyRef(second, 1); err != nil {
-		t.Fatal(err)
-	}
 	expectCache(t, "after the hit", before, CacheInfo{Entries: 1, ReferencedBytes: cacheSize, Hits: 1, Misses: 1})
-	unmapRef(t, second)
-	expectCache(t, "after the last use", before, CacheInfo{Hits: 1, Misses: 1})
-	expectMapped(t, "after the last use", 0)
+	unmapLast(t, "after the last use", second, 1, before, CacheInfo{Hits: 1, Misses: 1})
 	if _, err := Import(reg.tk, DeviceHost, ImportOptions{}, nil); CodeOf(err) != ENOENT {
 		t.Fatalf("a third import of a used-up ticket: %v, want ENOENT", err)
 	}
@@ -143,30 +152,18 @@ func TestCacheHitSameTicket(t *testing.T) {
 // from several goroutines at once, all return the same address; it is
 // undone only with the last reference once the buffer ended.
 func TestCacheHitWhileReferenced(t *testing.T) {
-	cacheTest(t)
+	before := cacheTest(t)
 	s := newTestServer(t)
 	reg := registerCounting(t, s, cacheSize, 2, RegisterOptions{})
-	before := GetCacheInfo()
 	first := importHost(t, reg.tk, ImportOptions{})
 	const hits = 8
 	refs := make([]Ref, hits)
-	var wg sync.WaitGroup
-	errs := make(chan error, hits)
-	for i := range refs {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			r, err := Import(reg.tk, DeviceHost, ImportOptions{}, nil)
-			refs[i] = r
-			errs <- err
-		}()
-	}
-	wg.Wait()
-	close(errs)
-	for err := range errs {
-		if err != nil {
-			t.Fatal(err)
-		}
+	failed, firstErr := runAtOnce(hits, func(i int) (err error) {
+		refs[i], err = Import(reg.tk, DeviceHost, ImportOptions{}, nil)
+		return err
+	})
+	if failed > 0 {
+		t.Fatalf("%d of %d concurrent hits failed; the first: %v", failed, hits, firstErr)
 	}
 	for _, r := range refs {
 		if r.Base != first.Base {
@@ -200,7 +197,7 @@ func TestCacheHitWhileReferenced(t *testing.T) {
 // buffer, so a receiver that has it mapped hits, even after the first
 // registration was used up (another one of the buffer lives on).
 func TestCacheHitRegisterAgain(t *testing.T) {
-	cacheTest(t)
+	before := cacheTest(t)
 	s := newTestServer(t)
 	reg := registerCounting(t, s, cacheSize, 3, RegisterOptions{Uses: 1})
 	again, err := s.RegisterAgain(reg.tk, RegisterOptions{Uses: 1})
@@ -210,7 +207,6 @@ func TestCacheHitRegisterAgain(t *testing.T) {
 	if again.BufferID != reg.tk.BufferID || again.RegID == reg.tk.RegID || again.Secret == reg.tk.Secret {
 		t.Fatalf("register again: buffer %d reg %d, the original buffer %d reg %d (secrets equal: %v)", again.BufferID, again.RegID, reg.tk.BufferID, reg.tk.RegID, again.Secret == reg.tk.Secret)
 	}
-	before := GetCacheInfo()
 	first := importHost(t, reg.tk, ImportOptions{})
 	unmapRef(t, first)
 	expectCache(t, "the first registration used up, the buffer lives on", before, CacheInfo{Entries: 1, UnreferencedBytes: cacheSize, Misses: 1})
@@ -218,19 +214,14 @@ func TestCacheHitRegisterAgain(t *testing.T) {
 	if second.Base != first.Base || reg.exports.Load() != cachePages {
 		t.Fatalf("register-again ticket: at %#x with %d descriptors made; the mapping is at %#x", second.Base, reg.exports.Load()-cachePages, first.Base)
 	}
-	if err := verifyRef(second, 3); err != nil {
-		t.Fatal(err)
-	}
-	unmapRef(t, second)
-	expectCache(t, "every registration used up", before, CacheInfo{Hits: 1, Misses: 1})
-	expectMapped(t, "every registration used up", 0)
+	unmapLast(t, "every registration used up", second, 3, before, CacheInfo{Hits: 1, Misses: 1})
 }
 
 // TestCacheHitSameMemfdRegisteredAgain: registering the same memfd (same
 // size and chunking) while a registration of it lives joins its buffer,
 // taking no new descriptor, and a receiver that has it mapped hits.
 func TestCacheHitSameMemfdRegisteredAgain(t *testing.T) {
-	cacheTest(t)
+	before := cacheTest(t)
 	s := newTestServer(t)
 	fd := newMemfd(t, cacheSize, pattern(cacheSize, 4))
 	defer unix.Close(fd)
@@ -245,7 +236,6 @@ func TestCacheHitSameMemfdRegisteredAgain(t *testing.T) {
 	if other.BufferID == tk1.BufferID {
 		t.Fatal("the same memfd in other chunks joined the buffer")
 	}
-	before := GetCacheInfo()
 	first := importHost(t, tk1, ImportOptions{})
 	unmapRef(t, first)
 	second := importHost(t, tk2, ImportOptions{})
@@ -257,12 +247,7 @@ func TestCacheHitSameMemfdRegisteredAgain(t *testing.T) {
 	if got := cacheDelta(before); got.Hits != 1 || got.Misses != 2 {
 		t.Fatalf("another buffer of the same file: %+v, want a miss", got)
 	}
-	if err := verifyRef(third, 4); err != nil {
-		t.Fatal(err)
-	}
-	unmapRef(t, third)
-	expectCache(t, "after three imports", before, CacheInfo{Hits: 1, Misses: 2})
-	expectMapped(t, "after three imports", 0)
+	unmapLast(t, "after three imports", third, 4, before, CacheInfo{Hits: 1, Misses: 2})
 }
 
 // TestCacheMisses: what is never kept: mappings whose exporter said the
@@ -270,9 +255,8 @@ func TestCacheHitSameMemfdRegisteredAgain(t *testing.T) {
 // that bypass the cache (VMMIPC_IMPORT_NO_CACHE), which neither reuse a
 // kept mapping nor keep their own.
 func TestCacheMisses(t *testing.T) {
-	cacheTest(t)
+	before := cacheTest(t)
 	s := newTestServer(t)
-	before := GetCacheInfo()
 	once := registerCounting(t, s, cacheSize, 5, RegisterOptions{Uses: 1})
 	unmapRef(t, importHost(t, once.tk, ImportOptions{}))
 	expectCache(t, "a use that ended the buffer", before, CacheInfo{Misses: 1})
@@ -327,7 +311,7 @@ func TestCacheMisses(t *testing.T) {
 // unreferenced mappings: importing and dropping 5 evicts the 2 least
 // recently used, which then miss, while the others hit.
 func TestCacheEvictionUnderBound(t *testing.T) {
-	cacheTest(t)
+	before := cacheTest(t)
 	if err := SetCacheLimit(3 * cacheSize); err != nil {
 		t.Fatal(err)
 	}
@@ -336,7 +320,6 @@ func TestCacheEvictionUnderBound(t *testing.T) {
 	for i := range 5 {
 		regs = append(regs, registerCounting(t, s, cacheSize, byte(10+i), RegisterOptions{}))
 	}
-	before := GetCacheInfo()
 	bases := make([]uint64, len(regs))
 	for i, reg := range regs {
 		r := importHost(t, reg.tk, ImportOptions{})
@@ -440,10 +423,9 @@ func TestCacheAddressSpaceBound(t *testing.T) {
 // poller asks every 250 ms), and a receiver importing the old ticket again
 // is refused instead of given the old mapping.
 func TestCacheInvalidatedOnUnregister(t *testing.T) {
-	cacheTest(t)
+	before := cacheTest(t)
 	s := newTestServer(t)
 	reg := registerCounting(t, s, cacheSize, 8, RegisterOptions{})
-	before := GetCacheInfo()
 	unmapRef(t, importHost(t, reg.tk, ImportOptions{}))
 	expectCache(t, "kept", before, CacheInfo{Entries: 1, UnreferencedBytes: cacheSize, Misses: 1})
 	if err := s.Unregister(reg.tk); err != nil {
@@ -466,10 +448,9 @@ func TestCacheInvalidatedOnUnregister(t *testing.T) {
 // that is killed is undone within about a second, and its ticket fails at
 // once.
 func TestCacheInvalidatedOnExporterDeath(t *testing.T) {
-	cacheTest(t)
+	before := cacheTest(t)
 	sender := startHelper(t, partSender, helperOpts{})
 	tk := sender.register(cachePages, 4096, 0, -1, 9)
-	before := GetCacheInfo()
 	r := importHost(t, tk, ImportOptions{})
 	if err := verifyRef(r, 9); err != nil {
 		t.Fatal(err)

@@ -192,12 +192,8 @@ func TestSecretNeverCrossesTheSocket(t *testing.T) {
 		t.Fatalf("the ticket names %s, not the proxy %s", tk.Address, proxy.addr)
 	}
 	r := importHost(t, tk, ImportOptions{})
-	verr := verifyRef(r, 8)
-	if err := Unmap(r.ID, r.Base); err != nil {
+	if err := verifyAndUnmap(r, 8); err != nil {
 		t.Fatal(err)
-	}
-	if verr != nil {
-		t.Fatal(verr)
 	}
 	toServer, toReceiver := proxy.recorded(t)
 	msgs, err := splitMessages(toServer)

@@ -174,12 +174,8 @@ func TestReceiverKilledMidStream(t *testing.T) {
 		if err != nil {
 			t.Fatalf("trial %d: retry after the receiver was killed at chunk %d: %v", trial, k, err)
 		}
-		verr := verifyRef(m, seed)
-		if err := Unmap(m.ID, m.Base); err != nil {
-			t.Fatal(err)
-		}
-		if verr != nil {
-			t.Fatalf("trial %d: retry: %v", trial, verr)
+		if err := verifyAndUnmap(m, seed); err != nil {
+			t.Fatalf("trial %d: retry: %v", trial, err)
 		}
 		// The retry used the only use: the registration is gone and its
 		// memfd duplicate closed.

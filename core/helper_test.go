@@ -444,10 +444,7 @@ func helperCacheEnv(t *testing.T, out *lineWriter) error {
 	r, err := Import(tk, DeviceHost, ImportOptions{}, nil)
 	out.printf("import code=%d %v", CodeOf(err), err)
 	if err == nil {
-		if verr := verifyRef(r, 4); verr != nil {
-			return verr
-		}
-		if err := Unmap(r.ID, r.Base); err != nil {
+		if err := verifyAndUnmap(r, 4); err != nil {
 			return err
 		}
 	}
@@ -663,19 +660,8 @@ func (h *helper) expect(prefix string, timeout time.Duration) string {
 	h.t.Helper()
 	deadline := time.After(timeout)
 	for {
-		select {
-		case l, ok := <-h.lines:
-			if !ok {
-				h.t.Fatalf("helper %d: its output ended (exit: %v) before it said %q", h.pid(), h.exitErr(), prefix)
-			}
-			if strings.HasPrefix(l, "error ") {
-				h.t.Fatalf("helper %d: %s", h.pid(), l)
-			}
-			if rest, ok := strings.CutPrefix(l, prefix); ok {
-				return strings.TrimSpace(rest)
-			}
-		case <-deadline:
-			h.t.Fatalf("helper %d did not say %q within %v", h.pid(), prefix, timeout)
+		if rest, ok := strings.CutPrefix(h.nextLine(deadline, timeout, fmt.Sprintf("%q", prefix)), prefix); ok {
+			return strings.TrimSpace(rest)
 		}
 	}
 }
@@ -689,23 +675,33 @@ func (h *helper) expectAll(timeout time.Duration, prefixes ...string) {
 		missing[p] = true
 	}
 	for len(missing) > 0 {
-		select {
-		case l, ok := <-h.lines:
-			if !ok {
-				h.t.Fatalf("helper %d: its output ended (exit: %v) before it said %v", h.pid(), h.exitErr(), missing)
+		l := h.nextLine(deadline, timeout, fmt.Sprint(missing))
+		for p := range missing {
+			if strings.HasPrefix(l, p) {
+				delete(missing, p)
 			}
-			if strings.HasPrefix(l, "error ") {
-				h.t.Fatalf("helper %d: %s", h.pid(), l)
-			}
-			for p := range missing {
-				if strings.HasPrefix(l, p) {
-					delete(missing, p)
-				}
-			}
-		case <-deadline:
-			h.t.Fatalf("helper %d did not say %v within %v", h.pid(), missing, timeout)
 		}
 	}
+}
+
+// nextLine returns the helper's next line. It fails the test if the helper
+// reported an error, or if its output ended or deadline (timeout after the
+// wait began) passed before it said awaited.
+func (h *helper) nextLine(deadline <-chan time.Time, timeout time.Duration, awaited string) string {
+	h.t.Helper()
+	select {
+	case l, ok := <-h.lines:
+		if !ok {
+			h.t.Fatalf("helper %d: its output ended (exit: %v) before it said %s", h.pid(), h.exitErr(), awaited)
+		}
+		if strings.HasPrefix(l, "error ") {
+			h.t.Fatalf("helper %d: %s", h.pid(), l)
+		}
+		return l
+	case <-deadline:
+		h.t.Fatalf("helper %d did not say %s within %v", h.pid(), awaited, timeout)
+	}
+	return "" // not reached: Fatalf ends the test's goroutine
 }
 
 func (h *helper) send(line string) {

@@ -97,12 +97,8 @@ func (h *hostileSetup) check(t *testing.T) {
 	if err != nil {
 		t.Fatalf("a legitimate receiver after the hostile one: %v", err)
 	}
-	verr := verifyRef(m, 5)
-	if err := Unmap(m.ID, m.Base); err != nil {
+	if err := verifyAndUnmap(m, 5); err != nil {
 		t.Fatal(err)
-	}
-	if verr != nil {
-		t.Fatal(verr)
 	}
 	// The registration's descriptor is closed now that its use is spent.
 	ourFDs().waitFor(t, h.fdsBefore-1, "after the legitimate receiver")
@@ -322,10 +318,8 @@ func TestHostileSilentClient(t *testing.T) {
 	if err != nil {
 		t.Fatalf("a receiver next to idle clients: %v", err)
 	}
-	verr := verifyRef(m, 5)
-	Unmap(m.ID, m.Base)
-	if verr != nil {
-		t.Fatal(verr)
+	if err := verifyAndUnmap(m, 5); err != nil {
+		t.Fatal(err)
 	}
 	if took > handshakeTimeout/2 {
 		t.Fatalf("a receiver next to idle clients took %v", took)
@@ -399,10 +393,8 @@ func TestHostileConnectionFlood(t *testing.T) {
 	if err != nil {
 		t.Fatalf("a legitimate receiver after the flood: %v", err)
 	}
-	verr := verifyRef(m, 3)
-	Unmap(m.ID, m.Base)
-	if verr != nil {
-		t.Fatal(verr)
+	if err := verifyAndUnmap(m, 3); err != nil {
+		t.Fatal(err)
 	}
 	ourFDs().waitFor(t, fdsBefore, "after the flood")
 	t.Logf("%d connections: the sender peaked at %d descriptors (%d before, bound %d)", flood, most, base, bound)

@@ -1,7 +1,6 @@
 package core
 
 import (
-	"sync"
 	"testing"
 	"time"
 )
@@ -26,35 +25,7 @@ func TestLoad64Receivers(t *testing.T) {
 	fdsBefore := ourFDs().settled(t)
 	entries := GetCacheInfo().Entries
 
-	stopSampling := senderFDs.samplePeak()
-	start := time.Now()
-	errs := make(chan error, receivers)
-	var wg sync.WaitGroup
-	for r := 0; r < receivers; r++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			m, err := Import(tk, DeviceHost, ImportOptions{OpenOptions: OpenOptions{Window: window, Timeout: time.Minute}, NoCache: true}, nil)
-			if err != nil {
-				errs <- err
-				return
-			}
-			verr := verifyRef(m, 11)
-			if err := Unmap(m.ID, m.Base); err != nil && verr == nil {
-				verr = err
-			}
-			errs <- verr
-		}()
-	}
-	wg.Wait()
-	took := time.Since(start)
-	most := stopSampling()
-	close(errs)
-	for err := range errs {
-		if err != nil {
-			t.Fatal(err)
-		}
-	}
+	took, most := receiversAtOnce(t, senderFDs, tk, receivers, ImportOptions{OpenOptions: OpenOptions{Window: window, Timeout: time.Minute}, NoCache: true}, 11)
 	if most > bound {
 		t.Fatalf("the sender held %d descriptors at its peak, bound %d", most, bound)
 	}
@@ -68,4 +39,21 @@ func TestLoad64Receivers(t *testing.T) {
 	senderFDs.waitFor(t, base-1, "the sender, after the load")
 	ourFDs().waitFor(t, fdsBefore, "after the load")
 	t.Logf("%d receivers × %d chunks in %v; the sender peaked at %d descriptors (%d idle, bound %d)", receivers, chunks, took, most, base, bound)
+}
+
+// receiversAtOnce imports tk in n goroutines released together, each its
+// own receiver (importVerified), while sampling the sender's descriptors.
+// It fails the test if any receiver failed, and returns how long they took
+// and the most descriptors the sender held meanwhile.
+func receiversAtOnce(t *testing.T, sender fds, tk *Ticket, n int, opts ImportOptions, seed byte) (took time.Duration, peak int) {
+	t.Helper()
+	stopSampling := sender.samplePeak()
+	start := time.Now()
+	failed, first := runAtOnce(n, func(int) error { return importVerified(tk, opts, seed) })
+	took = time.Since(start)
+	peak = stopSampling()
+	if failed > 0 {
+		t.Fatalf("%d of %d receivers failed; the first: %v", failed, n, first)
+	}
+	return took, peak
 }

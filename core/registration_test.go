@@ -54,14 +54,22 @@ func TestWaitUntilReleased(t *testing.T) {
 	}
 }
 
-// TestWaitForASlowRelease: while OnRelease runs, the registration has ended
-// but Wait still times out, saying so.
-func TestWaitForASlowRelease(t *testing.T) {
+// registerPage registers one page of pattern(1) with opts on a server of
+// the test's own. The memfd is closed at once: the registration holds a
+// duplicate of its own.
+func registerPage(t *testing.T, opts RegisterOptions) (*Server, *Ticket) {
+	t.Helper()
 	s := newTestServer(t)
 	fd := newMemfd(t, 4096, pattern(4096, 1))
 	defer unix.Close(fd)
+	return s, registerFile(t, s, fd, 4096, 4096, opts)
+}
+
+// TestWaitForASlowRelease: while OnRelease runs, the registration has ended
+// but Wait still times out, saying so.
+func TestWaitForASlowRelease(t *testing.T) {
 	unblock := make(chan struct{})
-	tk := registerFile(t, s, fd, 4096, 4096, RegisterOptions{OnRelease: func() { <-unblock }})
+	s, tk := registerPage(t, RegisterOptions{OnRelease: func() { <-unblock }})
 	unregistered := make(chan error, 1)
 	go func() { unregistered <- s.Unregister(tk) }() // runs OnRelease, which blocks
 	if !waitUntil(2*time.Second, func() bool { return s.Live() == 0 }) {
@@ -109,10 +117,8 @@ func TestWaitForLenders(t *testing.T) {
 		t.Fatalf("wait on a lender whose buffer lives on: %v, want ETIMEDOUT", err)
 	}
 	r := importHost(t, again, ImportOptions{NoCache: true}) // the buffer still serves
-	verr := verifyRef(r, 2)
-	Unmap(r.ID, r.Base)
-	if verr != nil {
-		t.Fatal(verr)
+	if err := verifyAndUnmap(r, 2); err != nil {
+		t.Fatal(err)
 	}
 	if err := s.Unregister(again); err != nil {
 		t.Fatal(err)
@@ -138,10 +144,7 @@ func TestWaitForLenders(t *testing.T) {
 // TestWaitRefusals: Wait on tickets that are not this server's, or with a
 // wrong secret.
 func TestWaitRefusals(t *testing.T) {
-	s := newTestServer(t)
-	fd := newMemfd(t, 4096, pattern(4096, 1))
-	defer unix.Close(fd)
-	tk := registerFile(t, s, fd, 4096, 4096, RegisterOptions{})
+	s, tk := registerPage(t, RegisterOptions{})
 	bad := *tk
 	bad.Secret[0] ^= 1
 	if err := s.Wait(&bad, 0); CodeOf(err) != EAUTH {
@@ -158,10 +161,7 @@ func TestWaitRefusals(t *testing.T) {
 // refused (ENOENT), even when its registration id is one this server
 // issued too (ids are small numbers, counted from 1 by every exporter).
 func TestWaitOnAnotherExportersTicket(t *testing.T) {
-	s := newTestServer(t)
-	fd := newMemfd(t, 4096, pattern(4096, 1))
-	defer unix.Close(fd)
-	tk := registerFile(t, s, fd, 4096, 4096, RegisterOptions{})
+	s, tk := registerPage(t, RegisterOptions{})
 	for _, other := range []func(*Ticket){
 		func(o *Ticket) { o.Pid++ },
 		func(o *Ticket) { o.Address += "x" },
@@ -203,10 +203,8 @@ func TestRegisterAgain(t *testing.T) {
 	ourFDs().waitFor(t, before+1, "the original ended, a registration of its memory lives (the duplicate stays)")
 	for i := 0; i < 2; i++ { // its own two uses
 		r := importHost(t, again, ImportOptions{NoCache: true})
-		verr := verifyRef(r, 3)
-		Unmap(r.ID, r.Base)
-		if verr != nil {
-			t.Fatal(verr)
+		if err := verifyAndUnmap(r, 3); err != nil {
+			t.Fatal(err)
 		}
 	}
 	if !waitUntil(2*time.Second, func() bool { return released.Load() == 11 }) {
@@ -219,10 +217,7 @@ func TestRegisterAgain(t *testing.T) {
 }
 
 func TestRegisterAgainRefusals(t *testing.T) {
-	s := newTestServer(t)
-	fd := newMemfd(t, 4096, pattern(4096, 1))
-	defer unix.Close(fd)
-	tk := registerFile(t, s, fd, 4096, 4096, RegisterOptions{})
+	s, tk := registerPage(t, RegisterOptions{})
 	bad := *tk
 	bad.Secret[5] ^= 1
 	if _, err := s.RegisterAgain(&bad, RegisterOptions{}); CodeOf(err) != EAUTH {
@@ -244,10 +239,7 @@ func TestRegisterAgainRefusals(t *testing.T) {
 // TestRegisterAgainOwnTTL: the new registration expires on its own ttl;
 // the original is untouched.
 func TestRegisterAgainOwnTTL(t *testing.T) {
-	s := newTestServer(t)
-	fd := newMemfd(t, 4096, pattern(4096, 1))
-	defer unix.Close(fd)
-	orig := registerFile(t, s, fd, 4096, 4096, RegisterOptions{})
+	s, orig := registerPage(t, RegisterOptions{})
 	again, err := s.RegisterAgain(orig, RegisterOptions{TTL: 20 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
@@ -470,12 +462,12 @@ func TestAddressSpaceCheck(t *testing.T) {
 	}
 }
 
-// TestUsedUpLetsFinishedReceiversFinish: receiver A has been sent every
-// chunk (its use is spent) and has not said done yet when receiver B spends
-// the registration's last use. A must still get its done-ack: it has
-// everything, and its use counted. (Cutting it makes an import that
-// received every chunk fail and undo itself at the last step.)
-func TestUsedUpLetsFinishedReceiversFinish(t *testing.T) {
+// sentEverythingThenUsedUp registers a buffer of 4 chunks for 2 uses and
+// makes it used up behind receiver A's back: A is sent every chunk (which
+// spends its use) and has not said done yet when receiver B spends the
+// last use. It returns the server and A, whose done comes next.
+func sentEverythingThenUsedUp(t *testing.T) (*Server, *Stream) {
+	t.Helper()
 	s := newTestServer(t)
 	const chunks = 4
 	fd := newMemfd(t, chunks*4096, pattern(chunks*4096, 7))
@@ -485,7 +477,7 @@ func TestUsedUpLetsFinishedReceiversFinish(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer a.Close()
+	t.Cleanup(func() { a.Close() })
 	for range chunks {
 		ch, err := a.Next()
 		if err != nil {
@@ -501,6 +493,16 @@ func TestUsedUpLetsFinishedReceiversFinish(t *testing.T) {
 	}
 	b := importHost(t, tk, ImportOptions{NoCache: true}) // the last use
 	Unmap(b.ID, b.Base)
+	return s, a
+}
+
+// TestUsedUpLetsFinishedReceiversFinish: receiver A has been sent every
+// chunk (its use is spent) and has not said done yet when receiver B spends
+// the registration's last use. A must still get its done-ack: it has
+// everything, and its use counted. (Cutting it makes an import that
+// received every chunk fail and undo itself at the last step.)
+func TestUsedUpLetsFinishedReceiversFinish(t *testing.T) {
+	_, a := sentEverythingThenUsedUp(t)
 	if _, err := a.Next(); !IsEnd(err) {
 		t.Fatalf("A, sent every chunk before the registration was used up, then says done: %v, want the end of its stream", err)
 	}
@@ -512,31 +514,7 @@ func TestUsedUpLetsFinishedReceiversFinish(t *testing.T) {
 // the last use: when A says done, no registration of the buffer lives, and
 // its done-ack must say so.
 func TestDoneAckSaysWhetherTheBufferLives(t *testing.T) {
-	s := newTestServer(t)
-	const chunks = 4
-	fd := newMemfd(t, chunks*4096, pattern(chunks*4096, 7))
-	defer unix.Close(fd)
-	tk := registerFile(t, s, fd, chunks*4096, 4096, RegisterOptions{Uses: 2})
-	a, err := Open(tk, OpenOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer a.Close()
-	for range chunks {
-		ch, err := a.Next()
-		if err != nil {
-			t.Fatal(err)
-		}
-		unix.Close(ch.FD)
-	}
-	s.reg.mu.Lock()
-	g := s.reg.live[tk.RegID]
-	s.reg.mu.Unlock()
-	if !waitUntil(2*time.Second, func() bool { g.mu.Lock(); defer g.mu.Unlock(); return g.consumed == 1 }) {
-		t.Fatal("A's use was not spent once every chunk was sent to it")
-	}
-	b := importHost(t, tk, ImportOptions{NoCache: true}) // the last use
-	Unmap(b.ID, b.Base)
+	s, a := sentEverythingThenUsedUp(t)
 	if !waitUntil(2*time.Second, func() bool { return s.Live() == 0 }) {
 		t.Fatal("the registration did not end when its last use was spent")
 	}

@@ -188,6 +188,51 @@ func importHost(t testing.TB, tk *Ticket, opts ImportOptions) Ref {
 	return r
 }
 
+// verifyAndUnmap checks r byte for byte against pattern(seed) and unmaps
+// it whatever the bytes were, so that a failed check leaves no mapping
+// behind; it returns the first failure.
+func verifyAndUnmap(r Ref, seed byte) error {
+	verr := verifyRef(r, seed)
+	if err := Unmap(r.ID, r.Base); err != nil && verr == nil {
+		return err
+	}
+	return verr
+}
+
+// importVerified imports a host ticket, checks every byte against
+// pattern(seed) and unmaps it: one receiver, start to end, for tests that
+// run many (it returns its failure instead of failing the test, so that
+// goroutines may call it).
+func importVerified(tk *Ticket, opts ImportOptions, seed byte) error {
+	r, err := Import(tk, DeviceHost, opts, nil)
+	if err != nil {
+		return err
+	}
+	return verifyAndUnmap(r, seed)
+}
+
+// runAtOnce runs f(0), …, f(n-1) in goroutines released together and
+// returns once every one has returned: how many failed, and the first
+// failure to come back.
+func runAtOnce(n int, f func(i int) error) (failed int, first error) {
+	start := make(chan struct{})
+	errs := make(chan error, n)
+	for i := range n {
+		go func() {
+			<-start
+			errs <- f(i)
+		}()
+	}
+	close(start)
+	for range n {
+		if err := <-errs; err != nil {
+			failed++
+			first = cmpOr(first, err)
+		}
+	}
+	return failed, first
+}
+
 // fds counts the descriptors of one process, the entries of /proc/<pid>/fd:
 // the one descriptor counter of these tests.
 type fds struct{ pid int }
