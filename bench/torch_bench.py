@@ -38,8 +38,11 @@ import time
 import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "python"))
-os.environ.setdefault("VMMIPC_LIBRARY", os.path.join(ROOT, "build", "libvmmipc.so"))
+sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
+# The GPU tests' helpers: importing them puts this checkout's vmmipc and
+# build/libvmmipc.so on the path (the child inherits it).
+from _gpu_helpers import set_expandable  # noqa: E402
+
 # Read when CUDA starts, here and in the child; "legacy" switches it off for
 # its own allocations only.
 os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
@@ -112,15 +115,6 @@ def child(inbox, outbox):
         held.append(t)
         outbox.put(("checked", count_bad(t, seed)))
         del msg, t
-
-
-def set_expandable(on):
-    setting = f"expandable_segments:{'True' if on else 'False'}"
-    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-    if setter is not None:
-        setter(setting)
-    else:
-        torch.cuda.memory._set_allocator_settings(setting)
 
 
 def make_tensor(way, nbytes, seed, vt):

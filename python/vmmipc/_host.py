@@ -100,7 +100,7 @@ def _release_owner(fd: int, anchor: Ticket, pid: int) -> None:
         os.close(fd)
 
 
-class HostBuffer:
+class HostBuffer(_lib.Closeable):
     """Chunked host shared memory with a writable memoryview of the whole
     range (``view``; also indexing, len() and, on Python 3.12+,
     memoryview(hb)). ``numpy.frombuffer(hb.view, dtype)`` and
@@ -328,12 +328,6 @@ class HostBuffer:
         if self._finalizer is not None:
             self._finalizer()
         self._anchor = None
-
-    def __enter__(self) -> "HostBuffer":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         role = "owner" if self.is_owner else "imported"

@@ -19,6 +19,9 @@ Where the library is looked for, in order (candidate_paths):
      (ctypes.util.find_library, LD_LIBRARY_PATH, ld.so.cache).
 The first file that exists and loads is the library; one that loads but
 lacks a function of this package's contract is an error, not skipped.
+
+Also here, beside call() and options(), what every wrapper of a library
+object shares: Closeable, the `with` protocol of an object with a close().
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import os
 import sys
 import sysconfig
 import threading
+from typing import TypeVar
 from ctypes import (CFUNCTYPE, POINTER, Structure, c_char_p, c_int, c_int32, c_uint8,
                     c_uint32, c_uint64, c_void_p)
 
@@ -319,3 +323,19 @@ def options(function: str, *, uses=None, ttl=None, timeout=None, window=None,
         o._keep = arr
     o.import_flags = import_flags
     return o
+
+
+_Self = TypeVar("_Self", bound="Closeable")
+
+
+class Closeable:
+    """`with obj:` calls obj.close() at the end of the block, whatever happens
+    in it (Chunk, Stream, Mapping, HostBuffer: each owns something, and its
+    own close() lets it go)."""
+    __slots__ = ()  # Chunk has slots; a base with a __dict__ would undo them
+
+    def __enter__(self: _Self) -> _Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -43,7 +43,7 @@ def _host_bytes(addr: int, size: int):
     return cls.from_address(addr)
 
 
-class Mapping:
+class Mapping(_lib.Closeable):
     """One reference to a buffer mapped into this process by import_stream.
     Close it (or use ``with``) to drop the reference; it is also dropped when
     the Mapping is collected. Two Mappings of the same cached import share
@@ -180,12 +180,6 @@ class Mapping:
                                   "alive; release them first")
         self._finalizer()
         self._mem = None
-
-    def __enter__(self) -> "Mapping":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         kind = "host" if self.is_host else f"cuda device {self.device}"

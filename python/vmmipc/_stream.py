@@ -19,7 +19,7 @@ from ._register import share, unregister
 from ._ticket import Ticket, as_ticket
 
 
-class Chunk:
+class Chunk(_lib.Closeable):
     """One received chunk. Owns ``fd`` until close() or detach()."""
     __slots__ = ("index", "offset", "size", "fd", "file_offset", "_owned")
 
@@ -47,18 +47,12 @@ class Chunk:
     def closed(self) -> bool:
         return not self._owned
 
-    def __enter__(self) -> "Chunk":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         return (f"Chunk(index={self.index}, offset={self.offset}, size={self.size}, "
                 f"fd={self.fd}, file_offset={self.file_offset})")
 
 
-class Stream:
+class Stream(_lib.Closeable):
     """A receiver's connection to one registration (vmmipc_open). Iterate it
     to get the chunks in order, one at a time: the previous chunk's fd is
     closed when iteration moves on, unless it was detached. The use is
@@ -109,12 +103,6 @@ class Stream:
     @property
     def closed(self) -> bool:
         return self._handle is None
-
-    def __enter__(self) -> "Stream":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __del__(self):
         try:

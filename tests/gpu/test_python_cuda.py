@@ -29,47 +29,21 @@ import multiprocessing as mp
 import os
 import resource
 import sys
-import threading
 import time
 import traceback
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "python"))
-os.environ.setdefault("VMMIPC_LIBRARY", os.path.join(ROOT, "build", "libvmmipc.so"))
-
-import vmmipc  # noqa: E402  (loads nothing yet)
+# _gpu_helpers first: it puts this checkout's vmmipc and library on the path.
+from _gpu_helpers import fork_refusals, guard, record, run_case, skip_all, summary
+from _mp_helpers import CHILD_NOFILE, FdSampler, fd_count, limit_fds
+import vmmipc  # loads nothing yet
 
 CHUNK = 2 << 20
 N_CHUNKS = 4096
-CHILD_NOFILE = 64
 FD_SLACK = 8
 TIMEOUT = 300
 BLOCK_WORDS = 64 << 20  # verify 256 MiB at a time
 
 # ---------------------------------------------------------------- helpers
-
-
-def fd_count():
-    return len(os.listdir("/proc/self/fd"))
-
-
-class FdSampler:
-    def __init__(self):
-        self.baseline = self.peak = fd_count()
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
-
-    def _run(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, fd_count())
-            time.sleep(0.001)
-
-    def stop(self):
-        self._stop.set()
-        self._t.join()
-        self.peak = max(self.peak, fd_count())
-        return self
 
 
 def cuda_setup(device=0):
@@ -80,11 +54,6 @@ def cuda_setup(device=0):
     Device(device).set_current()
     cp.cuda.Device(device).use()
     cp.zeros(1).sum()  # CuPy's own context and modules
-
-
-def limit_fds():
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (CHILD_NOFILE, hard))
 
 
 _kernel = None
@@ -268,16 +237,9 @@ def _report(buf, seed_in, seed_out):
     return r
 
 
-def _guard(fn, *a):
-    try:
-        return fn(*a)
-    except BaseException as e:  # the parent must hear back, never wait forever
-        return {"error": "".join(traceback.format_exception(e))[-2000:]}
-
-
 def child_queue(q, results, seed_in, seed_out):
     child_prepare()
-    results.put(_guard(lambda: _report(q.get(timeout=TIMEOUT), seed_in, seed_out)))
+    results.put(guard(lambda: _report(q.get(timeout=TIMEOUT), seed_in, seed_out)))
 
 
 def child_pipe(conn, seed_in, seed_out):
@@ -287,16 +249,16 @@ def child_pipe(conn, seed_in, seed_out):
         if not conn.poll(TIMEOUT):
             raise TimeoutError("nothing arrived on the pipe")
         return _report(conn.recv(), seed_in, seed_out)
-    conn.send(_guard(run))
+    conn.send(guard(run))
 
 
 def child_process_args(_prepared, buf, results, seed_in, seed_out):
-    results.put(_guard(_report, buf, seed_in, seed_out))
+    results.put(guard(_report, buf, seed_in, seed_out))
 
 
 def pool_task(args):
     buf, seed_in, seed_out = args
-    return _guard(_report, buf, seed_in, seed_out)
+    return guard(_report, buf, seed_in, seed_out)
 
 
 def child_after_free(conn, seed):
@@ -312,7 +274,7 @@ def child_after_free(conn, seed):
              "baseline": sampler.baseline}
         buf.close()
         return r
-    conn.send(_guard(run))
+    conn.send(guard(run))
 
 
 def child_repeated(q, results, n, seed):
@@ -335,41 +297,10 @@ def child_repeated(q, results, n, seed):
             buf.close()
         return {"addrs": addrs, "bad": bad, "problems": problems,
                 "cache": tuple(vmmipc.cache_info())}
-    results.put(_guard(run))
-
-
-def fork_child_queue(q, results):
-    try:
-        q.get(timeout=TIMEOUT)
-        results.put("no error")
-    except vmmipc.VmmipcForkError as e:
-        results.put(f"VmmipcForkError: {e}")
-    except BaseException as e:
-        results.put(repr(e))
-
-
-def fork_pool_task(buf):
-    return "unreachable"
+    results.put(guard(run))
 
 
 # ------------------------------------------------------------ the checks
-
-results = []
-
-
-def record(name, ok, detail=""):
-    results.append(ok)
-    print(f"{'PASS' if ok else 'FAIL'} {name}{': ' + detail if detail else ''}", flush=True)
-
-
-def run_case(name, fn):
-    t0 = time.monotonic()
-    try:
-        ok, detail = fn()
-    except BaseException as e:  # noqa: BLE001
-        ok, detail = False, "".join(traceback.format_exception(e))[-1500:]
-    record(name, ok, f"{detail} ({time.monotonic() - t0:.1f} s)")
-
 
 def check_child(r, size):
     if "error" in r:
@@ -605,25 +536,7 @@ def query_range():
 
 def fork_refused():
     vmr, buf = make_buffer("grown")
-    ctx = mp.get_context("fork")
-    live = vmmipc.live_registrations()
-    q, res = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=fork_child_queue, args=(q, res))
-    p.start()
-    q.put(buf)
-    got = res.get(timeout=60)
-    p.join(60)
-    problems = []
-    if not got.startswith("VmmipcForkError"):
-        problems.append(f"queue: child got {got!r}")
-    with ctx.Pool(1) as pool:
-        try:
-            pool.map_async(fork_pool_task, [buf]).get(60)
-            problems.append("pool: no error")
-        except vmmipc.VmmipcForkError:
-            pass
-    if vmmipc.live_registrations() != live:
-        problems.append("something was registered for a forked child")
+    problems = fork_refusals(buf, vmmipc.live_registrations())
     buf.close()
     return not problems, "; ".join(problems) or "queue and pool refused at once"
 
@@ -635,15 +548,11 @@ def main(argv):
         import cupy  # noqa: F401
         from cuda.core import Device, VirtualMemoryResource  # noqa: F401
     except ImportError as e:
-        print(f"SKIP all: {e}")
-        print("0 passed, 0 failed")
-        return 0
+        return skip_all(e)
     try:
         cuda_setup()
     except Exception as e:  # noqa: BLE001
-        print(f"SKIP all: no usable GPU: {e}")
-        print("0 passed, 0 failed")
-        return 0
+        return skip_all(f"no usable GPU: {e}")
     vmmipc.live_registrations()  # load the library before any baseline
     only = set(argv)
     for method in ("spawn", "forkserver"):  # start them now: their fds predate baselines
@@ -684,11 +593,7 @@ def main(argv):
                  lambda: sender_frees_after_pickling("spawn"))
     if not only or "fork" in only:
         run_case("fork start method fails at once with VmmipcForkError", fork_refused)
-
-    passed = sum(results)
-    failed = len(results) - passed
-    print(f"{passed} passed, {failed} failed")
-    return 1 if failed else 0
+    return summary()
 
 
 if __name__ == "__main__":

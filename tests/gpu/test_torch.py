@@ -28,9 +28,10 @@ import sys
 import time
 import traceback
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "python"))
-os.environ.setdefault("VMMIPC_LIBRARY", os.path.join(ROOT, "build", "libvmmipc.so"))
+# _gpu_helpers first: it puts this checkout's vmmipc and library on the path.
+import _gpu_helpers
+from _gpu_helpers import fork_refusals, guard, record, set_expandable, skip_all, summary
+
 # Read when CUDA starts, in this process and in every child (they inherit it).
 os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 os.environ.setdefault("PYTHONUNBUFFERED", "1")
@@ -80,14 +81,6 @@ def make_model():
     return torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
 
 
-def guard(fn, *args):
-    """Run fn in a child; the parent must always hear back."""
-    try:
-        return fn(*args)
-    except BaseException as e:  # noqa: BLE001
-        return {"error": "".join(traceback.format_exception(e))[-2500:]}
-
-
 def problems_of(r):
     if "error" in r:
         return ["child failed:\n" + r["error"]]
@@ -121,15 +114,6 @@ def driver_range(ptr):
     if err != driver.CUresult.CUDA_SUCCESS:
         return err.name
     return int(base_), int(size)
-
-
-def set_expandable(on):
-    setting = f"expandable_segments:{'True' if on else 'False'}"
-    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-    if setter is not None:
-        setter(setting)
-    else:
-        torch.cuda.memory._set_allocator_settings(setting)
 
 
 def pidfd_getfd_refused():
@@ -363,20 +347,6 @@ def pool_task(t, dtype_name, seed):
     return guard(lambda: {"problems": check_pattern(t, dtype_name, seed)})
 
 
-def fork_child_queue(q, res):
-    try:
-        q.get(timeout=TIMEOUT)
-        res.put("no error")
-    except vmmipc.VmmipcForkError as e:
-        res.put(f"VmmipcForkError: {e}")
-    except BaseException as e:  # noqa: BLE001
-        res.put(repr(e))
-
-
-def fork_pool_task(t):
-    return "unreachable"
-
-
 def native_child(q, res):
     torch.zeros(1, device="cuda")
     try:
@@ -403,25 +373,13 @@ def native_sender():
 
 # ------------------------------------------------------------ the checks
 
-results = []
-
-
-def record(name, ok, detail=""):
-    results.append(ok)
-    print(f"{'PASS' if ok else 'FAIL'} {name}{': ' + detail if detail else ''}", flush=True)
-
-
 def run_case(name, fn):
-    t0 = time.monotonic()
-    try:
+    """One check: fn() returns (problems, detail); it passes when problems
+    is empty, and the line says them all when it is not."""
+    def verdict():
         problems, detail = fn()
-    except BaseException as e:  # noqa: BLE001
-        problems, detail = ["".join(traceback.format_exception(e))[-2500:]], ""
-    took = f"({time.monotonic() - t0:.1f} s)"
-    if problems:
-        record(name, False, "; ".join(problems) + " " + took)
-    else:
-        record(name, True, (detail + " " if detail else "") + took)
+        return not problems, "; ".join(problems) if problems else detail
+    _gpu_helpers.run_case(name, verdict)
 
 
 def require_vmm(vt, *tensors):
@@ -633,28 +591,9 @@ def transfer(vt, mechanism, method, ctx=None):
 
 
 def fork_refused(vt):
-    ctx = mp.get_context("fork")
     t = base("float32", 11)
     require_vmm(vt, t)
-    live = settled_live()
-    q, res = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=fork_child_queue, args=(q, res))
-    p.start()
-    q.put(t)
-    got = res.get(timeout=60)
-    p.join(60)
-    problems = []
-    if not got.startswith("VmmipcForkError"):
-        problems.append(f"queue: the forked child got {got!r}")
-    with ctx.Pool(1) as pool:
-        try:
-            pool.apply(fork_pool_task, (t,))
-            problems.append("pool: no error")
-        except vmmipc.VmmipcForkError:
-            pass
-    if vmmipc.live_registrations() != live:
-        problems.append("something was registered for a forked child")
-    return problems, "queue and pool refused at once, nothing registered"
+    return fork_refusals(t, settled_live()), "queue and pool refused at once, nothing registered"
 
 
 def native(vt):
@@ -677,32 +616,26 @@ def native(vt):
 
 def main(argv):
     if torch is None:
-        print(f"SKIP all: PyTorch is not installed ({TORCH_MISSING})")
-        print("0 passed, 0 failed")
-        return 0
+        return skip_all(f"PyTorch is not installed ({TORCH_MISSING})")
     if not torch.cuda.is_available():
-        print("SKIP all: no usable GPU (torch.cuda.is_available() is False)")
-        print("0 passed, 0 failed")
-        return 0
+        return skip_all("no usable GPU (torch.cuda.is_available() is False)")
     try:
         import vmmipc.torch as vt
         vt.install()
         for name in ("cuda_query_range", "register_again", "cache_info", "set_cache_limit"):
             getattr(vmmipc, name)
     except (ImportError, AttributeError) as e:
-        print(f"FAIL setup: vmmipc.torch or the vmmipc 0.2 Python API it needs is missing "
-              f"({e}): merge main and run make lib")
-        print("0 passed, 1 failed")
-        return 1
+        record("setup", False, f"vmmipc.torch or the vmmipc 0.2 Python API it needs is missing "
+               f"({e}): merge main and run make lib")
+        return summary()
     torch.zeros(1, device="cuda")
     vmmipc.live_registrations()  # load the library before anything is measured
     only = set(argv)
     filtered = pidfd_getfd_refused()
     if os.environ.get("VMMIPC_TEST_EXPECT_NO_PIDFD_GETFD") == "1" and not filtered:
-        print("FAIL setup: run_torch.sh asked for a run under no_pidfd_getfd, but pidfd_getfd "
-              "is allowed here: the seccomp filter is not in force")
-        print("0 passed, 1 failed")
-        return 1
+        record("setup", False, "run_torch.sh asked for a run under no_pidfd_getfd, but "
+               "pidfd_getfd is allowed here: the seccomp filter is not in force")
+        return summary()
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, pidfd_getfd "
           f"{'REFUSED (seccomp filter)' if filtered else 'allowed'}", flush=True)
 
@@ -743,11 +676,7 @@ def main(argv):
         run_case("torch's own expandable-segment sharing "
                  f"({'fails under the filter' if filtered else 'works without the filter'})",
                  lambda: native(vt))
-
-    passed = sum(results)
-    failed = len(results) - passed
-    print(f"{passed} passed, {failed} failed")
-    return 1 if failed else 0
+    return summary()
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
-"""Code that runs in the child processes of test_multiprocessing.py (kept
-apart from the test module so children import only this and vmmipc)."""
+"""Helpers of the tests in this directory: descriptor counts, the byte
+pattern, waiting for a condition, and the code that runs in the child
+processes of test_multiprocessing.py (kept apart from the test modules so
+children import only this and vmmipc)."""
 
 import os
 import resource
@@ -58,6 +60,14 @@ def settled_fd_count(timeout: float = 2.0) -> int:
         time.sleep(0.02)
         seen.append(fd_count())
     return seen[-1]
+
+
+def wait_for(pred, timeout: float = 5.0) -> bool:
+    """Whether pred() holds within timeout seconds (asked every 10 ms)."""
+    deadline = time.monotonic() + timeout
+    while not pred() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return pred()
 
 
 def pattern(n_chunks: int, chunk_size: int, seed: int) -> bytes:

@@ -5,6 +5,7 @@ Without a library the run FAILS at once (exit status 4) with the command
 that builds it: a suite that skips everything would pass in a fresh clone
 and prove nothing. No test here needs a GPU (tests/gpu/ has those)."""
 
+import mmap
 import os
 import sys
 
@@ -19,6 +20,11 @@ if PYTHON_DIR not in sys.path:
     sys.path.insert(0, PYTHON_DIR)
 # Children (spawn, forkserver) inherit it: every process loads this build.
 LIBRARY = os.environ.setdefault("VMMIPC_LIBRARY", BUILD_LIBRARY)
+
+import vmmipc  # noqa: E402  (after the path set-up; importing loads nothing)
+from _mp_helpers import pattern  # noqa: E402
+
+PAGE = mmap.PAGESIZE
 
 MISSING_MESSAGE = (
     f"tests/python need libvmmipc.so, and {LIBRARY} does not exist. Build it first: "
@@ -37,3 +43,32 @@ def pytest_collection_modifyitems(config, items):
 def pytest_report_header(config):
     state = "found" if os.path.exists(LIBRARY) else "MISSING: the run will fail"
     return f"libvmmipc: {LIBRARY} {state}"
+
+
+# -- fixtures and fixture makers shared by the test modules -------------------
+
+@pytest.fixture(scope="module")
+def server_running():
+    """This process's server (its listening socket) and receiver, started
+    once per module that asks for them, so that per-test descriptor
+    baselines do not count them."""
+    b = vmmipc.HostBuffer(PAGE)
+    vmmipc.import_stream(b.share(), cache=False).close()
+    b.close()
+
+
+def filled_host_buffer(n_chunks: int, chunk_size: int, seed: int):
+    """For a fixture (`yield from` it): a HostBuffer of n_chunks chunks that
+    holds pattern(n_chunks, chunk_size, seed); afterwards every share of it
+    ends and it is closed."""
+    b = vmmipc.HostBuffer(n_chunks * chunk_size, chunk_size=chunk_size)
+    b.view[:] = pattern(n_chunks, chunk_size, seed)
+    yield b
+    b.unregister_all()
+    b.close()
+
+
+@pytest.fixture
+def hb():
+    """A HostBuffer of 16 one-page chunks (pattern seed 7)."""
+    yield from filled_host_buffer(16, PAGE, seed=7)

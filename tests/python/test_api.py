@@ -13,16 +13,16 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import pytest
 
 import conftest
 import vmmipc
 from vmmipc import _lib
-from _mp_helpers import fd_changes, fd_count, fd_table, pattern, settled_fd_count
+from _mp_helpers import fd_changes, fd_count, fd_table, settled_fd_count, wait_for
 
 PAGE = mmap.PAGESIZE
+pytestmark = pytest.mark.usefixtures("server_running")
 
 
 def header_text():
@@ -37,32 +37,6 @@ def header_define(name):
     expr = re.sub(r"(\d)(?:ull|u)\b", r"\1", m.group(1).strip())
     assert re.fullmatch(r"[-()<\d\sx]+", expr), expr
     return eval(expr)
-
-
-def wait_for(pred, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not pred() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return pred()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def server_running():
-    # Start this process's server (its listening socket) and the receiver's
-    # once, so that per-test descriptor baselines do not count them.
-    b = vmmipc.HostBuffer(PAGE)
-    with vmmipc.import_stream(b.share(), cache=False):
-        pass
-    b.close()
-
-
-@pytest.fixture
-def hb():
-    b = vmmipc.HostBuffer(16 * PAGE, chunk_size=PAGE)
-    b.view[:] = pattern(16, PAGE, seed=7)
-    yield b
-    b.unregister_all()
-    b.close()
 
 
 def run_python(code, **env):

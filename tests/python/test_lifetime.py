@@ -15,33 +15,11 @@ import pytest
 
 import vmmipc
 from vmmipc import _dlpack
-from _mp_helpers import MMAP_DUP, fd_count, pattern, settled_fd_count
+from _mp_helpers import MMAP_DUP, fd_count, settled_fd_count, wait_for
 
 PAGE = mmap.PAGESIZE
 REG_ID, BUFFER_ID, SECRET = slice(24, 32), slice(32, 40), slice(40, 72)  # ticket format 2
-
-
-def wait_for(pred, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not pred() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return pred()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def server_running():
-    b = vmmipc.HostBuffer(PAGE)  # starts the server before any fd baseline
-    vmmipc.import_stream(b.share(), cache=False).close()
-    b.close()
-
-
-@pytest.fixture
-def hb():
-    b = vmmipc.HostBuffer(16 * PAGE, chunk_size=PAGE)
-    b.view[:] = pattern(16, PAGE, seed=3)
-    yield b
-    b.unregister_all()
-    b.close()
+pytestmark = pytest.mark.usefixtures("server_running")
 
 
 def memfd_with(data):

@@ -13,6 +13,7 @@ from multiprocessing.reduction import ForkingPickler
 import pytest
 
 import _mp_helpers as h
+import conftest
 import vmmipc
 
 N_CHUNKS = 4096
@@ -22,13 +23,10 @@ TIMEOUT = 60
 
 
 @pytest.fixture(scope="module", autouse=True)
-def warm_contexts():
-    # Load the library, start this process's vmmipc server, the forkserver
-    # and the resource tracker once, so per-test baselines do not count their
+def warm_contexts(server_running):
+    # After this process's vmmipc server, start the forkserver and the
+    # resource tracker once, so per-test baselines do not count their
     # long-lived descriptors.
-    b = vmmipc.HostBuffer(4096)
-    vmmipc.import_stream(b.share(), cache=False).close()
-    b.close()
     for method in ("spawn", "forkserver"):
         ctx = mp.get_context(method)
         p = ctx.Process(target=h.fd_count)
@@ -38,11 +36,8 @@ def warm_contexts():
 
 @pytest.fixture
 def hb():
-    b = vmmipc.HostBuffer(N_CHUNKS * CHUNK, chunk_size=CHUNK)
-    b.view[:] = h.pattern(N_CHUNKS, CHUNK, seed=1)
-    yield b
-    b.unregister_all()
-    b.close()
+    """Seed 1: what every child checks first (seed_in)."""
+    yield from conftest.filled_host_buffer(N_CHUNKS, CHUNK, seed=1)
 
 
 def check_child(r):
@@ -63,6 +58,18 @@ def check_parent(hb, sampler, live_before):
     assert vmmipc.live_registrations() == live_before, "the registration was not consumed"
 
 
+def check_transfer(r, hb, sampler, live_before, p=None):
+    """Both sides of one transfer: the child's report r, then the parent's
+    (check_parent); p, the child Process (None for a Pool's worker), is
+    joined and must have exited cleanly."""
+    if p is not None:
+        p.join(TIMEOUT)
+    check_child(r)
+    check_parent(hb, sampler, live_before)
+    if p is not None:
+        assert p.exitcode == 0
+
+
 METHODS = ["spawn", "forkserver"]
 
 
@@ -75,11 +82,7 @@ def test_queue(method, hb):
     live = vmmipc.live_registrations()
     sampler = h.FdSampler()
     q.put(hb)
-    r = results.get(timeout=TIMEOUT)
-    p.join(TIMEOUT)
-    check_child(r)
-    check_parent(hb, sampler, live)
-    assert p.exitcode == 0
+    check_transfer(results.get(timeout=TIMEOUT), hb, sampler, live, p)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -93,10 +96,7 @@ def test_pipe(method, hb):
     sampler = h.FdSampler()
     parent.send(hb)
     assert parent.poll(TIMEOUT), "no answer from the child"
-    r = parent.recv()
-    p.join(TIMEOUT)
-    check_child(r)
-    check_parent(hb, sampler, live)
+    check_transfer(parent.recv(), hb, sampler, live, p)
     parent.close()
 
 
@@ -107,8 +107,7 @@ def test_pool_map(method, hb):
         live = vmmipc.live_registrations()
         sampler = h.FdSampler()
         [r] = pool.map_async(h.pool_task, [(hb, 1, 2)]).get(TIMEOUT)
-        check_child(r)
-        check_parent(hb, sampler, live)
+        check_transfer(r, hb, sampler, live)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -119,11 +118,7 @@ def test_process_args(method, hb):
     sampler = h.FdSampler()
     p = ctx.Process(target=h.child_process_args, args=(h.LimitFdsFirst(), hb, results, 1, 2))
     p.start()
-    r = results.get(timeout=TIMEOUT)
-    p.join(TIMEOUT)
-    check_child(r)
-    check_parent(hb, sampler, live)
-    assert p.exitcode == 0
+    check_transfer(results.get(timeout=TIMEOUT), hb, sampler, live, p)
 
 
 # -- one anchor, a registration per send, cache hits in the receiver ---------
