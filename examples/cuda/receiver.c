@@ -8,6 +8,7 @@
 #include <stdlib.h>
 
 #include "../read_ticket.h"
+#include "cuda_check.h"
 
 /* readme-snippet: cuda-receiver */
 #include <stdint.h>
@@ -40,20 +41,10 @@ int receive(const vmmipc_ticket *ticket) {
 }
 /* end readme-snippet */
 
-static int cuda_ok(CUresult r, const char *call) {
-  if (r == CUDA_SUCCESS) return 1;
-  const char *name = NULL;
-  cuGetErrorName(r, &name);
-  fprintf(stderr, "cuda_receiver: %s: %s\n", call, name ? name : "unknown CUDA error");
-  return 0;
-}
-
 int check_on_gpu(CUdeviceptr addr, uint64_t size, int device) {
   CUdevice dev;
   CUcontext ctx;
-  if (!cuda_ok(cuInit(0), "cuInit") || !cuda_ok(cuDeviceGet(&dev, device), "cuDeviceGet") ||
-      !cuda_ok(cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain"))
-    return 1;
+  if (retain_primary(device, &dev, &ctx) != 0) return 1;
   int status = 1;
   unsigned char *bytes = malloc(size);
   if (bytes == NULL) {

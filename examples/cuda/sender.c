@@ -10,6 +10,8 @@
  * gives up after a minute. Exit status 0 once the receiver has it all. */
 #include <stdlib.h>
 
+#include "cuda_check.h"
+
 /* readme-snippet: cuda-sender */
 #include <stdio.h>
 #include <cuda.h>
@@ -55,14 +57,6 @@ typedef struct gpu_buffer {
   CUmemGenericAllocationHandle handles[CHUNKS];
   int mapped; /* handles[0 .. mapped-1] exist and are mapped */
 } gpu_buffer;
-
-static int cuda_ok(CUresult r, const char *call) {
-  if (r == CUDA_SUCCESS) return 1;
-  const char *name = NULL;
-  cuGetErrorName(r, &name);
-  fprintf(stderr, "cuda_sender: %s: %s\n", call, name ? name : "unknown CUDA error");
-  return 0;
-}
 
 /* free_buffer unmaps and releases what alloc_buffer made, however far it got. */
 static void free_buffer(gpu_buffer *b) {
@@ -126,9 +120,7 @@ static int fill_buffer(const gpu_buffer *b) {
 int main(void) {
   CUdevice dev;
   CUcontext ctx;
-  if (!cuda_ok(cuInit(0), "cuInit") || !cuda_ok(cuDeviceGet(&dev, 0), "cuDeviceGet(0)") ||
-      !cuda_ok(cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain"))
-    return 1;
+  if (retain_primary(0, &dev, &ctx) != 0) return 1;
   int status = 1;
   gpu_buffer b;
   if (cuda_ok(cuCtxSetCurrent(ctx), "cuCtxSetCurrent") && alloc_buffer(dev, &b) == 0) {

@@ -11,14 +11,6 @@
 
 #define KIB 1024ull
 
-/* import_verify imports a host ticket and checks every byte against seed. */
-static int import_verify(const vmmipc_ticket *t, unsigned seed, vmmipc_mapping *m) {
-  CHECK_RC(vmmipc_import_stream(t, VMMIPC_DEVICE_HOST, NULL, m), VMMIPC_OK);
-  uint64_t bad = count_mismatches((const unsigned char *)(uintptr_t)m->addr, m->size, 0, seed);
-  CHECK(bad == 0, "%llu bytes differ from pattern %u", (unsigned long long)bad, seed);
-  return 0;
-}
-
 /* The API: NULL refused, a smaller size writes no byte past it, the limit
  * is set and read back, unknown import_flags bits are refused before any
  * use is spent. */
@@ -48,13 +40,10 @@ static int test_cache_api(void) {
         (unsigned long long)cache_info().limit_bytes);
   CHECK_RC(vmmipc_cache_set_limit(full.limit_bytes), VMMIPC_OK);
 
-  child s;
-  vmmipc_ticket t;
-  CHECK(sender_start(&s, &t, "file", 4, 4096, 1, -1, 0) == 0, "sender did not start");
+  START_SENDER(s, t, "file", 4, 4096, 1, -1, 0);
   const uint32_t bad_flags[] = {0x2, 0x3, 0x80000000u};
   for (size_t k = 0; k < sizeof bad_flags / sizeof bad_flags[0]; k++) {
-    vmmipc_options o;
-    vmmipc_options_init(&o, sizeof o);
+    vmmipc_options o = default_options();
     o.import_flags = bad_flags[k];
     vmmipc_mapping m = {0};
     int rc = vmmipc_import_stream(&t, VMMIPC_DEVICE_HOST, &o, &m);
@@ -88,9 +77,7 @@ static int cache_env_receiver_main(int argc, char **argv) {
  * 0 = off, and a bad value refused at import with a message naming it. */
 static int test_cache_env(void) {
   enum { TOTAL = 64 * 1024 };
-  child s;
-  vmmipc_ticket t;
-  CHECK(sender_start(&s, &t, "file", 16, 4096, 0, -1, 0) == 0, "sender did not start");
+  START_SENDER(s, t, "file", 16, 4096, 0, -1, 0);
   char hex[2 * VMMIPC_TICKET_SIZE + 1];
   hex_encode(t.bytes, sizeof t.bytes, hex);
   static const struct {
@@ -234,14 +221,9 @@ static int expect_invalidated(uint64_t addr, uint64_t size, const vmmipc_cache_i
 /* When the sender unregisters, its buffer's cached mapping is undone within
  * about a second; a mapping still referenced stays valid until unmapped. */
 static int test_cache_invalidation_unregister(void) {
-  enum { N = 64, CS = 4096 };
-  child s;
-  vmmipc_ticket t0, t1;
-  CHECK(sender_start(&s, &t0, "file", N, CS, 0, -1, 0) == 0, "sender did not start");
-  vmmipc_mapping m;
-  if (import_verify(&t0, 1, &m)) return 1;
-  uint64_t addr = m.addr, size = m.size;
-  CHECK_RC(vmmipc_unmap(&m), VMMIPC_OK);
+  START_SENDER(s, t0, "file", 64, 4096, 0, -1, 0);
+  uint64_t addr, size;
+  if (import_and_unmap(&t0, &addr, &size)) return 1;
   usleep(600 * 1000); /* two polls: the exporter says the buffer lives */
   CHECK(maps_has_range(addr, size) == 1, "the mapping of a live buffer was undone");
   vmmipc_cache_info c0 = cache_info();
@@ -251,7 +233,9 @@ static int test_cache_invalidation_unregister(void) {
 
   /* Referenced while the registration ends. */
   char err[700];
+  vmmipc_ticket t1;
   CHECK(sender_ask_ticket(&s, &t1, err, sizeof err, "file-again 0 0") == 0, "register: %s", err);
+  vmmipc_mapping m;
   if (import_verify(&t1, 1, &m)) return 1;
   CHECK_SENDER_RC(&s, VMMIPC_OK, NULL, "unregister 1");
   usleep(600 * 1000);
@@ -276,19 +260,16 @@ static int test_cache_invalidation_unregister(void) {
  * refused (a stale hit is impossible), not answered from the cache. */
 static int test_cache_invalidation_killed(void) {
   enum { N = 64, CS = 4096 };
-  child s;
-  vmmipc_ticket t;
-  CHECK(sender_start(&s, &t, "file", N, CS, 0, -1, 0) == 0, "sender did not start");
-  vmmipc_mapping m;
-  if (import_verify(&t, 1, &m)) return 1;
-  uint64_t addr = m.addr, size = m.size;
-  CHECK_RC(vmmipc_unmap(&m), VMMIPC_OK);
+  START_SENDER(s, t, "file", N, CS, 0, -1, 0);
+  uint64_t addr, size;
+  if (import_and_unmap(&t, &addr, &size)) return 1;
   vmmipc_cache_info c0 = cache_info();
   kill(s.pid, SIGKILL);
   child_end(&s);
   if (expect_invalidated(addr, size, &c0, "sender killed")) return 1;
 
   CHECK(sender_start(&s, &t, "file", N, CS, 0, -1, 0) == 0, "sender did not start");
+  vmmipc_mapping m;
   if (import_verify(&t, 1, &m)) return 1;
   kill(s.pid, SIGKILL);
   child_end(&s);

@@ -17,12 +17,9 @@ static int own_memfd(uint64_t n, unsigned seed) { return fill_memfd("vmmipc-test
  * without a descriptor left behind and without spending the use: the good
  * ticket still imports afterwards. Each byte is flipped two ways. */
 static int test_ticket_corruption_sweep(void) {
-  child s;
-  vmmipc_ticket good;
-  CHECK(sender_start(&s, &good, "file", 4, 4096, 1, -1, 0) == 0, "sender did not start");
+  START_SENDER(s, good, "file", 4, 4096, 1, -1, 0);
   int base = count_fds(0);
-  vmmipc_options o;
-  vmmipc_options_init(&o, sizeof o);
+  vmmipc_options o = default_options();
   o.timeout_ms = 2000;
   int by_status[16] = {0};
   double t0 = now_ms();
@@ -104,14 +101,10 @@ static int expect_hit(const vmmipc_ticket *t, uint64_t addr, const char *what) {
  * after every registration made from it has ended. */
 static int test_register_again(void) {
   enum { N = 16, CS = 4096 };
-  child s;
-  vmmipc_ticket t0, t1, t2, t3;
-  CHECK(sender_start(&s, &t0, "callback", N, CS, 0, -1, 0) == 0, "sender did not start");
-  vmmipc_mapping m;
-  CHECK_RC(vmmipc_import_stream(&t0, VMMIPC_DEVICE_HOST, NULL, &m), VMMIPC_OK);
-  uint64_t addr = m.addr, size = m.size;
-  CHECK(count_mismatches((const unsigned char *)(uintptr_t)addr, size, 0, 1) == 0, "bytes differ");
-  CHECK_RC(vmmipc_unmap(&m), VMMIPC_OK);
+  START_SENDER(s, t0, "callback", N, CS, 0, -1, 0);
+  vmmipc_ticket t1, t2, t3;
+  uint64_t addr, size;
+  if (import_and_unmap(&t0, &addr, &size)) return 1;
   CHECK(maps_has_range(addr, size) == 1, "the mapping of a live uses = 0 registration was not kept in the cache");
   int exports = sender_ask_int(&s, NULL, 0, "exports");
   CHECK(exports == N, "export_fn ran %d times for %d chunks", exports, N);
@@ -211,8 +204,7 @@ static int test_wait(void) {
   enum { SIZE = 4 * 4096 };
   int fd = own_memfd(SIZE, 1), released = 0;
   CHECK(fd >= 0, "memfd");
-  vmmipc_options o;
-  vmmipc_options_init(&o, sizeof o);
+  vmmipc_options o = default_options();
   vmmipc_ticket t;
   CHECK_RC(vmmipc_register_host_file(fd, SIZE, 4096, on_release, &released, &o, &t), VMMIPC_OK);
   close(fd); /* the library holds its own duplicate */
@@ -268,15 +260,14 @@ static int test_wait(void) {
   CHECK(released == 2, "release_fn ran %d times in all, want 2", released);
 
   /* Tickets of another process: here, and where nothing was registered. */
-  child s, w;
-  vmmipc_ticket theirs;
-  CHECK(sender_start(&s, &theirs, "file", 1, 4096, 1, -1, 0) == 0, "sender did not start");
+  START_SENDER(s, theirs, "file", 1, 4096, 1, -1, 0);
   rc = vmmipc_wait(&theirs, 0);
   CHECK(rc == VMMIPC_ENOENT && strstr(vmmipc_last_error(), "another exporter"), "wait on a foreign ticket: %d %s", rc,
         vmmipc_last_error());
   char hex[2 * VMMIPC_TICKET_SIZE + 1], reply[700];
   hex_encode(theirs.bytes, sizeof theirs.bytes, hex);
   char *argv[] = {"vmmipc-test-wait", "wait_foreign", hex, NULL};
+  child w;
   CHECK(child_spawn(&w, argv) == 0, "spawn");
   CHECK(fgets(reply, sizeof reply, w.out) != NULL, "no reply");
   child_end(&w);
@@ -289,10 +280,7 @@ static int test_wait(void) {
  * caller may close its fd at once, and a different file that later gets
  * the same number is never sent. */
 static int test_host_file_close_and_reuse(void) {
-  enum { N = 64, CS = 4096 };
-  child s;
-  vmmipc_ticket t;
-  CHECK(sender_start(&s, &t, "file", N, CS, 2, -1, 0) == 0, "sender did not start");
+  START_SENDER(s, t, "file", 64, 4096, 2, -1, 0);
   char reply[64];
   CHECK(child_ask(&s, reply, sizeof reply, "close-reuse") == 0 && strcmp(reply, "same 1") == 0,
         "the sender's new memfd did not take the closed one's number: %s", reply);
@@ -304,8 +292,7 @@ static int test_host_file_close_and_reuse(void) {
   /* Both uses: each exports anew from the library's duplicate (the first
    * skips the cache, so the second is no hit). */
   for (int use = 0; use < 2; use++) {
-    vmmipc_options o;
-    vmmipc_options_init(&o, sizeof o);
+    vmmipc_options o = default_options();
     o.import_flags = use == 0 ? VMMIPC_IMPORT_NO_CACHE : 0;
     vmmipc_mapping m;
     CHECK_RC(vmmipc_import_stream(&t, VMMIPC_DEVICE_HOST, &o, &m), VMMIPC_OK);
@@ -352,8 +339,7 @@ static int test_host_file_refused(void) {
   int released = 0, base = count_fds(0);
   uint64_t live0 = 0, live1 = 0;
   CHECK_RC(vmmipc_live_registrations(&live0), VMMIPC_OK);
-  vmmipc_options o;
-  vmmipc_options_init(&o, sizeof o);
+  vmmipc_options o = default_options();
 
   char disk[] = "/tmp/vmmipc-test-XXXXXX";
   int fd = mkstemp(disk);
@@ -398,7 +384,7 @@ static int test_host_file_refused(void) {
   close(fd);
   /* A tmpfs file is not a memfd, and can never be sealed (the kernel reports
    * F_SEAL_SEAL for it): the message must say so, not call it a memfd. */
-  vmmipc_options_init(&o, sizeof o);
+  o = default_options();
   char shm[] = "/dev/shm/vmmipc-test-XXXXXX";
   fd = mkstemp(shm);
   CHECK(fd >= 0 && ftruncate(fd, SIZE) == 0, "%s", shm);
@@ -418,17 +404,13 @@ static int test_host_file_refused(void) {
  * the same identity (a cache hit in the receiver) and takes no descriptor;
  * the library's one duplicate closes when the last registration ends. */
 static int test_host_file_same_memfd(void) {
-  enum { N = 64, CS = 4096 };
-  child s;
-  vmmipc_ticket t0, t1;
-  CHECK(sender_start(&s, &t0, "file", N, CS, 0, -1, 0) == 0, "sender did not start");
-  vmmipc_mapping m;
-  CHECK_RC(vmmipc_import_stream(&t0, VMMIPC_DEVICE_HOST, NULL, &m), VMMIPC_OK);
-  uint64_t addr = m.addr, size = m.size;
-  CHECK_RC(vmmipc_unmap(&m), VMMIPC_OK);
+  START_SENDER(s, t0, "file", 64, 4096, 0, -1, 0);
+  uint64_t addr, size;
+  if (import_and_unmap(&t0, &addr, &size)) return 1;
   int s_now, s_peak;
   CHECK(sender_fds(&s, 1, &s_now, &s_peak) == 0 && s_now == 1, "sender: %d descriptor(s) for one registration", s_now);
   char err[700];
+  vmmipc_ticket t1;
   CHECK(sender_ask_ticket(&s, &t1, err, sizeof err, "file-again 1 0") == 0, "registering the memfd again: %s", err);
   CHECK(sender_fds(&s, 1, &s_now, &s_peak) == 0 && s_now == 1,
         "registering the same memfd again took a descriptor: %d held", s_now);
@@ -457,12 +439,9 @@ static int test_host_file_same_memfd(void) {
  * next, so not every chunk was sent and the use comes back. (With a wider
  * window the sender may have sent all 8 by then: the use is then spent.) */
 static int test_unsealed_export_refused(void) {
-  child s;
-  vmmipc_ticket t;
-  CHECK(sender_start(&s, &t, "unsealed", 8, 4096, 1, -1, 0) == 0, "sender did not start");
+  START_SENDER(s, t, "unsealed", 8, 4096, 1, -1, 0);
   int base = count_fds(0), maps0 = maps_count(NULL);
-  vmmipc_options o;
-  vmmipc_options_init(&o, sizeof o);
+  vmmipc_options o = default_options();
   o.window = 1;
   for (int attempt = 0; attempt < 2; attempt++) {
     vmmipc_mapping m = {0};
@@ -488,13 +467,10 @@ static int test_option_bounds(void) {
   CHECK(VMMIPC_MAX_WINDOW == 1024 && VMMIPC_MAX_ACCESS_DEVICES == 64 && VMMIPC_MAX_TTL_MS == 1ull << 40 &&
             VMMIPC_MAX_CHUNKS == 1ull << 26,
         "the header's bounds changed");
-  child s;
-  vmmipc_ticket t;
-  CHECK(sender_start(&s, &t, "file", 4, 4096, 0, -1, 0) == 0, "sender did not start");
-  vmmipc_options o;
+  START_SENDER(s, t, "file", 4, 4096, 0, -1, 0);
   vmmipc_stream *st = NULL;
   vmmipc_mapping m = {0};
-  vmmipc_options_init(&o, sizeof o);
+  vmmipc_options o = default_options();
   o.window = VMMIPC_MAX_WINDOW + 1;
   int rc = vmmipc_open(&t, &o, &st);
   CHECK(rc == VMMIPC_EINVAL && strstr(vmmipc_last_error(), "window 1025"), "window 1025: %d %s", rc, vmmipc_last_error());
@@ -504,7 +480,7 @@ static int test_option_bounds(void) {
   CHECK_RC(vmmipc_close(st), VMMIPC_OK);
 
   int32_t access[VMMIPC_MAX_ACCESS_DEVICES + 1] = {0};
-  vmmipc_options_init(&o, sizeof o);
+  o = default_options();
   o.access_devices = access;
   o.access_device_count = VMMIPC_MAX_ACCESS_DEVICES + 1;
   rc = vmmipc_import_stream(&t, VMMIPC_DEVICE_HOST, &o, &m);
@@ -520,14 +496,14 @@ static int test_option_bounds(void) {
 
   uint64_t sizes[1] = {4096};
   vmmipc_ticket r;
-  vmmipc_options_init(&o, sizeof o);
+  o = default_options();
   o.ttl_ms = VMMIPC_MAX_TTL_MS + 1;
   rc = vmmipc_register(sizes, 1, export_memfd, NULL, NULL, &o, &r);
   CHECK(rc == VMMIPC_EINVAL && strstr(vmmipc_last_error(), "ttl_ms"), "ttl_ms 2^40+1: %d %s", rc, vmmipc_last_error());
   o.ttl_ms = VMMIPC_MAX_TTL_MS;
   CHECK_RC(vmmipc_register(sizes, 1, export_memfd, NULL, NULL, &o, &r), VMMIPC_OK);
   CHECK_RC(vmmipc_unregister(&r), VMMIPC_OK);
-  vmmipc_options_init(&o, sizeof o);
+  o = default_options();
   o.memory_kind = 3;
   rc = vmmipc_register(sizes, 1, export_memfd, NULL, NULL, &o, &r);
   CHECK(rc == VMMIPC_EINVAL && strstr(vmmipc_last_error(), "memory_kind 3"), "memory_kind 3: %d %s", rc,

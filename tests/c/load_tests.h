@@ -67,9 +67,7 @@ static int as_receiver_main(int argc, char **argv) {
  * succeed. */
 static int test_rlimit_as_sweep(void) {
   enum { N = 64, CS = MIB };
-  child s;
-  vmmipc_ticket t;
-  CHECK(sender_start(&s, &t, "file", N, CS, 0, -1, 0) == 0, "sender did not start");
+  START_SENDER(s, t, "file", N, CS, 0, -1, 0);
   char hex[2 * VMMIPC_TICKET_SIZE + 1];
   hex_encode(t.bytes, sizeof t.bytes, hex);
   int ok = 0, enomem = 0;
@@ -113,6 +111,7 @@ static int test_rlimit_as_sweep(void) {
 /* One receiver thread of a storm_receiver process. */
 typedef struct storm_thread {
   const vmmipc_ticket *t;
+  const vmmipc_options *opts;
   pthread_barrier_t *start;
   int rc;
   uint64_t bad;
@@ -122,13 +121,10 @@ typedef struct storm_thread {
 
 static void *storm_import(void *arg) {
   storm_thread *w = arg;
-  vmmipc_options o;
-  vmmipc_options_init(&o, sizeof o);
-  o.import_flags = VMMIPC_IMPORT_NO_CACHE; /* every receiver a full import */
   pthread_barrier_wait(w->start);
   double t0 = now_ms();
   vmmipc_mapping m;
-  w->rc = vmmipc_import_stream(w->t, VMMIPC_DEVICE_HOST, &o, &m);
+  w->rc = vmmipc_import_stream(w->t, VMMIPC_DEVICE_HOST, w->opts, &m);
   w->ms = now_ms() - t0;
   if (w->rc == VMMIPC_OK) {
     w->bad = count_mismatches((const unsigned char *)(uintptr_t)m.addr, m.size, 0, 1);
@@ -149,8 +145,10 @@ static int storm_receiver_main(int argc, char **argv) {
   pthread_t *th = calloc((size_t)n, sizeof *th);
   pthread_barrier_t start;
   pthread_barrier_init(&start, NULL, (unsigned)n + 1);
+  vmmipc_options o = default_options();
+  o.import_flags = VMMIPC_IMPORT_NO_CACHE; /* every receiver a full import */
   for (int i = 0; i < n; i++) {
-    w[i] = (storm_thread){.t = &t, .start = &start};
+    w[i] = (storm_thread){.t = &t, .opts = &o, .start = &start};
     pthread_create(&th[i], NULL, storm_import, &w[i]);
   }
   say("ready");
@@ -172,21 +170,30 @@ static int storm_receiver_main(int argc, char **argv) {
   return 0;
 }
 
+/* start_busy_sender starts a file-mode sender of chunks x chunk_size bytes
+ * with uses = 0 at RLIMIT_NOFILE 1024 (so it serves 256 connections at a
+ * time), its descriptor sampler off (it would spin on a core beside the
+ * crowd). Returns 0, or 1 (the test failed) after saying why. */
+static int start_busy_sender(child *s, vmmipc_ticket *t, uint64_t chunks, uint64_t chunk_size) {
+  char var[64];
+  char **env = env_with("VMMIPC_TEST_SENDER_NOFILE", "1024", var, sizeof var);
+  int rc = sender_start_env(s, t, "file", chunks, chunk_size, 0, -1, 0, env);
+  free(env);
+  CHECK(rc == 0, "sender did not start");
+  char reply[64];
+  CHECK(child_ask(s, reply, sizeof reply, "nosample") == 0, "sender gone");
+  return 0;
+}
+
 /* 1024 receivers at once (32 processes x 32 threads, each a full uncached
  * import of 16 chunks) against a sender at RLIMIT_NOFILE 1024 (so it serves
  * 256 at a time) with uses = 0: every receiver succeeds, every byte is
  * verified, and the sender ends with the descriptors it started with. */
 static int test_connection_storm(void) {
   enum { P = 32, T = 32, N = 16, CS = 4096 };
-  char var[64];
-  char **env = env_with("VMMIPC_TEST_SENDER_NOFILE", "1024", var, sizeof var);
   child s;
   vmmipc_ticket t;
-  int rc = sender_start_env(&s, &t, "file", N, CS, 0, -1, 0, env);
-  free(env);
-  CHECK(rc == 0, "sender did not start");
-  char reply[64];
-  CHECK(child_ask(&s, reply, sizeof reply, "nosample") == 0, "sender gone"); /* it would spin on a core */
+  if (start_busy_sender(&s, &t, N, CS)) return 1;
   char hex[2 * VMMIPC_TICKET_SIZE + 1], threads[16];
   hex_encode(t.bytes, sizeof t.bytes, hex);
   snprintf(threads, sizeof threads, "%d", T);
@@ -272,15 +279,9 @@ static int closed_by_peer(int fd) {
  * the sender drops every idle one (they must authenticate within 2 s). */
 static int test_idle_connections(void) {
   enum { IDLE = 300, N = 16, CS = 4096 };
-  char var[64];
-  char **env = env_with("VMMIPC_TEST_SENDER_NOFILE", "1024", var, sizeof var);
   child s;
   vmmipc_ticket t;
-  int rc = sender_start_env(&s, &t, "file", N, CS, 0, -1, 0, env);
-  free(env);
-  CHECK(rc == 0, "sender did not start");
-  char reply[64];
-  CHECK(child_ask(&s, reply, sizeof reply, "nosample") == 0, "sender gone");
+  if (start_busy_sender(&s, &t, N, CS)) return 1;
   int base = count_fds(0);
   rlim_t old = set_nofile(base + IDLE + 64 > 1024 ? (rlim_t)(base + IDLE + 64) : 1024);
   int idle[IDLE], opened = 0;
@@ -290,7 +291,7 @@ static int test_idle_connections(void) {
   usleep(150 * 1000); /* older than the 100 ms after which the sender may drop them */
   vmmipc_mapping m;
   double t0 = now_ms();
-  rc = vmmipc_import_stream(&t, VMMIPC_DEVICE_HOST, NULL, &m);
+  int rc = vmmipc_import_stream(&t, VMMIPC_DEVICE_HOST, NULL, &m);
   double ms = now_ms() - t0;
   CHECK(rc == VMMIPC_OK, "import beside %d idle connections: %d %s", IDLE, rc, vmmipc_last_error());
   CHECK(count_mismatches((const unsigned char *)(uintptr_t)m.addr, m.size, 0, 1) == 0, "bytes differ");

@@ -104,8 +104,7 @@ static void sender_reply_ticket(int rc) {
 }
 
 static vmmipc_options sender_options(uint32_t uses, uint64_t ttl_ms) {
-  vmmipc_options o;
-  vmmipc_options_init(&o, sizeof o);
+  vmmipc_options o = default_options();
   o.uses = uses;
   o.ttl_ms = ttl_ms;
   return o;
@@ -294,18 +293,23 @@ static int sender_start(child *c, vmmipc_ticket *t, const char *mode, uint64_t c
   return sender_start_env(c, t, mode, chunks, chunk_size, uses, fail_at, ttl_ms, NULL);
 }
 
+/* START_SENDER(s, t, mode, chunks, chunk_size, uses, fail_at, ttl_ms)
+ * declares the child s and the ticket t, and starts a sender into them (the
+ * arguments are sender_start's), or fails the test if it does not start. */
+#define START_SENDER(s, t, ...) \
+  child s;                      \
+  vmmipc_ticket t;              \
+  CHECK(sender_start(&s, &t, __VA_ARGS__) == 0, "sender did not start")
+
 /* sender_ask_ticket sends a command that registers and reads the ticket;
  * on "error ..." it copies the reply into err (if not NULL). */
 static int sender_ask_ticket(child *c, vmmipc_ticket *t, char *err, size_t errlen, const char *fmt, ...) {
+  char line[2 * VMMIPC_TICKET_SIZE + 600];
   va_list ap;
   va_start(ap, fmt);
-  vfprintf(c->in, fmt, ap);
+  int rc = child_vask(c, line, sizeof line, fmt, ap);
   va_end(ap);
-  fputc('\n', c->in);
-  fflush(c->in);
-  char line[2 * VMMIPC_TICKET_SIZE + 600];
-  if (!fgets(line, sizeof line, c->out)) return -1;
-  line[strcspn(line, "\n")] = 0;
+  if (rc) return -1;
   if (strncmp(line, "ticket ", 7) != 0) {
     if (err && errlen) {
       size_t k = strlen(line) < errlen ? strlen(line) : errlen - 1;
@@ -324,13 +328,9 @@ static int sender_ask_int(child *c, char *buf, size_t n, const char *fmt, ...) {
   if (!buf) buf = local, n = sizeof local;
   va_list ap;
   va_start(ap, fmt);
-  vfprintf(c->in, fmt, ap);
+  int rc = child_vask(c, buf, n, fmt, ap);
   va_end(ap);
-  fputc('\n', c->in);
-  fflush(c->in);
-  if (!fgets(buf, (int)n, c->out)) return SENDER_GONE;
-  buf[strcspn(buf, "\n")] = 0;
-  return atoi(buf);
+  return rc ? SENDER_GONE : atoi(buf);
 }
 
 /* sender_fds asks the sender for its descriptors relative to its baseline

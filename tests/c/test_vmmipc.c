@@ -24,9 +24,7 @@
  * the registration lives (none for export_fn) and closes it at the end. */
 static int pull_all(const char *mode, uint64_t chunks, uint64_t chunk_size) {
   int file = strcmp(mode, "file") == 0;
-  child s;
-  vmmipc_ticket t;
-  CHECK(sender_start(&s, &t, mode, chunks, chunk_size, 1, -1, 0) == 0, "sender did not start");
+  START_SENDER(s, t, mode, chunks, chunk_size, 1, -1, 0);
   int s_now, s_peak;
   CHECK(sender_fds(&s, file, &s_now, &s_peak) == 0, "sender gone");
   CHECK(s_now == file, "sender holds %d descriptor(s) for its live registration, want %d", s_now, file);
@@ -38,8 +36,7 @@ static int pull_all(const char *mode, uint64_t chunks, uint64_t chunk_size) {
   rlim_t old = set_nofile(64);
   fd_sampler fs;
   fd_sampler_start(&fs, 0);
-  vmmipc_options o;
-  vmmipc_options_init(&o, sizeof o);
+  vmmipc_options o = default_options();
   vmmipc_stream *st = NULL;
   double t0 = now_ms();
   CHECK_RC(vmmipc_open(&t, &o, &st), VMMIPC_OK);
@@ -83,9 +80,7 @@ static int test_pull_4096_file(void) { return pull_all("file", 4096, 4096); }
  * under a 64-descriptor limit, verifies every byte, writes back, checks the
  * sender sees the write, unmaps and checks nothing is left. */
 static int import_all(uint64_t chunks, uint64_t chunk_size) {
-  child s;
-  vmmipc_ticket t;
-  CHECK(sender_start(&s, &t, "file", chunks, chunk_size, 1, -1, 0) == 0, "sender did not start");
+  START_SENDER(s, t, "file", chunks, chunk_size, 1, -1, 0);
   int base = count_fds(0), maps_base = maps_count("memfd:");
   rlim_t old = set_nofile(64);
   fd_sampler fs;
@@ -132,9 +127,7 @@ static int test_pull_300(void) { return pull_all("callback", 300, 8192); }
 /* The sender's export_fn fails at chunk k. */
 static int test_export_fails_at_k(void) {
   const int64_t k = 1717;
-  child s;
-  vmmipc_ticket t;
-  CHECK(sender_start(&s, &t, "callback", 4096, 4096, 1, k, 0) == 0, "sender did not start");
+  START_SENDER(s, t, "callback", 4096, 4096, 1, k, 0);
   int base = count_fds(0), maps_base = maps_count(NULL);
   vmmipc_mapping m = {0};
   CHECK_RC(vmmipc_import_stream(&t, VMMIPC_DEVICE_HOST, NULL, &m), VMMIPC_EEXPORT);
@@ -152,9 +145,8 @@ static int test_export_fails_at_k(void) {
 }
 
 static int test_bad_tickets(void) {
-  child s;
-  vmmipc_ticket good, t;
-  CHECK(sender_start(&s, &good, "file", 16, 4096, 1, -1, 0) == 0, "sender did not start");
+  START_SENDER(s, good, "file", 16, 4096, 1, -1, 0);
+  vmmipc_ticket t;
   srand(42);
   for (size_t i = 0; i < sizeof t.bytes; i++) t.bytes[i] = (unsigned char)rand();
   if (try_open(&t, VMMIPC_EINVAL, "wrong magic")) return 1;
@@ -203,9 +195,7 @@ static int test_bad_tickets(void) {
 }
 
 static int test_ttl_expires(void) {
-  child s;
-  vmmipc_ticket t;
-  CHECK(sender_start(&s, &t, "file", 4, 4096, 0, -1, 100) == 0, "sender did not start");
+  START_SENDER(s, t, "file", 4, 4096, 0, -1, 100);
   char reply[64];
   CHECK(child_ask(&s, reply, sizeof reply, "released") == 0 && atoi(reply) == 1, "ttl did not release");
   if (try_open(&t, VMMIPC_ENOENT, "expired")) return 1;
@@ -217,9 +207,7 @@ static int test_ttl_expires(void) {
  * reference to the same mapping; the mapping lives until both are dropped,
  * and goes with the last one (the registration is used up: nothing to keep). */
 static int test_two_uses(void) {
-  child s;
-  vmmipc_ticket t;
-  CHECK(sender_start(&s, &t, "file", 64, 4096, 2, -1, 0) == 0, "sender did not start");
+  START_SENDER(s, t, "file", 64, 4096, 2, -1, 0);
   int base = count_fds(0);
   vmmipc_cache_info c0 = cache_info();
   vmmipc_mapping a, b;
@@ -261,8 +249,7 @@ static int test_two_uses(void) {
   /* The same with VMMIPC_IMPORT_NO_CACHE: two distinct mappings of the
    * same memory, each undone by its own unmap, and the cache untouched. */
   CHECK(sender_start(&s, &t, "file", 64, 4096, 2, -1, 0) == 0, "sender did not start");
-  vmmipc_options o;
-  vmmipc_options_init(&o, sizeof o);
+  vmmipc_options o = default_options();
   o.import_flags = VMMIPC_IMPORT_NO_CACHE;
   c0 = cache_info();
   CHECK_RC(vmmipc_import_stream(&t, VMMIPC_DEVICE_HOST, &o, &a), VMMIPC_OK);
@@ -289,9 +276,7 @@ static int test_two_uses(void) {
 
 /* Closing a stream early gives the use back; handles are checked. */
 static int test_handles_and_early_close(void) {
-  child s;
-  vmmipc_ticket t;
-  CHECK(sender_start(&s, &t, "callback", 32, 4096, 1, -1, 0) == 0, "sender did not start");
+  START_SENDER(s, t, "callback", 32, 4096, 1, -1, 0);
   vmmipc_stream *st;
   vmmipc_chunk c;
   CHECK_RC(vmmipc_open(&t, NULL, &st), VMMIPC_OK);
@@ -308,8 +293,7 @@ static int test_handles_and_early_close(void) {
   CHECK_RC(vmmipc_unmap(NULL), VMMIPC_EINVAL);
   CHECK_RC(vmmipc_open(&t, NULL, NULL), VMMIPC_EINVAL);
   CHECK_RC(vmmipc_register(NULL, 3, NULL, NULL, NULL, NULL, NULL), VMMIPC_EINVAL);
-  vmmipc_options o;
-  vmmipc_options_init(&o, sizeof o);
+  vmmipc_options o = default_options();
   o.struct_size = 2;
   CHECK_RC(vmmipc_open(&t, &o, &st), VMMIPC_EINVAL);
   /* A caller built against an older, smaller vmmipc_options: the library
@@ -338,12 +322,9 @@ static int test_handles_and_early_close(void) {
  * receiver VMMIPC_EIO and does not kill it. */
 static int test_peer_vanishes_sigpipe_default(void) {
   signal(SIGPIPE, SIG_DFL);
-  child s;
-  vmmipc_ticket t;
-  CHECK(sender_start(&s, &t, "callback", 2048, 4096, 1, -1, 0) == 0, "sender did not start");
+  START_SENDER(s, t, "callback", 2048, 4096, 1, -1, 0);
   int base = count_fds(0);
-  vmmipc_options o;
-  vmmipc_options_init(&o, sizeof o);
+  vmmipc_options o = default_options();
   o.window = 1;
   o.timeout_ms = 5000;
   vmmipc_stream *st;
@@ -424,6 +405,7 @@ static int copy_file(const char *src, const char *dst) {
 /* One receiver thread of test_sender_inflight_limit. */
 typedef struct inflight_receiver {
   const vmmipc_ticket *ticket;
+  const vmmipc_options *opts;
   uint64_t got, bad;
   int rc;
   char err[512];
@@ -431,12 +413,8 @@ typedef struct inflight_receiver {
 
 static void *inflight_receive(void *arg) {
   inflight_receiver *r = arg;
-  vmmipc_options o;
-  vmmipc_options_init(&o, sizeof o);
-  o.window = 16;
-  o.timeout_ms = 20000;
   vmmipc_stream *st;
-  r->rc = vmmipc_open(r->ticket, &o, &st);
+  r->rc = vmmipc_open(r->ticket, r->opts, &st);
   if (r->rc == VMMIPC_OK) {
     vmmipc_chunk c;
     while ((r->rc = vmmipc_pull_next(st, &c)) == VMMIPC_OK) {
@@ -497,8 +475,11 @@ static int test_sender_inflight_limit(void) {
   enum { R = 8 };
   pthread_t th[R];
   inflight_receiver rs[R];
+  vmmipc_options o = default_options();
+  o.window = 16;
+  o.timeout_ms = 20000;
   for (int i = 0; i < R; i++) {
-    rs[i] = (inflight_receiver){.ticket = &t};
+    rs[i] = (inflight_receiver){.ticket = &t, .opts = &o};
     pthread_create(&th[i], NULL, inflight_receive, &rs[i]);
   }
   uint64_t bad = 0;

@@ -107,6 +107,13 @@ static inline int fd_sampler_stop(fd_sampler *s) {
   return s->peak;
 }
 
+/* default_options is a vmmipc_options as vmmipc_options_init leaves it. */
+static inline vmmipc_options default_options(void) {
+  vmmipc_options o;
+  vmmipc_options_init(&o, sizeof o);
+  return o;
+}
+
 /* set_nofile sets the soft RLIMIT_NOFILE and returns the old soft limit. */
 static inline rlim_t set_nofile(rlim_t soft) {
   struct rlimit r;
@@ -169,17 +176,24 @@ static inline int child_spawn(child *c, char *const argv[]) {
   return child_spawn_path(c, "/proc/self/exe", argv);
 }
 
-/* child_ask sends a command line and reads one reply line into buf. */
-static inline int child_ask(child *c, char *buf, size_t n, const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
+/* child_vask sends a command line and reads one reply line, without its
+ * newline, into buf. Returns 0, or -1 if the child did not answer. */
+static inline int child_vask(child *c, char *buf, size_t n, const char *fmt, va_list ap) {
   vfprintf(c->in, fmt, ap);
-  va_end(ap);
   fputc('\n', c->in);
   fflush(c->in);
   if (!fgets(buf, (int)n, c->out)) return -1;
   buf[strcspn(buf, "\n")] = 0;
   return 0;
+}
+
+/* child_ask is child_vask with the command's arguments. */
+static inline int child_ask(child *c, char *buf, size_t n, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  int rc = child_vask(c, buf, n, fmt, ap);
+  va_end(ap);
+  return rc;
 }
 
 /* child_end closes the pipes (the child exits on EOF) and reaps it. */
@@ -352,6 +366,26 @@ static inline int try_open(const vmmipc_ticket *t, int want, const char *needle)
   CHECK(rc == want, "import returned %d, want %d: %s", rc, want, vmmipc_last_error());
   CHECK(!needle || strstr(vmmipc_last_error(), needle), "import's message lacks \"%s\": %s", needle, vmmipc_last_error());
   CHECK(count_fds(0) == base, "fds %d, baseline %d", count_fds(0), base);
+  return 0;
+}
+
+/* import_verify imports a host ticket and checks every byte against seed. */
+static inline int import_verify(const vmmipc_ticket *t, unsigned seed, vmmipc_mapping *m) {
+  CHECK_RC(vmmipc_import_stream(t, VMMIPC_DEVICE_HOST, NULL, m), VMMIPC_OK);
+  uint64_t bad = count_mismatches((const unsigned char *)(uintptr_t)m->addr, m->size, 0, seed);
+  CHECK(bad == 0, "%llu bytes differ from pattern %u", (unsigned long long)bad, seed);
+  return 0;
+}
+
+/* import_and_unmap imports a host ticket, checks every byte against
+ * pattern 1 and unmaps it, leaving in addr and size where it was mapped
+ * (where the import cache keeps it while the registration lives). */
+static inline int import_and_unmap(const vmmipc_ticket *t, uint64_t *addr, uint64_t *size) {
+  vmmipc_mapping m;
+  if (import_verify(t, 1, &m)) return 1;
+  *addr = m.addr;
+  *size = m.size;
+  CHECK_RC(vmmipc_unmap(&m), VMMIPC_OK);
   return 0;
 }
 

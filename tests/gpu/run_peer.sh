@@ -1,16 +1,17 @@
 #!/bin/sh
 # Builds and runs the cross-device / UUID test (vmmipc_peer_test.c). Needs a
 # CUDA GPU (two for the peer-access part), its headers (CUDA_HOME) and
-# build/libvmmipc.so. Prints PASS/FAIL lines and "N passed, M failed".
+# build/libvmmipc.so. Run from the repository root. Prints PASS/FAIL lines
+# and "N passed, M failed" (counted here: they come from the receivers'
+# processes as well as the test's own); exits non-zero on a FAIL line or if
+# the test itself failed.
 set -eu
-CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
-mkdir -p build/tests
-gcc -O2 -Wall -Wextra -std=gnu11 -I"$CUDA_HOME/include" -Ibuild/include \
-  tests/gpu/vmmipc_peer_test.c -o build/tests/vmmipc_peer_test \
-  -Lbuild -lvmmipc -Wl,-rpath,"$(pwd)/build" -L"$CUDA_HOME/lib64" -L"$CUDA_HOME/lib64/stubs" -lcuda
-out=$(build/tests/vmmipc_peer_test; echo "exit $?")
+sh tests/gpu/build.sh vmmipc_peer_test
+status=0
+out=$(build/tests/vmmipc_peer_test) || status=$?
 echo "$out"
+echo "exit $status"
 p=$(echo "$out" | grep -c '^PASS' || true)
 f=$(echo "$out" | grep -c '^FAIL' || true)
 echo "$p passed, $f failed"
-[ "$f" -eq 0 ]
+[ "$f" -eq 0 ] && [ "$status" -eq 0 ]

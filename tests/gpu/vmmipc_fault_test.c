@@ -13,42 +13,17 @@
  *     still serve a retry, which must read the right data.
  * Each runs TRIALS times. Prints PASS/FAIL and "N passed, M failed". */
 #define _GNU_SOURCE
-#include <cuda.h>
 #include <dirent.h>
 #include <signal.h>
-#include <spawn.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
 #include <time.h>
-#include <unistd.h>
 
-#include "vmmipc.h"
+#include "gpu_testutil.h"
 
-extern char **environ;
-#define MIB (1ull << 20)
 #define CHUNKS 64
 #define TRIALS 50
-static int passed, failed;
-
-#define CU(call)                                                     \
-  do {                                                               \
-    CUresult r_ = (call);                                            \
-    if (r_ != CUDA_SUCCESS) {                                        \
-      const char *n_ = "?";                                          \
-      cuGetErrorName(r_, &n_);                                       \
-      printf("FAIL %s:%d: %s: %s\n", __FILE__, __LINE__, #call, n_); \
-      exit(1);                                                       \
-    }                                                                \
-  } while (0)
-
-static void check(int ok, const char *what, const char *detail) {
-  printf("%s %s%s%s\n", ok ? "PASS" : "FAIL", what, detail ? ": " : "", detail ? detail : "");
-  fflush(stdout);
-  ok ? passed++ : failed++;
-}
+#define SEED 5 /* the pattern of the registered buffer */
 
 static double now_ms(void) {
   struct timespec ts;
@@ -72,8 +47,6 @@ static size_t free_mem(void) {
   return f;
 }
 
-static unsigned char pattern(uint64_t off) { return (unsigned char)((off * 0x9E3779B97F4A7C15ull + 5) >> 56); }
-
 static CUcontext ctx;
 static CUmemGenericAllocationHandle handles[CHUNKS];
 static int kill_at = -1;        /* export_fn kills this pid at chunk kill_at */
@@ -81,24 +54,11 @@ static volatile pid_t kill_pid;
 static volatile int reaped;     /* export_fn has waited for the killed child */
 static int reaped_status;
 
-/* make_chunks creates CHUNKS allocations filled with the pattern. */
+/* make_chunks maps CHUNKS allocations, kept in handles[] for export_fn,
+ * filled with the pattern. */
 static CUdeviceptr make_chunks(void) {
-  CUmemAllocationProp prop = {0};
-  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  CUdeviceptr base;
-  CU(cuMemAddressReserve(&base, CHUNKS * 2 * MIB, 0, 0, 0));
-  unsigned char *h = malloc(2 * MIB);
-  CUmemAccessDesc a = {.location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 0}, .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
-  for (int i = 0; i < CHUNKS; i++) {
-    CU(cuMemCreate(&handles[i], 2 * MIB, &prop, 0));
-    CU(cuMemMap(base + i * 2 * MIB, 2 * MIB, 0, handles[i], 0));
-    CU(cuMemSetAccess(base + i * 2 * MIB, 2 * MIB, &a, 1));
-    for (uint64_t j = 0; j < 2 * MIB; j++) h[j] = pattern(i * 2 * MIB + j);
-    CU(cuMemcpyHtoD(base + i * 2 * MIB, h, 2 * MIB));
-  }
-  free(h);
+  CUdeviceptr base = map_chunks(CHUNKS, handles);
+  fill(base, CHUNKS * CHUNK, SEED);
   return base;
 }
 
@@ -124,15 +84,12 @@ static int export_fn(void *user, uint64_t index, int *fd_out) {
 
 static void setup(void) {
   CU(cuInit(0));
-  CUdevice d;
-  CU(cuDeviceGet(&d, 0));
-  CU(cuDevicePrimaryCtxRetain(&ctx, d));
-  CU(cuCtxSetCurrent(ctx));
+  ctx = use_device(0);
 }
 
 static vmmipc_ticket register_chunks(uint32_t uses) {
   uint64_t sizes[CHUNKS];
-  for (int i = 0; i < CHUNKS; i++) sizes[i] = 2 * MIB;
+  for (int i = 0; i < CHUNKS; i++) sizes[i] = CHUNK;
   vmmipc_options o;
   vmmipc_options_init(&o, sizeof o);
   o.uses = uses;
@@ -145,14 +102,6 @@ static vmmipc_ticket register_chunks(uint32_t uses) {
   return t;
 }
 
-static void hex(const vmmipc_ticket *t, char *out) {
-  for (int i = 0; i < VMMIPC_TICKET_SIZE; i++) sprintf(out + 2 * i, "%02x", t->bytes[i]);
-}
-
-static void unhex(const char *s, vmmipc_ticket *t) {
-  for (int i = 0; i < VMMIPC_TICKET_SIZE; i++) sscanf(s + 2 * i, "%2hhx", &t->bytes[i]);
-}
-
 /* ---- role "sender K": register, print the ticket, die at chunk K ---- */
 static int sender_role(int k) {
   setup();
@@ -161,7 +110,7 @@ static int sender_role(int k) {
   kill_pid = getpid();
   vmmipc_ticket t = register_chunks(1);
   char h[2 * VMMIPC_TICKET_SIZE + 1];
-  hex(&t, h);
+  ticket_to_hex(&t, h);
   printf("%s\n", h);
   fflush(stdout);
   pause(); /* serve until killed */
@@ -171,36 +120,14 @@ static int sender_role(int k) {
 /* ---- role "receiver HEX": import, verify, exit 0 if right ---- */
 static int receiver_role(const char *h) {
   vmmipc_ticket t;
-  unhex(h, &t);
+  ticket_from_hex(h, &t);
   vmmipc_mapping m;
   /* device 0: tickets from vmmipc_register carry no GPU UUID */
   if (vmmipc_import_stream(&t, 0, NULL, &m)) return 2;
   setup();
-  unsigned char *buf = malloc(2 * MIB);
-  uint64_t bad = 0;
-  for (uint64_t off = 0; off < m.size; off += 2 * MIB) {
-    CU(cuMemcpyDtoH(buf, m.addr + off, 2 * MIB));
-    for (uint64_t j = 0; j < 2 * MIB; j++) bad += buf[j] != pattern(off + j);
-  }
+  uint64_t bad = count_wrong(m.addr, m.size, SEED);
   vmmipc_unmap(&m);
   return bad ? 3 : 0;
-}
-
-static pid_t spawn(char **argv, int *out_fd) {
-  int p[2];
-  if (pipe(p)) return -1;
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_adddup2(&fa, p[1], 1);
-  posix_spawn_file_actions_addclose(&fa, p[0]);
-  pid_t pid;
-  int rc = posix_spawn(&pid, "/proc/self/exe", &fa, NULL, argv, environ);
-  posix_spawn_file_actions_destroy(&fa);
-  close(p[1]);
-  if (rc) return -1;
-  if (out_fd) *out_fd = p[0];
-  else close(p[0]);
-  return pid;
 }
 
 /* Scenario 1: the sender dies at a random chunk. */
@@ -216,8 +143,8 @@ static void sender_dies(void) {
     char ks[16];
     snprintf(ks, sizeof ks, "%d", k);
     char *argv[] = {"vmmipc_fault_test", "sender", ks, NULL};
-    int out;
-    pid_t pid = spawn(argv, &out);
+    int out = -1;
+    pid_t pid = spawn_self(argv, NULL, &out);
     char line[2 * VMMIPC_TICKET_SIZE + 8] = "";
     FILE *f = fdopen(out, "r");
     if (!f || !fgets(line, sizeof line, f)) {
@@ -226,7 +153,7 @@ static void sender_dies(void) {
     }
     fclose(f);
     vmmipc_ticket t;
-    unhex(line, &t);
+    ticket_from_hex(line, &t);
     vmmipc_options o;
     vmmipc_options_init(&o, sizeof o);
     o.timeout_ms = 10000;
@@ -243,7 +170,7 @@ static void sender_dies(void) {
     if (trial == 0) fds0 = fds, mem0 = mem; /* after the first import: the runtime's and driver's own fds */
     if (rc == VMMIPC_EIO && m.addr == 0) ok++;
     else snprintf(detail, sizeof detail, "trial %d (k=%d): status %d: %s", trial, k, rc, vmmipc_last_error());
-    if (fds != fds0 || mem + 2 * MIB < mem0) {
+    if (fds != fds0 || mem + CHUNK < mem0) {
       leaks++;
       snprintf(detail, sizeof detail, "trial %d: fds %d (baseline %d), free memory %zu (baseline %zu)", trial, fds, fds0,
                mem, mem0);
@@ -265,7 +192,7 @@ static void receiver_dies(void) {
   for (int trial = 0; trial < TRIALS; trial++) {
     vmmipc_ticket t = register_chunks(1);
     char h[2 * VMMIPC_TICKET_SIZE + 1];
-    hex(&t, h);
+    ticket_to_hex(&t, h);
     if (fds0 < 0) fds0 = count_fds();
     /* Never at the last chunk: once every chunk has been sent the use is
      * spent, and a receiver killed then has had the whole buffer. */
@@ -273,7 +200,7 @@ static void receiver_dies(void) {
     kill_pid = 0; /* set once we know it; the receiver needs far longer to start */
     reaped = 0;
     char *argv[] = {"vmmipc_fault_test", "receiver", h, NULL};
-    pid_t pid = spawn(argv, NULL);
+    pid_t pid = spawn_self(argv, NULL, NULL);
     kill_pid = pid;
     int st = 0;
     /* Either export_fn killed and reaped it, or it exited by itself. */
@@ -294,7 +221,7 @@ static void receiver_dies(void) {
     }
     /* The use came back: a retry imports the right data. */
     kill_at = -1;
-    pid = spawn(argv, NULL);
+    pid = spawn_self(argv, NULL, NULL);
     waitpid(pid, &st, 0);
     if (WIFEXITED(st) && WEXITSTATUS(st) == 0) retries_ok++;
     else snprintf(detail, sizeof detail, "trial %d: retry exited with %#x", trial, st);

@@ -216,9 +216,29 @@ static size_t *uniform(size_t n, size_t size) {
   return s;
 }
 
-/* verify copies [p, p+total) to the host and compares it with the pattern;
- * on a mismatch it writes where into why and returns 0. */
-static int verify(CUdeviceptr p, size_t total, uint32_t seed, char *why, size_t whylen) {
+/* vbuf_uniform allocates n POSIX-fd shareable chunks of size bytes each and
+ * fills them with the pattern of seed. */
+static void vbuf_uniform(vbuf *b, size_t n, size_t size, uint32_t seed) {
+  size_t *sizes = uniform(n, size);
+  vbuf_alloc(b, sizes, n, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+  free(sizes);
+  vbuf_fill(b, seed);
+}
+
+/* expect_fn writes into dst the bytes [off, off+bytes) of a buffer must
+ * hold, given arg. */
+typedef void expect_fn(void *dst, uint64_t off, size_t bytes, uint32_t arg);
+
+/* every_byte: a buffer all of whose bytes are b. */
+static void every_byte(void *dst, uint64_t off, size_t bytes, uint32_t b) {
+  (void)off;
+  memset(dst, (int)b, bytes);
+}
+
+/* compare copies [p, p+total) to the host and compares it with what
+ * expect(arg) says it holds; on a mismatch it writes where into why and
+ * returns 0. */
+static int compare(CUdeviceptr p, size_t total, expect_fn *expect, uint32_t arg, char *why, size_t whylen) {
   unsigned char *got = malloc(gran), *want = malloc(gran);
   int ok = 1;
   for (size_t off = 0; off < total && ok; off += gran) {
@@ -228,17 +248,27 @@ static int verify(CUdeviceptr p, size_t total, uint32_t seed, char *why, size_t 
       ok = 0;
       break;
     }
-    pattern(want, off, gran, seed);
+    expect(want, off, gran, arg);
     if (memcmp(got, want, gran) != 0) {
       size_t i = 0;
       while (got[i] == want[i]) i++;
-      snprintf(why, whylen, "byte %zu differs: got %#x, want %#x", off + i, got[i], want[i]);
+      snprintf(why, whylen, "byte %zu is %#x, want %#x", off + i, got[i], want[i]);
       ok = 0;
     }
   }
   free(got);
   free(want);
   return ok;
+}
+
+/* verify checks [p, p+total) against the pattern of seed. */
+static int verify(CUdeviceptr p, size_t total, uint32_t seed, char *why, size_t whylen) {
+  return compare(p, total, pattern, seed, why, whylen);
+}
+
+/* verify_byte checks that every byte of [p, p+total) is b. */
+static int verify_byte(CUdeviceptr p, size_t total, unsigned char b, char *why, size_t whylen) {
+  return compare(p, total, every_byte, b, why, whylen);
 }
 
 /* ---- descriptors ---- */
@@ -600,28 +630,6 @@ static vmmipc_cache_info cache_now(void) {
   return i;
 }
 
-/* verify_byte checks that every byte of [p, p+total) is b. */
-static int verify_byte(CUdeviceptr p, size_t total, unsigned char b, char *why, size_t whylen) {
-  unsigned char *got = malloc(gran), *want = malloc(gran);
-  memset(want, b, gran);
-  int ok = 1;
-  for (size_t off = 0; off < total && ok; off += gran) {
-    CUresult r = cuMemcpyDtoH(got, p + off, gran);
-    if (r != CUDA_SUCCESS) {
-      snprintf(why, whylen, "cuMemcpyDtoH at offset %zu: %s", off, cu_name(r));
-      ok = 0;
-    } else if (memcmp(got, want, gran) != 0) {
-      size_t i = 0;
-      while (got[i] == b) i++;
-      snprintf(why, whylen, "byte %zu is %#x, want %#x", off + i, got[i], b);
-      ok = 0;
-    }
-  }
-  free(got);
-  free(want);
-  return ok;
-}
-
 /* range_is_free reports whether [addr, addr+span) can be reserved again
  * at addr: the mapping that held it is gone, reservation included. */
 static int range_is_free(CUdeviceptr addr, size_t span) {
@@ -853,12 +861,9 @@ static void run_mixed(void) {
 /* The sender frees its buffer right after registering. */
 static void run_free_after_register(void) {
   set_label("sender frees after register");
-  size_t n = 16;
-  size_t *sizes = uniform(n, gran);
   size_t free0 = free_mem();
   vbuf b;
-  vbuf_alloc(&b, sizes, n, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
-  vbuf_fill(&b, 77);
+  vbuf_uniform(&b, 16, gran, 77);
   size_t total = b.total;
   vmmipc_options o = options(1);
   vmmipc_ticket t;
@@ -874,7 +879,6 @@ static void run_free_after_register(void) {
   while ((f = free_mem()) + gran <= held + total && now_s() < until) usleep(1000);
   check(f + gran > held + total, "the registration's references were released at its end (free %zu -> %zu, %+lld vs. expected)",
         held, f, (long long)(f - held) - (long long)total);
-  free(sizes);
 }
 
 /* Failure injection through vmmipc_register with our own export_fn. */
@@ -922,10 +926,8 @@ static void run_failure(enum fail_mode mode) {
   set_label("%s", names[mode]);
   size_t n = 64, unit = mode == FAIL_MAP ? 2 * gran : gran;
   uint64_t k = 37;
-  size_t *sizes = uniform(n, unit);
   vbuf b;
-  vbuf_alloc(&b, sizes, n, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
-  vbuf_fill(&b, 5);
+  vbuf_uniform(&b, n, unit, 5);
   injector in = {.b = &b, .k = k, .mode = mode};
   if (mode == FAIL_MAP) {
     CUmemAllocationProp prop = {0};
@@ -938,7 +940,7 @@ static void run_failure(enum fail_mode mode) {
   vmmipc_ticket warm, t;
   VK(vmmipc_register_cuda(b.base, unit, &o, &warm)); /* chunk 0 alone */
   o.memory_kind = VMMIPC_MEMORY_CUDA;
-  VK(vmmipc_register(sizes, n, inject_export, inject_release, &in, &o, &t));
+  VK(vmmipc_register(b.sizes, n, inject_export, inject_release, &in, &o, &t));
   char ex[32], at[64], call[96];
   static const int codes[] = {VMMIPC_EEXPORT, VMMIPC_ECUDA, VMMIPC_ECUDA};
   static const char *calls[] = {"export_fn returned 42", "cuMemImportFromShareableHandle", "cuMemMap"};
@@ -978,17 +980,13 @@ static void run_failure(enum fail_mode mode) {
   }
   check(extra <= FD_BUDGET, "sender: peak extra descriptors %d (limit %d)", extra, FD_BUDGET);
   reap(&c, "receiver");
-  free(sizes);
 }
 
 /* A ticket with uses = 2: both receivers see writes made after import. */
 static void run_two_receivers(void) {
   set_label("uses=2, writes after import");
-  size_t n = 8;
-  size_t *sizes = uniform(n, gran);
   vbuf b;
-  vbuf_alloc(&b, sizes, n, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
-  vbuf_fill(&b, 11);
+  vbuf_uniform(&b, 8, gran, 11);
   vmmipc_options o = options(2);
   vmmipc_ticket t;
   VK(vmmipc_register_cuda(b.base, b.total, &o, &t));
@@ -1002,45 +1000,63 @@ static void run_two_receivers(void) {
   for (int i = 0; i < 2; i++) reap(&c[i], "receiver");
   check(wait_live_registrations(0, 5), "the registration ended after its two uses");
   vbuf_free(&b);
-  free(sizes);
+}
+
+/* A library call made on a new thread, which has no current context: the
+ * library must work there and leave the thread without one. */
+typedef struct {
+  int (*call)(void *arg);
+  void *arg;
+  int rc;
+  CUcontext after; /* the thread's current context once call returned */
+} bare_call;
+
+static void *bare_thread(void *p) {
+  bare_call *c = p;
+  c->rc = c->call(c->arg);
+  cuCtxGetCurrent(&c->after);
+  return NULL;
+}
+
+/* without_context runs call(arg) on a new thread and returns its status;
+ * *after is that thread's current context once the call returned. */
+static int without_context(int (*call)(void *arg), void *arg, CUcontext *after) {
+  bare_call c = {.call = call, .arg = arg, .after = (CUcontext)1};
+  pthread_t th;
+  if (pthread_create(&th, NULL, bare_thread, &c) != 0) die("pthread_create failed");
+  pthread_join(th, NULL);
+  *after = c.after;
+  return c.rc;
 }
 
 typedef struct {
   vbuf *b;
   vmmipc_ticket t;
-  int rc;
-  CUcontext after;
-} reg_job;
+} registration;
 
-static void *register_without_context(void *p) {
-  reg_job *j = p;
+/* register_for_two registers a registration's buffer for two uses. */
+static int register_for_two(void *p) {
+  registration *r = p;
   vmmipc_options o = options(2);
-  j->rc = vmmipc_register_cuda(j->b->base, j->b->total, &o, &j->t);
-  if (j->rc != VMMIPC_OK) note("vmmipc_register_cuda: %s", vmmipc_last_error());
-  cuCtxGetCurrent(&j->after);
-  return NULL;
+  int rc = vmmipc_register_cuda(r->b->base, r->b->total, &o, &r->t);
+  if (rc != VMMIPC_OK) note("vmmipc_register_cuda: %s", vmmipc_last_error());
+  return rc;
 }
 
 static void run_contexts(void) {
   set_label("caller contexts");
-  size_t n = 8;
-  size_t *sizes = uniform(n, gran);
   vbuf b;
-  vbuf_alloc(&b, sizes, n, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
-  vbuf_fill(&b, 21);
-  reg_job j = {.b = &b, .after = (CUcontext)1};
-  pthread_t th;
-  pthread_create(&th, NULL, register_without_context, &j);
-  pthread_join(th, NULL);
-  check(j.rc == VMMIPC_OK && j.after == NULL, "register on a thread with no context: %d, context after: %p", j.rc,
-        (void *)j.after);
-  if (j.rc != VMMIPC_OK) die("cannot go on without a ticket");
-  vmmipc_ticket t = j.t;
-  child c = spawn_recv("contexts", &t, ARGS("seed=21"));
+  vbuf_uniform(&b, 8, gran, 21);
+  registration r = {.b = &b};
+  CUcontext after;
+  int rc = without_context(register_for_two, &r, &after);
+  check(rc == VMMIPC_OK && after == NULL, "register on a thread with no context: %d, context after: %p", rc,
+        (void *)after);
+  if (rc != VMMIPC_OK) die("cannot go on without a ticket");
+  child c = spawn_recv("contexts", &r.t, ARGS("seed=21"));
   reap(&c, "receiver");
   check(wait_live_registrations(0, 5), "both imports used the ticket up");
   vbuf_free(&b);
-  free(sizes);
 }
 
 /* vmmipc_register_cuda_handles: borrowed handles, size checks, release_fn. */
@@ -1152,11 +1168,9 @@ static void cache_handles_release(void *user) {
 static void run_cache(void) {
   set_label("import cache %dx%zuMiB", 4096, gran / MIB);
   size_t n = 4096;
-  size_t *sizes = uniform(n, gran);
-  vbuf b;
-  vbuf_alloc(&b, sizes, n, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
   uint32_t seed = 0x2000;
-  vbuf_fill(&b, seed);
+  vbuf b;
+  vbuf_uniform(&b, n, gran, seed);
   size_t total = b.total;
   vmmipc_options o0 = options(0), o1 = options(1);
   vmmipc_ticket t0, t_again, t_same, t_handles;
@@ -1209,7 +1223,6 @@ static void run_cache(void) {
   }
   reap(&c, "receiver");
   if (b.n) vbuf_free(&b); /* the receiver failed before 'U' */
-  free(sizes);
 }
 
 /* vmmipc_cuda_query_range: the range on allocation boundaries that covers
@@ -1217,16 +1230,13 @@ static void run_cache(void) {
  * that is not VMM; no context needed or changed. */
 typedef struct {
   CUdeviceptr p;
-  int rc;
   vmmipc_cuda_range_info info;
-  CUcontext after;
-} query_job;
+} range_query;
 
-static void *query_without_context(void *arg) {
-  query_job *j = arg;
-  j->rc = vmmipc_cuda_query_range(j->p, 4096, &j->info);
-  cuCtxGetCurrent(&j->after);
-  return NULL;
+/* query_page asks for the range that covers the 4096 bytes at p. */
+static int query_page(void *p) {
+  range_query *q = p;
+  return vmmipc_cuda_query_range(q->p, 4096, &q->info);
 }
 
 static void run_query_range(void) {
@@ -1261,12 +1271,11 @@ static void run_query_range(void) {
   int rc = vmmipc_register_cuda(info.base, info.size, &o, &t);
   check(rc == VMMIPC_OK, "the range it gives registers: %d %s", rc, rc ? vmmipc_last_error() : "");
   if (rc == VMMIPC_OK) VK(vmmipc_unregister(&t));
-  query_job j = {.p = b.base + gran, .after = (CUcontext)1};
-  pthread_t th;
-  pthread_create(&th, NULL, query_without_context, &j);
-  pthread_join(th, NULL);
-  check(j.rc == VMMIPC_OK && j.info.base == b.base + gran && j.after == NULL,
-        "on a thread with no current context: %d, and the thread still has none (%p)", j.rc, (void *)j.after);
+  range_query q = {.p = b.base + gran};
+  CUcontext after;
+  rc = without_context(query_page, &q, &after);
+  check(rc == VMMIPC_OK && q.info.base == b.base + gran && after == NULL,
+        "on a thread with no current context: %d, and the thread still has none (%p)", rc, (void *)after);
 
   /* Not VMM memory: ENOENT, whatever the reason. */
   CUdeviceptr plain = 0;

@@ -11,76 +11,16 @@
  * that sees the GPUs in reverse order. Receivers are separate processes
  * (posix_spawn; the library does not survive fork). */
 #define _GNU_SOURCE
-#include <cuda.h>
-#include <spawn.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
-#include <unistd.h>
 
-#include "vmmipc.h"
-
-extern char **environ;
-#define MIB (1ull << 20)
-static int passed, failed;
-
-#define CU(call)                                                         \
-  do {                                                                   \
-    CUresult r_ = (call);                                                \
-    if (r_ != CUDA_SUCCESS) {                                            \
-      const char *n_ = "?";                                              \
-      cuGetErrorName(r_, &n_);                                           \
-      printf("FAIL %s:%d: %s: %s\n", __FILE__, __LINE__, #call, n_);     \
-      exit(1);                                                           \
-    }                                                                    \
-  } while (0)
-
-static void check(int ok, const char *what, const char *detail) {
-  printf("%s %s%s%s\n", ok ? "PASS" : "FAIL", what, detail ? ": " : "", detail ? detail : "");
-  fflush(stdout);
-  ok ? passed++ : failed++;
-}
-
-static unsigned char pattern(uint64_t off, unsigned seed) {
-  return (unsigned char)((off * 0x9E3779B97F4A7C15ull + seed) >> 56);
-}
-
-static void use_device(int ordinal) {
-  CUdevice d;
-  CUcontext c;
-  CU(cuDeviceGet(&d, ordinal));
-  CU(cuDevicePrimaryCtxRetain(&c, d));
-  CU(cuCtxSetCurrent(c));
-}
-
-/* verify copies the mapping back chunk by chunk and compares with seed. */
-static uint64_t verify(CUdeviceptr base, uint64_t size, unsigned seed) {
-  unsigned char *h = malloc(2 * MIB);
-  uint64_t bad = 0;
-  for (uint64_t off = 0; off < size; off += 2 * MIB) {
-    CU(cuMemcpyDtoH(h, base + off, 2 * MIB));
-    for (uint64_t i = 0; i < 2 * MIB; i++) bad += h[i] != pattern(off + i, seed);
-  }
-  free(h);
-  return bad;
-}
-
-static void fill(CUdeviceptr base, uint64_t size, unsigned seed) {
-  unsigned char *h = malloc(2 * MIB);
-  for (uint64_t off = 0; off < size; off += 2 * MIB) {
-    for (uint64_t i = 0; i < 2 * MIB; i++) h[i] = pattern(off + i, seed);
-    CU(cuMemcpyHtoD(base + off, h, 2 * MIB));
-  }
-  free(h);
-}
+#include "gpu_testutil.h"
 
 /* ---- receiver: recv HEX DEVICE ACCESS(comma list or -) EXPECT(ok|fail) ---- */
 
 static int receiver(char **argv) {
   vmmipc_ticket t;
-  for (int i = 0; i < VMMIPC_TICKET_SIZE; i++) sscanf(argv[2] + 2 * i, "%2hhx", &t.bytes[i]);
+  ticket_from_hex(argv[2], &t);
   int device = atoi(argv[3]);
   int32_t access[8];
   uint32_t n_access = 0;
@@ -106,9 +46,9 @@ static int receiver(char **argv) {
   if (rc) return 0;
   CU(cuInit(0));
   use_device(m.device);
-  uint64_t bad = verify(m.addr, m.size, 1);
+  uint64_t bad = count_wrong(m.addr, m.size, 1);
   char d[128];
-  snprintf(d, sizeof d, "%llu chunks on device %d, %llu bytes differ", (unsigned long long)(m.size / (2 * MIB)),
+  snprintf(d, sizeof d, "%llu chunks on device %d, %llu bytes differ", (unsigned long long)(m.size / CHUNK),
            m.device, (unsigned long long)bad);
   check(bad == 0, "receiver reads the exporter's data", d);
   fill(m.addr, m.size, 2); /* the sender checks it sees these writes */
@@ -123,7 +63,7 @@ static int spawn_receiver(const char *hex, int device, const char *access, const
   char dev[16];
   snprintf(dev, sizeof dev, "%d", device);
   char *argv[] = {"vmmipc_peer_test", "recv", (char *)hex, dev, (char *)access, (char *)expect, NULL};
-  char **env = environ;
+  char **env = NULL; /* ours */
   char *envbuf[512];
   char vis[256];
   if (visible) {
@@ -135,31 +75,11 @@ static int spawn_receiver(const char *hex, int device, const char *access, const
     envbuf[n] = NULL;
     env = envbuf;
   }
-  pid_t pid;
-  if (posix_spawn(&pid, "/proc/self/exe", NULL, NULL, argv, env)) return -1;
+  pid_t pid = spawn_self(argv, env, NULL);
+  if (pid < 0) return -1;
   int st;
   waitpid(pid, &st, 0);
   return WIFEXITED(st) ? WEXITSTATUS(st) : 128;
-}
-
-/* make_buffer: n chunks of 2 MiB on device 0, POSIX-fd shareable. */
-static CUdeviceptr make_buffer(uint64_t n) {
-  CUmemAllocationProp prop = {0};
-  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  prop.location.id = 0;
-  CUdeviceptr base;
-  CU(cuMemAddressReserve(&base, n * 2 * MIB, 0, 0, 0));
-  for (uint64_t i = 0; i < n; i++) {
-    CUmemGenericAllocationHandle h;
-    CU(cuMemCreate(&h, 2 * MIB, &prop, 0));
-    CU(cuMemMap(base + i * 2 * MIB, 2 * MIB, 0, h, 0));
-    CU(cuMemRelease(h));
-  }
-  CUmemAccessDesc a = {.location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 0}, .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
-  CU(cuMemSetAccess(base, n * 2 * MIB, &a, 1));
-  return base;
 }
 
 int main(int argc, char **argv) {
@@ -182,25 +102,25 @@ int main(int argc, char **argv) {
   printf("# %d GPU(s) visible; exporter on device 0 = %s\n", count, uuid);
 
   uint64_t n = count >= 2 ? 4096 : 64;
-  CUdeviceptr base = make_buffer(n);
-  fill(base, n * 2 * MIB, 1);
+  CUdeviceptr base = map_chunks(n, NULL);
+  fill(base, n * CHUNK, 1);
   vmmipc_options o;
   vmmipc_options_init(&o, sizeof o);
   o.uses = 0; /* every receiver below */
   vmmipc_ticket t;
-  if (vmmipc_register_cuda(base, n * 2 * MIB, &o, &t)) {
+  if (vmmipc_register_cuda(base, n * CHUNK, &o, &t)) {
     printf("FAIL register: %s\n", vmmipc_last_error());
     return 1;
   }
   char hex[2 * VMMIPC_TICKET_SIZE + 1];
-  for (int i = 0; i < VMMIPC_TICKET_SIZE; i++) sprintf(hex + 2 * i, "%02x", t.bytes[i]);
+  ticket_to_hex(&t, hex);
 
   /* One GPU: the UUID path under a remapped CUDA_VISIBLE_DEVICES. */
   spawn_receiver(hex, VMMIPC_DEVICE_SAME, "-", uuid, "ok");
-  check(verify(base, n * 2 * MIB, 2) == 0, "sender sees the receiver's writes (DEVICE_SAME by UUID)", NULL);
-  fill(base, n * 2 * MIB, 1);
+  check(count_wrong(base, n * CHUNK, 2) == 0, "sender sees the receiver's writes (DEVICE_SAME by UUID)", NULL);
+  fill(base, n * CHUNK, 1);
   spawn_receiver(hex, 0, "0", NULL, "ok"); /* access list naming the importing device again */
-  fill(base, n * 2 * MIB, 1);
+  fill(base, n * CHUNK, 1);
   spawn_receiver(hex, count, "-", NULL, "fail");      /* an ordinal that does not exist */
   spawn_receiver(hex, 0, "9", NULL, "fail");          /* an access device that does not exist */
   spawn_receiver(hex, VMMIPC_DEVICE_SAME, "-", "NoDevFiles", "fail"); /* exporter's GPU not visible */
@@ -208,14 +128,14 @@ int main(int argc, char **argv) {
   if (count >= 2) {
     /* Exporter on GPU 0, receiver maps onto GPU 1 through peer access. */
     spawn_receiver(hex, 1, "-", NULL, "ok");
-    uint64_t bad = verify(base, n * 2 * MIB, 2);
+    uint64_t bad = count_wrong(base, n * CHUNK, 2);
     char d[96];
     snprintf(d, sizeof d, "%llu bytes differ", (unsigned long long)bad);
     check(bad == 0, "GPU 0 sees the writes GPU 1 made through the imported mapping", d);
-    fill(base, n * 2 * MIB, 1);
+    fill(base, n * CHUNK, 1);
     /* Receiver sees the GPUs in reverse order; DEVICE_SAME still finds GPU 0. */
     spawn_receiver(hex, VMMIPC_DEVICE_SAME, "-", "1,0", "ok");
-    fill(base, n * 2 * MIB, 1);
+    fill(base, n * CHUNK, 1);
     spawn_receiver(hex, 1, "0", NULL, "ok"); /* GPU 1 plus access for GPU 0 */
   } else {
     printf("SKIP two-GPU checks: only %d GPU visible (needs a machine with 2 GPUs)\n", count);
