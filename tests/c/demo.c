@@ -129,9 +129,10 @@ static int send_buffer(const char *self) {
     close(fd); /* the library keeps its own duplicate; our mapping keeps the memory */
   }
   if (rc) return fail("register", rc);
-  printf("sender:   registered %llu chunks of %llu bytes (%s), %llu bytes in all; no descriptor opened\n",
+  printf("sender:   registered %llu chunks of %llu bytes (%s), %llu bytes in all; %s\n",
          (unsigned long long)chunks, (unsigned long long)chunk_size, use_cuda ? "CUDA VMM" : "host memfd",
-         (unsigned long long)total);
+         (unsigned long long)total,
+         use_cuda ? "no descriptor opened" : "no descriptor per chunk (the library keeps one of the memfd)");
   fflush(stdout);
 
   char hex[2 * VMMIPC_TICKET_SIZE + 1];
