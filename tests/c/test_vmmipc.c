@@ -128,14 +128,16 @@ static int test_pull_300(void) { return pull_all("callback", 300, 8192); }
 static int test_export_fails_at_k(void) {
   const int64_t k = 1717;
   START_SENDER(s, t, "callback", 4096, 4096, 1, k, 0);
-  int base = count_fds(0), maps_base = maps_count(NULL);
+  int base = count_fds(0);
+  static maps_snapshot before;
+  maps_take(&before);
   vmmipc_mapping m = {0};
   CHECK_RC(vmmipc_import_stream(&t, VMMIPC_DEVICE_HOST, NULL, &m), VMMIPC_EEXPORT);
   const char *e = vmmipc_last_error();
   printf("  error: %s\n", e);
   CHECK(strstr(e, "chunk 1717 of 4096") != NULL, "message does not name chunk 1717: %s", e);
   CHECK(m.addr == 0, "mapping_out touched on failure");
-  CHECK(maps_count(NULL) == maps_base, "maps: %d lines, baseline %d", maps_count(NULL), maps_base);
+  CHECK(maps_new_reservations(&before, 4096ull * 4096) == 0, "the failed import left its reservation mapped");
   CHECK(maps_count("memfd:") == 0, "memfd mappings left");
   CHECK(count_fds(0) == base, "fds %d, baseline %d", count_fds(0), base);
   /* The failed import gave its use back: the same failure again, not ENOENT. */
@@ -270,6 +272,38 @@ static int test_two_uses(void) {
   CHECK_RC(vmmipc_unmap(&b), VMMIPC_OK);
   CHECK(!maps_has_range(b_addr, size), "an uncached mapping outlived its only reference");
   if (try_open(&t, VMMIPC_ENOENT, "used up")) return 1;
+  child_end(&s);
+  return 0;
+}
+
+/* A stream that has every chunk has spent its use: when another receiver
+ * then spends the last use and the registration ends, the first still gets
+ * VMMIPC_END (the exporter confirms its use), not a cut connection. */
+static int test_spent_stream_survives_end(void) {
+  enum { N = 8 };
+  child s;
+  vmmipc_ticket t;
+  CHECK(sender_start(&s, &t, "file", N, 4096, 2, -1, 0) == 0, "sender did not start");
+  int base = count_fds(0);
+  vmmipc_stream *a = NULL;
+  vmmipc_chunk c;
+  CHECK_RC(vmmipc_open(&t, NULL, &a), VMMIPC_OK);
+  for (int i = 0; i < N; i++) {
+    CHECK_RC(vmmipc_pull_next(a, &c), VMMIPC_OK);
+    int ok = verify_chunk_fd(&c);
+    close(c.fd);
+    CHECK(ok, "chunk %d differs", i);
+  }
+  vmmipc_mapping m;
+  CHECK_RC(vmmipc_import_stream(&t, VMMIPC_DEVICE_HOST, NULL, &m), VMMIPC_OK); /* the last use */
+  CHECK_RC(vmmipc_unmap(&m), VMMIPC_OK);
+  char reply[64];
+  CHECK(child_ask(&s, reply, sizeof reply, "released") == 0 && atoi(reply) == 1, "the used-up registration was not released");
+  int rc = vmmipc_pull_next(a, &c);
+  CHECK(rc == VMMIPC_END, "the stream that had every chunk got %d (%s) once the registration ended: %s", rc,
+        vmmipc_strerror(rc), vmmipc_last_error());
+  CHECK_RC(vmmipc_close(a), VMMIPC_OK);
+  CHECK(count_fds(0) == base, "fds %d, baseline %d", count_fds(0), base);
   child_end(&s);
   return 0;
 }
@@ -512,6 +546,7 @@ static const struct {
     {"ticket_corruption_sweep", test_ticket_corruption_sweep},
     {"ttl_expires", test_ttl_expires},
     {"two_uses", test_two_uses},
+    {"spent_stream_survives_end", test_spent_stream_survives_end},
     {"handles_and_early_close", test_handles_and_early_close},
     {"peer_vanishes_sigpipe_default", test_peer_vanishes_sigpipe_default},
     {"fork_child_gets_efork", test_fork_child_gets_efork},

@@ -231,15 +231,14 @@ static inline unsigned char pattern(uint64_t off, unsigned seed) {
   return (unsigned char)(x >> 56);
 }
 
-/* maps_count counts the lines of /proc/self/maps that contain needle
- * (NULL: all lines). */
+/* maps_count counts the lines of /proc/self/maps that contain needle. */
 static inline int maps_count(const char *needle) {
   FILE *f = fopen("/proc/self/maps", "r");
   if (!f) return -1;
   char line[512];
   int n = 0;
   while (fgets(line, sizeof line, f))
-    if (!needle || strstr(line, needle)) n++;
+    if (strstr(line, needle)) n++;
   fclose(f);
   return n;
 }
@@ -287,6 +286,53 @@ static inline int maps_has_inode(unsigned long ino) {
   }
   fclose(f);
   return hit;
+}
+
+/* A snapshot of the ranges in /proc/self/maps at one moment. */
+typedef struct maps_snapshot {
+  int n;
+  unsigned long long lo[4096], hi[4096];
+} maps_snapshot;
+
+static inline void maps_take(maps_snapshot *s) {
+  s->n = 0;
+  FILE *f = fopen("/proc/self/maps", "r");
+  if (!f) return;
+  char line[512];
+  while (s->n < 4096 && fgets(line, sizeof line, f))
+    if (sscanf(line, "%llx-%llx", &s->lo[s->n], &s->hi[s->n]) == 2) s->n++;
+  fclose(f);
+}
+
+/* maps_new_reservations counts the anonymous PROT_NONE mappings of at
+ * least min bytes that are not inside ranges mapped at the snapshot: a
+ * reservation made since and not undone (an import reserves its whole
+ * range PROT_NONE first). The Go runtime grows its heap inside ranges it
+ * had reserved before, and thread stacks' guard pages are far smaller, so
+ * neither counts; a whole-mapping line count would see both. */
+static inline int maps_new_reservations(const maps_snapshot *before, uint64_t min) {
+  FILE *f = fopen("/proc/self/maps", "r");
+  if (!f) return -1;
+  char line[512];
+  int n = 0;
+  while (fgets(line, sizeof line, f)) {
+    unsigned long long lo, hi;
+    char perms[8];
+    unsigned long ino;
+    if (sscanf(line, "%llx-%llx %7s %*s %*s %lu", &lo, &hi, perms, &ino) != 4) continue;
+    if (strcmp(perms, "---p") != 0 || ino != 0 || hi - lo < min) continue;
+    unsigned long long covered = 0;
+    for (int i = 0; i < before->n; i++) {
+      unsigned long long a = lo > before->lo[i] ? lo : before->lo[i], b = hi < before->hi[i] ? hi : before->hi[i];
+      if (a < b) covered += b - a;
+    }
+    if (covered < hi - lo) {
+      fprintf(stderr, "  new reservation: %s", line);
+      n++;
+    }
+  }
+  fclose(f);
+  return n;
 }
 
 /* vm_size is this process's virtual size in bytes, what RLIMIT_AS counts. */
