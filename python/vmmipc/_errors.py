@@ -1,5 +1,4 @@
-"""Exceptions raised by vmmipc: one class per libvmmipc status code, made
-from the table _FAILURES (the codes themselves come from STATUS_NAMES).
+"""Exceptions raised by vmmipc: one class per libvmmipc status code.
 
 Every error carries the status (``err.status``, e.g. -4), the name of the C
 function that failed (``err.function``) and the library's own detail of what
@@ -8,27 +7,38 @@ failed and what to do (``err.message``, from vmmipc_last_error()).
 
 from __future__ import annotations
 
-# Every status of include/vmmipc.h (test_api checks this table against it).
+# Status codes, as in include/vmmipc.h (test_api checks them against it).
+OK = 0
+END = 1
+EINVAL = -1
+EBADF = -2
+EAUTH = -3
+ENOENT = -4
+EIO = -5
+EEXPORT = -6
+ECUDA = -7
+ENFILE = -8
+EFORK = -9
+EINTERNAL = -10
+ENOMEM = -11
+ETIMEDOUT = -12
+
 STATUS_NAMES = {
-    0: "VMMIPC_OK",
-    1: "VMMIPC_END",
-    -1: "VMMIPC_EINVAL",
-    -2: "VMMIPC_EBADF",
-    -3: "VMMIPC_EAUTH",
-    -4: "VMMIPC_ENOENT",
-    -5: "VMMIPC_EIO",
-    -6: "VMMIPC_EEXPORT",
-    -7: "VMMIPC_ECUDA",
-    -8: "VMMIPC_ENFILE",
-    -9: "VMMIPC_EFORK",
-    -10: "VMMIPC_EINTERNAL",
-    -11: "VMMIPC_ENOMEM",
-    -12: "VMMIPC_ETIMEDOUT",
+    OK: "VMMIPC_OK",
+    END: "VMMIPC_END",
+    EINVAL: "VMMIPC_EINVAL",
+    EBADF: "VMMIPC_EBADF",
+    EAUTH: "VMMIPC_EAUTH",
+    ENOENT: "VMMIPC_ENOENT",
+    EIO: "VMMIPC_EIO",
+    EEXPORT: "VMMIPC_EEXPORT",
+    ECUDA: "VMMIPC_ECUDA",
+    ENFILE: "VMMIPC_ENFILE",
+    EFORK: "VMMIPC_EFORK",
+    EINTERNAL: "VMMIPC_EINTERNAL",
+    ENOMEM: "VMMIPC_ENOMEM",
+    ETIMEDOUT: "VMMIPC_ETIMEDOUT",
 }
-# The codes as module constants named as in the header without its prefix
-# (OK, END, EINVAL, ...; vmmipc re-exports them).
-_CODES = {name[len("VMMIPC_"):]: code for code, name in STATUS_NAMES.items()}
-globals().update(_CODES)
 
 
 class VmmipcError(Exception):
@@ -68,50 +78,90 @@ def _rebuild_error(cls, message, status, function):
     return cls(message, status, function)
 
 
-# One row per failure status: its name (as in _CODES), the class raised for
-# it, the builtin exceptions that class also is (so code that knows nothing of
-# vmmipc still catches it as what it is), and what the status means (the
-# class's docstring, after the status's full name).
-_FAILURES = (
-    ("EINVAL", "InvalidError", (ValueError,),
-     "bad argument, malformed ticket or message.\n\n"
-     "Also a ValueError: an argument out of range (checked in Python before it "
-     "reaches the library, or by the library itself) is what Python code catches "
-     "as ValueError, and vmmipc code as InvalidError or VmmipcError."),
-    ("EBADF", "BadHandleError", (), "NULL, stale or closed handle."),
-    ("EAUTH", "AuthError", (), "wrong secret, wrong uid or wrong peer pid."),
-    ("ENOENT", "NotFoundError", (), "unknown, used-up, unregistered or expired registration."),
-    ("EIO", "VmmipcIOError", (), "socket error, peer gone or timed out."),
-    ("EEXPORT", "ExportError", (), "the sender could not export a chunk."),
-    ("ECUDA", "CudaError", (), "CUDA driver missing or a driver call failed."),
-    ("ENFILE", "OutOfDescriptorsError", (), "out of file descriptors."),
-    ("EFORK", "VmmipcForkError", (),
-     "libvmmipc used in a child created by fork() without exec.\n\n"
-     "The Go runtime inside libvmmipc (and CUDA) do not survive fork(). Start "
-     "helpers with the \"spawn\" or \"forkserver\" multiprocessing start methods."),
-    ("EINTERNAL", "InternalError", (), "a bug in libvmmipc (a recovered panic)."),
-    ("ENOMEM", "VmmipcMemoryError", (MemoryError,),
-     "no address space for a reservation (RLIMIT_AS, or the CUDA driver's virtual "
-     "address space). Also a MemoryError."),
-    ("ETIMEDOUT", "VmmipcTimeoutError", (TimeoutError,),
-     "the registration is still live (vmmipc_wait). Also a TimeoutError. "
-     "vmmipc.wait() and Ticket.wait() return False instead of raising it."),
-)
+class InvalidError(VmmipcError, ValueError):
+    """VMMIPC_EINVAL: bad argument, malformed ticket or message.
 
-_BY_STATUS: dict[int, type[VmmipcError]] = {
-    _CODES[status]: type(name, (VmmipcError, *also),
-                         {"__doc__": f"VMMIPC_{status}: {meaning}", "__module__": __name__,
-                          "status": _CODES[status]})
-    for status, name, also, meaning in _FAILURES
-}
-# The classes are module attributes under their own names (InvalidError,
-# ...): vmmipc re-exports them and pickle finds them there.
-globals().update((cls.__name__, cls) for cls in _BY_STATUS.values())
+    Also a ValueError: an argument out of range (checked in Python before it
+    reaches the library, or by the library itself) is what Python code
+    catches as ValueError, and vmmipc code as InvalidError or VmmipcError.
+    """
+    status = EINVAL
+
+
+class BadHandleError(VmmipcError):
+    """VMMIPC_EBADF: NULL, stale or closed handle."""
+    status = EBADF
+
+
+class AuthError(VmmipcError):
+    """VMMIPC_EAUTH: a peer failed to prove it knows the ticket's secret, or
+    has the wrong uid or pid."""
+    status = EAUTH
+
+
+class NotFoundError(VmmipcError):
+    """VMMIPC_ENOENT: unknown, used-up, unregistered or expired registration."""
+    status = ENOENT
+
+
+class VmmipcIOError(VmmipcError):
+    """VMMIPC_EIO: socket error, peer gone or timed out."""
+    status = EIO
+
+
+class ExportError(VmmipcError):
+    """VMMIPC_EEXPORT: the sender could not export a chunk."""
+    status = EEXPORT
+
+
+class CudaError(VmmipcError):
+    """VMMIPC_ECUDA: CUDA driver missing or a driver call failed."""
+    status = ECUDA
+
+
+class OutOfDescriptorsError(VmmipcError):
+    """VMMIPC_ENFILE: out of file descriptors."""
+    status = ENFILE
+
+
+class VmmipcForkError(VmmipcError):
+    """VMMIPC_EFORK: libvmmipc used in a child created by fork() without exec.
+
+    The Go runtime inside libvmmipc (and CUDA) do not survive fork(). Start
+    helpers with the "spawn" or "forkserver" multiprocessing start methods.
+    """
+    status = EFORK
+
+
+class InternalError(VmmipcError):
+    """VMMIPC_EINTERNAL: a bug in libvmmipc (a recovered panic)."""
+    status = EINTERNAL
+
+
+class VmmipcMemoryError(VmmipcError, MemoryError):
+    """VMMIPC_ENOMEM: no address space for a reservation (RLIMIT_AS, or the
+    CUDA driver's virtual address space). Also a MemoryError."""
+    status = ENOMEM
+
+
+class VmmipcTimeoutError(VmmipcError, TimeoutError):
+    """VMMIPC_ETIMEDOUT: the registration is still live (vmmipc_wait). Also a
+    TimeoutError. vmmipc.wait() and Ticket.wait() return False instead of
+    raising it."""
+    status = ETIMEDOUT
 
 
 class LibraryNotFoundError(VmmipcError, OSError):
     """libvmmipc.so could not be found or loaded (status is None)."""
     status = None
+
+
+_BY_STATUS = {
+    cls.status: cls
+    for cls in (InvalidError, BadHandleError, AuthError, NotFoundError, VmmipcIOError,
+                ExportError, CudaError, OutOfDescriptorsError, VmmipcForkError, InternalError,
+                VmmipcMemoryError, VmmipcTimeoutError)
+}
 
 
 def error_for(status: int, message: str, function: str = "") -> VmmipcError:
@@ -120,9 +170,10 @@ def error_for(status: int, message: str, function: str = "") -> VmmipcError:
     return cls(message or STATUS_NAMES.get(status, f"status {status}"), status, function)
 
 
-def fork_error(function: str) -> VmmipcError:
+def fork_error(function: str) -> VmmipcForkError:
     """The VmmipcForkError for a call of `function` in a forked child."""
-    return error_for(
-        _CODES["EFORK"], "called in a child after fork(): libvmmipc was loaded by the parent and its "
+    return VmmipcForkError(
+        "called in a child after fork(): libvmmipc was loaded by the parent and its "
         "Go runtime does not survive fork(); start this process with the 'spawn' or "
-        "'forkserver' multiprocessing start method (or exec a new program)", function)
+        "'forkserver' multiprocessing start method (or exec a new program)",
+        EFORK, function)
