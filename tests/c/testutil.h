@@ -304,13 +304,15 @@ static inline void maps_take(maps_snapshot *s) {
   fclose(f);
 }
 
-/* maps_new_reservations counts the anonymous PROT_NONE mappings of at
- * least min bytes that are not inside ranges mapped at the snapshot: a
- * reservation made since and not undone (an import reserves its whole
- * range PROT_NONE first). The Go runtime grows its heap inside ranges it
- * had reserved before, and thread stacks' guard pages are far smaller, so
- * neither counts; a whole-mapping line count would see both. */
-static inline int maps_new_reservations(const maps_snapshot *before, uint64_t min) {
+/* maps_new_reservations counts the anonymous PROT_NONE mappings of exactly
+ * size bytes that are not inside ranges mapped at the snapshot: an import's
+ * reservation (it reserves its whole range PROT_NONE first) made since and
+ * not undone. The Go runtime grows its heap inside ranges it had reserved
+ * before, reserves new arenas of 64 MiB or parts of them, and thread
+ * stacks' guard pages are one page, so none of them counts; a whole-mapping
+ * line count, or any PROT_NONE range of at least size bytes, would see
+ * them. */
+static inline int maps_new_reservations(const maps_snapshot *before, uint64_t size) {
   FILE *f = fopen("/proc/self/maps", "r");
   if (!f) return -1;
   char line[512];
@@ -320,7 +322,7 @@ static inline int maps_new_reservations(const maps_snapshot *before, uint64_t mi
     char perms[8];
     unsigned long ino;
     if (sscanf(line, "%llx-%llx %7s %*s %*s %lu", &lo, &hi, perms, &ino) != 4) continue;
-    if (strcmp(perms, "---p") != 0 || ino != 0 || hi - lo < min) continue;
+    if (strcmp(perms, "---p") != 0 || ino != 0 || hi - lo != size) continue;
     unsigned long long covered = 0;
     for (int i = 0; i < before->n; i++) {
       unsigned long long a = lo > before->lo[i] ? lo : before->lo[i], b = hi < before->hi[i] ? hi : before->hi[i];
