@@ -16,8 +16,8 @@
  *   file-again USES TTL vmmipc_register_host_file of the same memfd again
  *   newfile SEED USES   another memfd of the same chunks, filled with pattern
  *                       SEED, registered and closed at once: a new slot
- *   close-reuse         close our memfd and open another, with pattern 2, that
- *                       gets the same number: "same 1" if it did
+ *   close-reuse         put another memfd, with pattern 2, at our memfd's
+ *                       number (closing ours): "same 1" if it worked
  *   unregister [SLOT]   vmmipc_unregister: "RC MESSAGE"
  *   wait SLOT MS        vmmipc_wait: "RC MESSAGE"
  *   released [SLOT]     release_fn calls of SLOT, after waiting up to 5 s for one
@@ -233,14 +233,14 @@ static int sender_main(int argc, char **argv) {
       if (nfd >= 0) close(nfd); /* the library keeps its own duplicate */
       sender_reply_ticket(rc);
     } else if (strncmp(line, "close-reuse", 11) == 0 && file_mode) {
-      /* The sampler opens descriptors all the time: stop it, so that the
-       * new memfd takes the number just freed. */
-      int sampling = !fs.stop, old = fd;
-      if (sampling) fd_sampler_stop(&fs);
-      close(fd);
-      fd = fill_memfd("vmmipc-test-other", total, 0, 2, 0);
-      printf("same %d\n", fd == old);
-      if (sampling) fd_sampler_start(&fs, 0);
+      /* Our descriptor's number comes to name another file. dup3 closes
+       * the registered memfd and puts the new one at its number in one
+       * step: close-then-open would race with the library's own threads,
+       * which may take the freed number first. */
+      int other = fill_memfd("vmmipc-test-other", total, 0, 2, 0);
+      int same = other >= 0 && dup3(other, fd, O_CLOEXEC) == fd;
+      if (other >= 0) close(other);
+      printf("same %d\n", same);
     } else if (strncmp(line, "unregister", 10) == 0) {
       sscanf(line, "unregister %d", &slot);
       rc = slot >= 0 && slot < nsregs ? vmmipc_unregister(&sregs[slot].t) : VMMIPC_EINVAL;
