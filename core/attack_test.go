@@ -462,8 +462,8 @@ func TestIdleConnectionsDoNotLockOut(t *testing.T) {
 	t.Logf("imported in %v among %d idle connections (%d dials in all)", took, idle, dials)
 }
 
-// TestRegisteredFileNotItsNumber: the owner closes the descriptor it
-// registered and the number is reused by another memfd with other bytes.
+// TestRegisteredFileNotItsNumber: the owner's descriptor of the registered
+// file is closed and its number taken by another memfd with other bytes.
 // Receivers get the registered file's bytes: the library holds a duplicate
 // of its own, not a number.
 func TestRegisteredFileNotItsNumber(t *testing.T) {
@@ -472,14 +472,14 @@ func TestRegisteredFileNotItsNumber(t *testing.T) {
 	fd := newMemfd(t, size, pattern(size, 21))
 	before := ourFDs().settled(t)
 	tk := registerFile(t, s, fd, size, 4096, RegisterOptions{Uses: 2})
-	unix.Close(fd)
+	// Close the registered descriptor and put another file at its number,
+	// in one step: close-then-open would race with the library's own
+	// goroutines for the freed number.
 	other := newMemfd(t, size, pattern(size, 22))
-	if other != fd { // the kernel gave it another number: force the registered one
-		if err := unix.Dup3(other, fd, unix.O_CLOEXEC); err != nil {
-			t.Fatal(err)
-		}
-		unix.Close(other)
+	if err := unix.Dup3(other, fd, unix.O_CLOEXEC); err != nil {
+		t.Fatal(err)
 	}
+	unix.Close(other)
 	for i := 0; i < 2; i++ {
 		r := importHost(t, tk, ImportOptions{NoCache: true})
 		if err := verifyAndUnmap(r, 21); err != nil {
