@@ -459,7 +459,7 @@ static int test_unsealed_export_refused(void) {
   CHECK_RC(vmmipc_close(st), VMMIPC_OK);
   CHECK(count_fds(0) == base, "fds %d, baseline %d", count_fds(0), base);
   CHECK(maps_new_reservations(&before, 8 * 4096) == 0, "a failed import left its reservation mapped");
-  CHECK(maps_count("memfd:") == 0, "memfd mappings left");
+  CHECK(maps_memfd_count() == 0, "memfd mappings left");
   child_end(&s);
   return 0;
 }

@@ -81,7 +81,7 @@ static int test_pull_4096_file(void) { return pull_all("file", 4096, 4096); }
  * sender sees the write, unmaps and checks nothing is left. */
 static int import_all(uint64_t chunks, uint64_t chunk_size) {
   START_SENDER(s, t, "file", chunks, chunk_size, 1, -1, 0);
-  int base = count_fds(0), maps_base = maps_count("memfd:");
+  int base = count_fds(0), maps_base = maps_memfd_count();
   rlim_t old = set_nofile(64);
   fd_sampler fs;
   fd_sampler_start(&fs, 0);
@@ -107,7 +107,7 @@ static int import_all(uint64_t chunks, uint64_t chunk_size) {
   uint64_t addr = m.addr, size = m.size;
   CHECK_RC(vmmipc_unmap(&m), VMMIPC_OK);
   CHECK(!maps_has_range(addr, size), "range still mapped after vmmipc_unmap");
-  CHECK(maps_count("memfd:") == maps_base, "memfd mappings left");
+  CHECK(maps_memfd_count() == maps_base, "memfd mappings left");
   vmmipc_mapping stale = {.addr = addr, .size = size};
   CHECK_RC(vmmipc_unmap(&stale), VMMIPC_EINVAL);
   printf("  import: %llu chunks, %llu bytes in %.1f ms; extra fds: receiver peak %d, sender peak %d\n",
@@ -138,7 +138,7 @@ static int test_export_fails_at_k(void) {
   CHECK(strstr(e, "chunk 1717 of 4096") != NULL, "message does not name chunk 1717: %s", e);
   CHECK(m.addr == 0, "mapping_out touched on failure");
   CHECK(maps_new_reservations(&before, 4096ull * 4096) == 0, "the failed import left its reservation mapped");
-  CHECK(maps_count("memfd:") == 0, "memfd mappings left");
+  CHECK(maps_memfd_count() == 0, "memfd mappings left");
   CHECK(count_fds(0) == base, "fds %d, baseline %d", count_fds(0), base);
   /* The failed import gave its use back: the same failure again, not ENOENT. */
   CHECK_RC(vmmipc_import_stream(&t, VMMIPC_DEVICE_HOST, NULL, &m), VMMIPC_EEXPORT);
@@ -609,7 +609,7 @@ static int leaks_after(int fds0, uint64_t limit0) {
     printf("  leak: %llu registration(s) of this process still live\n", (unsigned long long)live);
     bad = 1;
   }
-  int mm = maps_count("memfd:");
+  int mm = maps_memfd_count();
   if (mm != 0) {
     printf("  leak: %d memfd mapping(s) in /proc/self/maps\n", mm);
     bad = 1;

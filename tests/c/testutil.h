@@ -231,77 +231,79 @@ static inline unsigned char pattern(uint64_t off, unsigned seed) {
   return (unsigned char)(x >> 56);
 }
 
-/* maps_count counts the lines of /proc/self/maps that contain needle. */
-static inline int maps_count(const char *needle) {
+/* One mapping of /proc/self/maps. */
+typedef struct maps_entry {
+  unsigned long long lo, hi;
+  unsigned long ino;
+  char perms[8];
+  int memfd; /* a mapping of a memfd ("/memfd:NAME") */
+} maps_entry;
+
+/* A snapshot of /proc/self/maps at one moment. */
+typedef struct maps_snapshot {
+  int n;
+  maps_entry e[4096];
+} maps_snapshot;
+
+/* maps_take reads /proc/self/maps into *s: the one parser of that file.
+ * Returns 0, or -1 if it cannot be read. */
+static inline int maps_take(maps_snapshot *s) {
+  s->n = 0;
   FILE *f = fopen("/proc/self/maps", "r");
   if (!f) return -1;
   char line[512];
-  int n = 0;
-  while (fgets(line, sizeof line, f))
-    if (strstr(line, needle)) n++;
+  while (s->n < 4096 && fgets(line, sizeof line, f)) {
+    maps_entry *e = &s->e[s->n];
+    if (sscanf(line, "%llx-%llx %7s %*s %*s %lu", &e->lo, &e->hi, e->perms, &e->ino) != 4) continue;
+    e->memfd = strstr(line, "/memfd:") != NULL;
+    s->n++;
+  }
   fclose(f);
+  return 0;
+}
+
+/* maps_now is a snapshot of this moment, in one static buffer: call it from
+ * the test's own thread, and use the result before the next call. */
+static inline const maps_snapshot *maps_now(void) {
+  static maps_snapshot s;
+  return maps_take(&s) == 0 ? &s : NULL;
+}
+
+/* maps_memfd_count counts the mappings of memfds (-1: unreadable). */
+static inline int maps_memfd_count(void) {
+  const maps_snapshot *s = maps_now();
+  if (!s) return -1;
+  int n = 0;
+  for (int i = 0; i < s->n; i++) n += s->e[i].memfd;
   return n;
 }
 
 /* maps_has_range reports whether any mapping overlaps [addr, addr+size). */
 static inline int maps_has_range(uint64_t addr, uint64_t size) {
-  FILE *f = fopen("/proc/self/maps", "r");
-  if (!f) return -1;
-  char line[512];
-  int hit = 0;
-  while (fgets(line, sizeof line, f)) {
-    unsigned long long lo, hi;
-    if (sscanf(line, "%llx-%llx", &lo, &hi) == 2 && lo < addr + size && addr < hi) hit = 1;
-  }
-  fclose(f);
-  return hit;
+  const maps_snapshot *s = maps_now();
+  if (!s) return -1;
+  for (int i = 0; i < s->n; i++)
+    if (s->e[i].lo < addr + size && addr < s->e[i].hi) return 1;
+  return 0;
 }
 
 /* maps_inode_at gives the inode of the file mapped at addr (0: none). */
 static inline unsigned long maps_inode_at(uint64_t addr) {
-  FILE *f = fopen("/proc/self/maps", "r");
-  if (!f) return 0;
-  char line[512];
-  unsigned long ino = 0;
-  while (fgets(line, sizeof line, f)) {
-    unsigned long long lo, hi;
-    unsigned long i;
-    if (sscanf(line, "%llx-%llx %*s %*s %*s %lu", &lo, &hi, &i) == 3 && lo <= addr && addr < hi) ino = i;
-  }
-  fclose(f);
-  return ino;
+  const maps_snapshot *s = maps_now();
+  for (int i = 0; s && i < s->n; i++)
+    if (s->e[i].lo <= addr && addr < s->e[i].hi) return s->e[i].ino;
+  return 0;
 }
 
-/* maps_has_inode reports whether any mapping is of the file with inode ino
+/* maps_has_inode reports whether any mapping is of the memfd with inode ino
  * (a memfd's inode is its own: addresses may be reused, inodes are not
  * while the file lives). */
 static inline int maps_has_inode(unsigned long ino) {
-  FILE *f = fopen("/proc/self/maps", "r");
-  if (!f) return -1;
-  char line[512];
-  int hit = 0;
-  while (fgets(line, sizeof line, f)) {
-    unsigned long i;
-    if (sscanf(line, "%*x-%*x %*s %*s %*s %lu", &i) == 1 && i == ino && strstr(line, "memfd:")) hit = 1;
-  }
-  fclose(f);
-  return hit;
-}
-
-/* A snapshot of the ranges in /proc/self/maps at one moment. */
-typedef struct maps_snapshot {
-  int n;
-  unsigned long long lo[4096], hi[4096];
-} maps_snapshot;
-
-static inline void maps_take(maps_snapshot *s) {
-  s->n = 0;
-  FILE *f = fopen("/proc/self/maps", "r");
-  if (!f) return;
-  char line[512];
-  while (s->n < 4096 && fgets(line, sizeof line, f))
-    if (sscanf(line, "%llx-%llx", &s->lo[s->n], &s->hi[s->n]) == 2) s->n++;
-  fclose(f);
+  const maps_snapshot *s = maps_now();
+  if (!s) return -1;
+  for (int i = 0; i < s->n; i++)
+    if (s->e[i].memfd && s->e[i].ino == ino) return 1;
+  return 0;
 }
 
 /* maps_new_reservations counts the anonymous PROT_NONE mappings of exactly
@@ -313,27 +315,23 @@ static inline void maps_take(maps_snapshot *s) {
  * line count, or any PROT_NONE range of at least size bytes, would see
  * them. */
 static inline int maps_new_reservations(const maps_snapshot *before, uint64_t size) {
-  FILE *f = fopen("/proc/self/maps", "r");
-  if (!f) return -1;
-  char line[512];
+  const maps_snapshot *s = maps_now();
+  if (!s) return -1;
   int n = 0;
-  while (fgets(line, sizeof line, f)) {
-    unsigned long long lo, hi;
-    char perms[8];
-    unsigned long ino;
-    if (sscanf(line, "%llx-%llx %7s %*s %*s %lu", &lo, &hi, perms, &ino) != 4) continue;
-    if (strcmp(perms, "---p") != 0 || ino != 0 || hi - lo != size) continue;
+  for (int i = 0; i < s->n; i++) {
+    const maps_entry *e = &s->e[i];
+    if (strcmp(e->perms, "---p") != 0 || e->ino != 0 || e->hi - e->lo != size) continue;
     unsigned long long covered = 0;
-    for (int i = 0; i < before->n; i++) {
-      unsigned long long a = lo > before->lo[i] ? lo : before->lo[i], b = hi < before->hi[i] ? hi : before->hi[i];
+    for (int j = 0; j < before->n; j++) {
+      unsigned long long a = e->lo > before->e[j].lo ? e->lo : before->e[j].lo;
+      unsigned long long b = e->hi < before->e[j].hi ? e->hi : before->e[j].hi;
       if (a < b) covered += b - a;
     }
-    if (covered < hi - lo) {
-      fprintf(stderr, "  new reservation: %s", line);
+    if (covered < e->hi - e->lo) {
+      fprintf(stderr, "  new reservation: %llx-%llx ---p\n", e->lo, e->hi);
       n++;
     }
   }
-  fclose(f);
   return n;
 }
 
