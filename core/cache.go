@@ -155,11 +155,12 @@ func (c *importCache) hit(key cacheKey, t *Ticket, timeout time.Duration) (Ref, 
 	c.mu.Unlock()
 
 	lives, err := confirm(t, timeout)
+	gone := err != nil && CodeOf(err) == EIO && checkExporterAlive(t) != nil // read /proc unlocked
 
 	c.mu.Lock()
 	if err != nil {
 		var victims []*entry
-		if CodeOf(err) == EIO && checkExporterAlive(t) != nil {
+		if gone {
 			victims = c.invalidateExporter(t.exporterKey())
 		}
 		victims = append(victims, c.unref(e)...)

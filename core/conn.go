@@ -196,7 +196,10 @@ func (c *conn) ioError(op string, err error) error {
 		}
 		return &Error{Code: EIO, Msg: msg, inMsg: err} // errors.Is(err, os.ErrDeadlineExceeded) holds
 	}
-	if errors.Is(err, io.EOF) || errors.Is(err, syscall.EPIPE) || errors.Is(err, syscall.ECONNRESET) || errors.Is(err, net.ErrClosed) {
+	if errors.Is(err, net.ErrClosed) { // our own side closed it (Stream.Close, a registration's end)
+		return Errorf(EIO, "%s: the connection was closed on this side while %s the %s", c.what, op, c.peer())
+	}
+	if errors.Is(err, io.EOF) || errors.Is(err, syscall.EPIPE) || errors.Is(err, syscall.ECONNRESET) {
 		return Errorf(EIO, "%s: the %s closed the connection", c.what, c.peer())
 	}
 	return &Error{Code: ioCode(err), Msg: fmt.Sprintf("%s: %s the %s", c.what, op, c.peer()), Err: err}

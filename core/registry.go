@@ -190,11 +190,12 @@ func (r *Registry) lookupOwn(id uint64, secret Secret, releasing bool) (*registr
 	if g == nil && releasing {
 		g = r.releasing[id]
 	}
-	why := r.endedWhy(id)
-	r.mu.Unlock()
 	if g == nil {
+		why := r.endedWhy(id)
+		r.mu.Unlock()
 		return nil, Errorf(ENOENT, "%s", why)
 	}
+	r.mu.Unlock()
 	if subtle.ConstantTimeCompare(g.secret[:], secret[:]) != 1 {
 		return nil, Errorf(EAUTH, "wrong secret for registration %d (ticket corrupted or forged)", id)
 	}
