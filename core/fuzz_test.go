@@ -93,6 +93,7 @@ func FuzzParseHeader(f *testing.F) {
 		pullMsg{Count: 1}.encode(), chunkMsg{}.encode(), encodeMsg(msgDone, nil),
 		errorMsg{Code: EIO, Text: "x"}.encode(), doneAckMsg{}.encode(), encodeMsg(msgBusy, nil),
 		statusMsg{BufferID: 1}.encode(), statusAckMsg{BufferID: 1, Alive: true}.encode(),
+		pullMsg{Count: 1}.encodeRun(), runMsg{Count: 1}.encode(),
 	} {
 		f.Add(m[:headerSize])
 	}
@@ -149,10 +150,13 @@ func FuzzParseProof(f *testing.F) {
 	})
 }
 
+// FuzzParsePull covers pull and pull-run, which share a body.
 func FuzzParsePull(f *testing.F) {
 	f.Add(pullMsg{First: 5, Count: 16}.encode()[headerSize:])
+	f.Add(pullMsg{First: 0, Count: 1 << 26}.encodeRun()[headerSize:])
 	f.Fuzz(func(t *testing.T, body []byte) {
 		roundTrip(t, body, parsePull, pullMsg.encode)
+		roundTrip(t, body, parsePull, pullMsg.encodeRun)
 	})
 }
 
@@ -167,6 +171,14 @@ func FuzzParseChunk(f *testing.F) {
 	f.Add(chunkMsg{Index: 2, Offset: 8192, Size: 4096, FileOffset: 8192}.encode()[headerSize:])
 	f.Fuzz(func(t *testing.T, body []byte) {
 		roundTrip(t, body, parseChunk, chunkMsg.encode)
+	})
+}
+
+func FuzzParseRun(f *testing.F) {
+	f.Add(runMsg{Index: 0, Count: 512, Offset: 0, Size: 1 << 30, FileOffset: 0}.encode()[headerSize:])
+	f.Add(runMsg{Index: 3, Count: 1, Offset: 3 << 21, Size: 1 << 21, FileOffset: 3 << 21}.encode()[headerSize:])
+	f.Fuzz(func(t *testing.T, body []byte) {
+		roundTrip(t, body, parseRun, runMsg.encode)
 	})
 }
 
@@ -214,11 +226,18 @@ func FuzzParseError(f *testing.F) {
 // FuzzConnRecv feeds a socket fuzzed bytes with descriptors attached at
 // fuzzed places. mode bit 0 picks the reader: conn.recv in a loop, or a
 // receiver Stream past its handshake (pulls, chunks, done) as Open leaves
-// it. Every descriptor that arrives must be handed out or closed: the
-// descriptor count comes back to where it was.
+// it; bit 1 has that Stream ask for runs (NextRun, as an import of host
+// memory does) rather than chunks. Every descriptor that arrives must be
+// handed out or closed: the descriptor count comes back to where it was.
 func FuzzConnRecv(f *testing.F) {
 	good, goodPlan := streamTranscript(4*4096, 4)
 	f.Add(uint8(1), good, goodPlan)
+	run, runPlan := runTranscript(4*4096, 4, 4)
+	f.Add(uint8(3), run, runPlan)
+	split, splitPlan := runTranscript(4*4096, 4, 1)
+	f.Add(uint8(3), split, splitPlan)
+	f.Add(uint8(3), good, goodPlan)
+	f.Add(uint8(1), run, runPlan)
 	f.Add(uint8(0), good, goodPlan)
 	f.Add(uint8(3), good, append(goodPlan, 0, 0, 2))
 	f.Add(uint8(1), errorMsg{Code: ENOENT, Text: "used up"}.encode(), []byte{})
@@ -287,22 +306,31 @@ func fuzzRecvLoop(t *testing.T, c *conn, n int) {
 	}
 }
 
-// fuzzStream reads chunks as a Stream that has just been welcomed.
+// fuzzStream reads chunks (or runs, mode bit 1) as a Stream that has just
+// been welcomed.
 func fuzzStream(t *testing.T, c *conn, mode uint8) {
 	tk := sampleTicket()
-	s := &Stream{c: c, t: tk, window: uint64(mode>>1)%8 + 1}
-	checkStreamChunks(t, s, tk)
+	s := &Stream{c: c, t: tk, window: uint64(mode>>2)%8 + 1}
+	checkStreamChunks(t, s, tk, mode&2 != 0)
 }
 
-// checkStreamChunks pulls every chunk of s, checking each against the
-// ticket and closing its descriptor; errors must be sticky.
-func checkStreamChunks(t *testing.T, s *Stream, tk *Ticket) {
-	var offset uint64
-	for i := uint64(0); i <= tk.Count+1; i++ {
+// checkStreamChunks pulls every chunk of s, one by one or in runs,
+// checking each against the ticket and closing its descriptor; errors must
+// be sticky.
+func checkStreamChunks(t *testing.T, s *Stream, tk *Ticket, runs bool) {
+	next := func() (Run, error) {
 		ch, err := s.Next()
+		return Run{Chunk: ch, Count: 1}, err
+	}
+	if runs {
+		next = s.NextRun
+	}
+	var i, offset uint64
+	for calls := uint64(0); calls <= tk.Count+1; calls++ {
+		r, err := next()
 		if err != nil {
-			if ch.FD >= 0 {
-				t.Fatalf("Next failed (%v) but handed out descriptor %d", err, ch.FD)
+			if r.FD >= 0 {
+				t.Fatalf("Next failed (%v) but handed out descriptor %d", err, r.FD)
 			}
 			if IsEnd(err) {
 				if i != tk.Count || offset != tk.Total {
@@ -310,19 +338,22 @@ func checkStreamChunks(t *testing.T, s *Stream, tk *Ticket) {
 				}
 				return
 			}
-			if _, again := s.Next(); again != err {
+			if _, again := next(); again != err {
 				t.Fatalf("stream error is not sticky: %v then %v", err, again)
 			}
 			return
 		}
-		if _, ferr := unix.FcntlInt(uintptr(ch.FD), unix.F_GETFD, 0); ferr != nil {
-			t.Fatalf("chunk %d: descriptor %d is not open", ch.Index, ch.FD)
+		if _, ferr := unix.FcntlInt(uintptr(r.FD), unix.F_GETFD, 0); ferr != nil {
+			t.Fatalf("%s: descriptor %d is not open", r.chunks(), r.FD)
 		}
-		unix.Close(ch.FD)
-		if ch.Index != i || ch.Offset != offset || ch.Size == 0 || ch.Offset+ch.Size > tk.Total {
-			t.Fatalf("stream accepted chunk %+v as chunk %d at offset %d of %d", ch, i, offset, tk.Total)
+		unix.Close(r.FD)
+		if r.Index != i || r.Offset != offset || r.Count == 0 || r.Count > tk.Count-i || r.Size < r.Count ||
+			r.Offset+r.Size > tk.Total || tk.Total-(r.Offset+r.Size) < tk.Count-i-r.Count ||
+			(i+r.Count == tk.Count && r.Offset+r.Size != tk.Total) || r.FileOffset+r.Size < r.FileOffset {
+			t.Fatalf("stream accepted %+v as %d chunks from chunk %d at offset %d of %d", r, r.Count, i, offset, tk.Total)
 		}
-		offset += ch.Size
+		i += r.Count
+		offset += r.Size
 	}
 	t.Fatalf("stream handed out more than %d chunks", tk.Count)
 }
@@ -367,6 +398,18 @@ func FuzzServerSession(f *testing.F) {
 	f.Add(uint8(prefixAuthenticated|2<<2), full)
 	f.Add(uint8(prefixAuthenticated|3<<2), full)
 	f.Add(uint8(prefixNone|1<<2), full)
+	runs := func(ps ...pullMsg) []byte {
+		var b []byte
+		for _, p := range ps {
+			b = append(b, p.encodeRun()...)
+		}
+		return b
+	}
+	f.Add(uint8(prefixAuthenticated), append(runs(pullMsg{0, 4}), encodeMsg(msgDone, nil)...))
+	f.Add(uint8(prefixAuthenticated), cat(runs(pullMsg{0, 1}), pulls(pullMsg{1, 1}), runs(pullMsg{2, 2}), encodeMsg(msgDone, nil)))
+	f.Add(uint8(prefixAuthenticated), runs(pullMsg{0, 5}))
+	f.Add(uint8(prefixAuthenticated), runs(pullMsg{0, 2}, pullMsg{1, 1}))
+	f.Add(uint8(prefixAuthenticated|1<<2), runs(pullMsg{0, 4}))
 	f.Fuzz(func(t *testing.T, mode uint8, data []byte) {
 		if len(data) > 1<<20 {
 			return
@@ -621,6 +664,9 @@ func FuzzReceiverHandshake(f *testing.F) {
 	f.Add(uint8(answerFuzzed), []byte{}, welcome, []byte{0, 0, 1})
 	f.Add(uint8(answerGood), []byte{}, cat(welcomeMsg{Count: 3, Total: total, Kind: MemoryHost}.encode(), chunks), goodPlan)
 	f.Add(uint8(answerGood), []byte{}, cat(errorMsg{Code: EAUTH, Text: "no"}.encode()), []byte{})
+	runs, runPlan := runTranscript(total, count, count)
+	f.Add(uint8(answerGood|4), []byte{}, cat(welcome, runs), shiftPlan(runPlan, len(welcome)))
+	f.Add(uint8(answerGood|4), []byte{}, good, goodPlan)
 	f.Fuzz(func(t *testing.T, mode uint8, challenge, data, rawPlan []byte) {
 		if len(data) > 64<<10 {
 			return
@@ -697,7 +743,7 @@ func FuzzReceiverHandshake(f *testing.F) {
 		start := time.Now()
 		s, err := Open(fake.tk, OpenOptions{Timeout: 2 * time.Second, Window: 2})
 		if err == nil {
-			checkStreamChunks(t, s, fake.tk)
+			checkStreamChunks(t, s, fake.tk, mode&4 != 0)
 			s.Close()
 		}
 		took := time.Since(start)

@@ -113,6 +113,27 @@ func streamTranscript(total uint64, count int) (data, plan []byte) {
 	return data, plan
 }
 
+// runTranscript is what a well-behaved server sends to a receiver that
+// asks for runs (NextRun): runs of up to per chunks (the first one a run of
+// one when per is 1, after which the receiver pulls chunk by chunk), with
+// the offsets where their descriptors go, and the done-ack.
+func runTranscript(total uint64, count, per int) (data, plan []byte) {
+	size := total / uint64(count)
+	for i := 0; i < count; {
+		n := min(per, count-i)
+		plan = binary.LittleEndian.AppendUint16(plan, uint16(len(data)))
+		plan = append(plan, 1)
+		if per == 1 && i > 0 {
+			data = append(data, chunkMsg{Index: uint64(i), Offset: uint64(i) * size, Size: size, FileOffset: uint64(i) * size}.encode()...)
+		} else {
+			data = append(data, runMsg{Index: uint64(i), Count: uint64(n), Offset: uint64(i) * size, Size: uint64(n) * size, FileOffset: uint64(i) * size}.encode()...)
+		}
+		i += n
+	}
+	data = append(data, doneAckMsg{Flags: ackBufferLives}.encode()...)
+	return data, plan
+}
+
 // The server-side fuzz targets share one server (one per fuzz worker
 // process) with an unlimited registration of fuzzChunks pages.
 const fuzzChunks = 4
@@ -191,6 +212,13 @@ func checkServerReply(t *testing.T, msgs []rawMsg, authed, confirm bool) {
 				t.Fatalf("message %d: chunk %+v, expected chunk %d (confirm %v)", i, ch, next, confirm)
 			}
 			next++
+		case m.Type == msgRun:
+			r, err := parseRun(m.Body)
+			if err != nil || i == 0 || confirm || r.Index != next || r.Count == 0 || r.Count > fuzzChunks-next ||
+				r.Offset != r.Index*pageSize || r.Size != r.Count*pageSize || r.FileOffset != r.Offset {
+				t.Fatalf("message %d: run %+v, expected a run from chunk %d (confirm %v)", i, r, next, confirm)
+			}
+			next += r.Count
 		case m.Type == msgDoneAck:
 			if !last || (next != fuzzChunks && !(confirm && next == 0)) {
 				t.Fatalf("done-ack as message %d after %d chunks (confirm %v)", i, next, confirm)

@@ -10,7 +10,9 @@ import (
 // duplicate of the file, taken at registration: so it can never send
 // another file that was given the registered descriptor's number after its
 // owner closed it, and the owner may close its descriptor at once. Each
-// export is a fresh close-on-exec duplicate plus the chunk's file offset.
+// export is a fresh close-on-exec duplicate plus the chunk's file offset;
+// the chunks lie back to back in the file, so one duplicate serves any run
+// of them (a RunExporter).
 type FileExporter struct {
 	fd        int // ours; closed by Release
 	chunkSize uint64
@@ -63,6 +65,13 @@ func (e *FileExporter) ExportChunk(index uint64) (int, uint64, error) {
 		return -1, 0, &Error{Code: ioCode(err), Msg: "duplicating the registered file", Err: err}
 	}
 	return fd, index * e.chunkSize, nil
+}
+
+// ExportRun duplicates our descriptor once for chunks [first, first+max):
+// they lie back to back in the file.
+func (e *FileExporter) ExportRun(first, max uint64) (int, uint64, uint64, error) {
+	fd, off, err := e.ExportChunk(first)
+	return fd, off, max, err
 }
 
 // Release closes our duplicate.

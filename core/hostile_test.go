@@ -172,6 +172,13 @@ func TestHostilePulls(t *testing.T) {
 		{"second hello", cat(pullMsg{0, 1}.encode(), helloMsg{}.encode()), 1, "unexpected hello"},
 		{"second proof", cat(pullMsg{0, 1}.encode(), proofMsg{}.encode()), 1, "unexpected proof"},
 		{"a status query", statusMsg{BufferID: 1}.encode(), 0, "unexpected status"},
+		{"pull-run skips chunk 0", pullMsg{1, 1}.encodeRun(), 0, "pull-run of chunks [1, 1+1) out of order"},
+		{"pull-run of zero", pullMsg{0, 0}.encodeRun(), 0, "out of order or out of range"},
+		{"pull-run past the end", pullMsg{0, hostileChunks + 1}.encodeRun(), 0, "out of range"},
+		{"pull-run wraps around", pullMsg{1 << 63, 1 << 63}.encodeRun(), 0, "out of range"},
+		{"pull-run after a run", cat(pullMsg{0, 2}.encodeRun(), pullMsg{0, 1}.encodeRun()), 1, "out of order"},
+		{"pull after a run", cat(pullMsg{0, 2}.encodeRun(), pullMsg{1, 1}.encode()), 1, "out of order"},
+		{"done after a partial run", cat(pullMsg{0, 3}.encodeRun(), encodeMsg(msgDone, nil)), 1, "done after 3 of 8"},
 		{"sends an error", errorMsg{Code: EIO, Text: "x"}.encode(), 0, "unexpected error"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

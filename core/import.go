@@ -7,7 +7,9 @@ type Importer interface {
 	// Reserve reserves total bytes of address space and returns its start.
 	Reserve(total uint64) (base uint64, err error)
 	// Map imports the chunk's descriptor and maps it at base+c.Offset. The
-	// descriptor stays the caller's, who closes it right after.
+	// descriptor stays the caller's, who closes it right after. For host
+	// memory c may be a run of chunks (its Offset, Size and FileOffset
+	// cover them all): one mapping.
 	Map(c Chunk) error
 	// Finish runs once after every chunk is mapped (CUDA: set access).
 	Finish() error
@@ -120,22 +122,32 @@ func importNew(t *Ticket, imp Importer, opts OpenOptions) (base uint64, lives bo
 }
 
 // mapAll receives, maps and closes every chunk of s, finishes the mapping
-// and reads the exporter's done-ack.
+// and reads the exporter's done-ack. Host memory arrives in runs (runs.go):
+// a host-file registration is one descriptor and one mmap, whatever its
+// chunk count. CUDA chunks arrive one descriptor each.
 func mapAll(s *Stream, imp Importer) (bool, error) {
 	t := s.t
-	for i := uint64(0); i < t.Count; i++ {
+	next := func() (Run, error) {
 		ch, err := s.Next()
+		return Run{Chunk: ch, Count: 1}, err
+	}
+	if t.Kind == MemoryHost {
+		next = s.NextRun
+	}
+	for got := uint64(0); got < t.Count; {
+		r, err := next()
 		if err != nil {
 			if IsEnd(err) {
-				err = Errorf(EINVAL, "protocol: stream ended after %d of %d chunks", i, t.Count)
+				err = Errorf(EINVAL, "protocol: stream ended after %d of %d chunks", got, t.Count)
 			}
 			return false, err
 		}
-		err = imp.Map(ch)
-		closeFD(&ch.FD)
+		err = imp.Map(r.Chunk) // a run maps as one chunk: its range and file offset cover it all
+		closeFD(&r.FD)
 		if err != nil {
-			return false, wrapErr(EIO, err, "chunk %d of %d", ch.Index, t.Count)
+			return false, wrapErr(EIO, err, "%s of %d", r.chunks(), t.Count)
 		}
+		got += r.Count
 	}
 	if err := imp.Finish(); err != nil {
 		return false, err

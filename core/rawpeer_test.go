@@ -157,11 +157,12 @@ func splitMessages(b []byte) ([]rawMsg, error) {
 }
 
 // checkFDsOnChunks fails unless every received descriptor arrived on the
-// first byte of a chunk message, one per chunk message and none elsewhere.
+// first byte of a chunk (or run) message, one per such message and none
+// elsewhere.
 func checkFDsOnChunks(msgs []rawMsg, fdAt []int) error {
 	onChunk := map[int]bool{}
 	for _, m := range msgs {
-		if m.Type == msgChunk {
+		if m.Type == msgChunk || m.Type == msgRun {
 			onChunk[m.At] = true
 		}
 	}

@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"sync"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // Exporter produces chunk descriptors on demand for one buffer.
@@ -14,6 +16,17 @@ type Exporter interface {
 	// Release runs exactly once when the buffer ends (no registration of it
 	// lives), after the last ExportChunk call has returned.
 	Release()
+}
+
+// RunExporter is an Exporter whose consecutive chunks can travel as one
+// descriptor: chunk first+k starts right after chunk first+k-1 inside it.
+// A host-file registration is one: its chunks are ranges of one memfd.
+type RunExporter interface {
+	Exporter
+	// ExportRun returns a new descriptor holding chunks [first, first+n)
+	// back to back from fileOffset, for some 1 <= n <= max. The caller
+	// sends and closes fd.
+	ExportRun(first, max uint64) (fd int, fileOffset, n uint64, err error)
 }
 
 // BufferSpec describes memory to register.
@@ -82,12 +95,14 @@ type buffer struct {
 	lenders   []*registration // released together with the exporter
 }
 
-// export runs the exporter for one chunk unless the buffer was released.
-func (b *buffer) export(index uint64) (fd int, fileOffset uint64, err error) {
+// export runs the exporter for chunks [first, first+max) unless the buffer
+// was released: one descriptor for the first n of them, n >= 1 (n = 1
+// unless the exporter is a RunExporter).
+func (b *buffer) export(first, max uint64) (fd int, fileOffset, n uint64, err error) {
 	b.mu.Lock()
 	if b.released {
 		b.mu.Unlock()
-		return -1, 0, Errorf(ENOENT, "buffer %d has been released", b.id)
+		return -1, 0, 0, Errorf(ENOENT, "buffer %d has been released", b.id)
 	}
 	b.exporting++
 	b.mu.Unlock()
@@ -97,7 +112,18 @@ func (b *buffer) export(index uint64) (fd int, fileOffset uint64, err error) {
 			fd, err = -1, Errorf(EINTERNAL, "exporter panicked: %v", p)
 		}
 	}()
-	return b.exporter.ExportChunk(index)
+	if re, ok := b.exporter.(RunExporter); ok && max > 1 {
+		fd, fileOffset, n, err = re.ExportRun(first, max)
+		if err == nil && (n == 0 || n > max) {
+			if fd >= 0 {
+				_ = unix.Close(fd)
+			}
+			return -1, 0, 0, Errorf(EINTERNAL, "exporter gave %d chunks for a run of at most %d", n, max)
+		}
+		return fd, fileOffset, n, err
+	}
+	fd, fileOffset, err = b.exporter.ExportChunk(first)
+	return fd, fileOffset, 1, err
 }
 
 func (b *buffer) doneExporting() {

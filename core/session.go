@@ -204,22 +204,35 @@ func (ss *session) stream(g *registration, spend func()) bool {
 			return false
 		}
 		switch f.Type {
-		case msgPull:
+		case msgPull, msgPullRun:
 			p, err := parsePull(f.Body)
 			if err == nil && (p.First != next || p.Count == 0 || p.Count > count-next) {
-				err = Errorf(EINVAL, "protocol: pull of chunks [%d, %d+%d) out of order or out of range (next is %d of %d)", p.First, p.First, p.Count, next, count)
+				err = Errorf(EINVAL, "protocol: %s of chunks [%d, %d+%d) out of order or out of range (next is %d of %d)", msgName(f.Type), p.First, p.First, p.Count, next, count)
 			}
 			if err != nil {
 				ss.refuse(err)
 				return false
 			}
-			for i := p.First; i < p.First+p.Count; i++ {
-				if err := ss.sendChunk(g, i); err != nil {
+			if f.Type == msgPullRun {
+				// One message answers it, however many chunks it covers.
+				n, err := ss.sendChunks(g, p.First, p.Count, true)
+				if err != nil {
 					ss.refuse(err)
 					return false
 				}
+				if next += n; next == count {
+					spend()
+					return true // the done-ack follows the last run at once (wire.go)
+				}
+			} else {
+				for i := p.First; i < p.First+p.Count; i++ {
+					if _, err := ss.sendChunks(g, i, 1, false); err != nil {
+						ss.refuse(err)
+						return false
+					}
+				}
+				next += p.Count
 			}
-			next += p.Count
 			if next == count {
 				spend()
 			}
@@ -236,29 +249,38 @@ func (ss *session) stream(g *registration, spend func()) bool {
 	}
 }
 
-// sendChunk exports chunk i, sends its descriptor with the chunk header in
-// one message, and closes the descriptor whatever happens.
-func (ss *session) sendChunk(g *registration, i uint64) error {
+// sendChunks exports chunks [first, first+max), as many of them as the exporter
+// puts in one descriptor, sends that descriptor with the header in one
+// message (a run message when run, else a chunk message: max is then 1),
+// and closes it whatever happens. It returns how many chunks it sent.
+func (ss *session) sendChunks(g *registration, first, max uint64, run bool) (uint64, error) {
 	b := g.buf
 	if !g.live() {
-		return Errorf(ENOENT, "%s while streaming", g.why())
+		return 0, Errorf(ENOENT, "%s while streaming", g.why())
 	}
-	fd, fileOff, err := b.export(i)
+	fd, fileOff, n, err := b.export(first, max)
 	if err != nil {
 		if CodeOf(err) == ENOENT {
-			return err
+			return 0, err
 		}
-		return wrapErr(EEXPORT, err, "chunk %d of %d: export failed", i, len(b.sizes))
+		return 0, wrapErr(EEXPORT, err, "chunk %d of %d: export failed", first, len(b.sizes))
 	}
 	if fd < 0 {
-		return Errorf(EEXPORT, "chunk %d of %d: exporter returned no descriptor", i, len(b.sizes))
+		return 0, Errorf(EEXPORT, "chunk %d of %d: exporter returned no descriptor", first, len(b.sizes))
 	}
 	defer unix.Close(fd)
 	if _, err := unix.FcntlInt(uintptr(fd), unix.F_GETFD, 0); err != nil {
-		return Errorf(EEXPORT, "chunk %d of %d: exporter returned %d, which is not an open descriptor", i, len(b.sizes), fd)
+		return 0, Errorf(EEXPORT, "chunk %d of %d: exporter returned %d, which is not an open descriptor", first, len(b.sizes), fd)
 	}
-	msg := chunkMsg{Index: i, Offset: b.offsets[i], Size: b.sizes[i], FileOffset: fileOff}
-	return ss.c.send(msg.encode(), fd)
+	last := first + n - 1
+	size := b.offsets[last] + b.sizes[last] - b.offsets[first]
+	var msg []byte
+	if !run {
+		msg = chunkMsg{Index: first, Offset: b.offsets[first], Size: size, FileOffset: fileOff}.encode()
+	} else {
+		msg = runMsg{Index: first, Count: n, Offset: b.offsets[first], Size: size, FileOffset: fileOff}.encode()
+	}
+	return n, ss.c.send(msg, fd)
 }
 
 // refuse tells the receiver why it gets nothing (best effort) and lets the

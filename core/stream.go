@@ -30,6 +30,8 @@ type Stream struct {
 	err         error  // sticky: once broken, always broken
 	done        bool
 	bufferLives bool // the exporter said the buffer outlives this use
+	perChunk    bool // NextRun: the exporter sends one chunk per descriptor
+	ackFollows  bool // a run completed the stream: the done-ack comes unasked
 	closed      bool
 	closing     atomic.Bool // set once by Close, before it takes mu
 }
@@ -248,21 +250,8 @@ func (s *Stream) Ticket() *Ticket { return s.t }
 // chunk has arrived, at which point the use is consumed. After any other
 // error the stream is broken and Next keeps returning that error.
 func (s *Stream) Next() (Chunk, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	switch {
-	case s.closed:
-		return Chunk{FD: -1}, Errorf(EBADF, "stream is closed")
-	case s.err != nil:
-		return Chunk{FD: -1}, s.err
-	case s.done:
-		return Chunk{FD: -1}, errEnd
-	}
-	ch, err := s.next()
-	if err != nil && err != errEnd {
-		s.err = err
-	}
-	return ch, err
+	r, err := s.advance(false)
+	return r.Chunk, err
 }
 
 var errEnd = &Error{Code: End, Msg: "stream finished"}
@@ -320,8 +309,10 @@ func (s *Stream) finish() error {
 	if s.offset != s.t.Total {
 		return Errorf(EINVAL, "protocol: chunks cover %d bytes, the ticket says %d", s.offset, s.t.Total)
 	}
-	if err := s.c.send(encodeMsg(msgDone, nil), -1); err != nil {
-		return err
+	if !s.ackFollows {
+		if err := s.c.send(encodeMsg(msgDone, nil), -1); err != nil {
+			return err
+		}
 	}
 	lives, err := readDoneAck(s.c)
 	if err != nil {

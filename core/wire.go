@@ -29,6 +29,20 @@ import (
 //	done                             →
 //	                                 ←     done-ack(buffer lives on?)
 //
+// Instead of pulls, a receiver may send pull-runs, one at a time:
+//
+//	pull-run(first, n)               →
+//	                                 ←     run(index, count, offset, size,
+//	                                       file offset) + exactly one descriptor
+//
+// A run answers one pull-run with chunks [first, first+count), 1 <= count <=
+// n, laid out back to back in one descriptor from its file offset: as many
+// as the exporter can put in one descriptor (all of a host-file
+// registration, whose chunks are one memfd; one CUDA chunk). The run that
+// completes the buffer is followed at once by the done-ack, and the
+// receiver sends no done. The receiver maps a run with one mmap;
+// vmmipc_pull_next keeps pulling chunk by chunk.
+//
 // With the confirm flag (a receiver that has the buffer cached) the server
 // sends done-ack right after welcome and no chunk is pulled. An error
 // message ends the session; the server closes the connection after it.
@@ -55,6 +69,8 @@ const (
 	msgBusy      uint8 = 10 // server: too many unauthenticated peers; retry
 	msgStatus    uint8 = 11 // receiver, before hello: buffer id
 	msgStatusAck uint8 = 12 // server: buffer id, alive
+	msgPullRun   uint8 = 13 // receiver: first index, most chunks wanted in one run
+	msgRun       uint8 = 14 // server: index, count, offset, size, file offset (+ 1 fd)
 )
 
 // Hello flags.
@@ -78,6 +94,7 @@ const (
 	welcomeSize   = 8 + 8 + 8 + 8
 	pullSize      = 16
 	chunkMsgSize  = 32
+	runMsgSize    = 40
 	doneAckSize   = 8
 	statusSize    = 8
 	statusAckSize = 16
@@ -89,12 +106,14 @@ var bodySizes = map[uint8]int{
 	msgChunk: chunkMsgSize, msgDone: 0, msgError: -1, msgDoneAck: doneAckSize,
 	msgChallenge: challengeSize, msgProof: proofMsgSize, msgBusy: 0,
 	msgStatus: statusSize, msgStatusAck: statusAckSize,
+	msgPullRun: pullSize, msgRun: runMsgSize,
 }
 
 var msgNames = map[uint8]string{
 	msgHello: "hello", msgWelcome: "welcome", msgPull: "pull", msgChunk: "chunk",
 	msgDone: "done", msgError: "error", msgDoneAck: "done-ack", msgChallenge: "challenge",
 	msgProof: "proof", msgBusy: "busy", msgStatus: "status", msgStatusAck: "status-ack",
+	msgPullRun: "pull-run", msgRun: "run",
 }
 
 func msgName(t uint8) string {
@@ -171,6 +190,9 @@ type (
 	}
 	chunkMsg struct {
 		Index, Offset, Size, FileOffset uint64
+	}
+	runMsg struct {
+		Index, Count, Offset, Size, FileOffset uint64
 	}
 	doneAckMsg struct {
 		Flags uint64
@@ -283,6 +305,9 @@ func parseWelcome(body []byte) (m welcomeMsg, err error) {
 
 func (m pullMsg) encode() []byte { return fields{}.u64(m.First).u64(m.Count).msg(msgPull) }
 
+// encodeRun is the same body as a pull-run.
+func (m pullMsg) encodeRun() []byte { return fields{}.u64(m.First).u64(m.Count).msg(msgPullRun) }
+
 func parsePull(body []byte) (m pullMsg, err error) {
 	r, err := readBody(msgPull, body)
 	if err == nil {
@@ -299,6 +324,18 @@ func parseChunk(body []byte) (m chunkMsg, err error) {
 	r, err := readBody(msgChunk, body)
 	if err == nil {
 		m.Index, m.Offset, m.Size, m.FileOffset = r.u64(), r.u64(), r.u64(), r.u64()
+	}
+	return m, err
+}
+
+func (m runMsg) encode() []byte {
+	return fields{}.u64(m.Index).u64(m.Count).u64(m.Offset).u64(m.Size).u64(m.FileOffset).msg(msgRun)
+}
+
+func parseRun(body []byte) (m runMsg, err error) {
+	r, err := readBody(msgRun, body)
+	if err == nil {
+		m.Index, m.Count, m.Offset, m.Size, m.FileOffset = r.u64(), r.u64(), r.u64(), r.u64(), r.u64()
 	}
 	return m, err
 }

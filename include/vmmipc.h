@@ -16,7 +16,11 @@
  *   message, and closes it. The high-level importer reserves the whole
  *   address range first, then maps the chunks one at a time and closes each
  *   descriptor as soon as it is mapped. Either side holds about one
- *   descriptor at a time, for any number of chunks.
+ *   descriptor at a time, for any number of chunks. Chunks that share one
+ *   descriptor (a host file registered with vmmipc_register_host_file: one
+ *   memfd) reach the high-level importer as one descriptor for all of them,
+ *   mapped with one mmap; the low-level stream still yields them one by
+ *   one.
  *
  * Conventions
  *   - Every function returns an int status: VMMIPC_OK (0), VMMIPC_END (1, a
@@ -161,7 +165,9 @@ typedef struct vmmipc_options {
                            (default 30000; 0 = the default) */
   uint32_t window;      /* receiver: chunk requests kept in flight
                            (default 0 = the library's choice, 16; 1 =
-                           lockstep; at most VMMIPC_MAX_WINDOW) */
+                           lockstep; at most VMMIPC_MAX_WINDOW); unused
+                           when vmmipc_import_stream receives a host file
+                           in one descriptor */
   uint32_t memory_kind; /* sender, vmmipc_register only: VMMIPC_MEMORY_HOST
                            (default) or VMMIPC_MEMORY_CUDA */
   uint32_t access_device_count; /* receiver, CUDA: entries in access_devices
@@ -260,9 +266,11 @@ int vmmipc_register(const uint64_t *sizes, uint64_t count,
  * Descriptors: the library keeps ONE duplicate of fd (F_DUPFD_CLOEXEC) per
  * registered file, whatever the chunk count, until the last registration of
  * that file has ended; the caller's fd stays the caller's and may be closed
- * right after this returns. For each chunk a receiver asks for, the library
- * sends a new duplicate of its own with the chunk's file offset, and closes
- * it. Registering the same file (same inode) with the same size and
+ * right after this returns. For each chunk a vmmipc_pull_next asks for,
+ * the library sends a new duplicate of its own with the chunk's file
+ * offset, and closes it; vmmipc_import_stream gets one duplicate for all
+ * the chunks (they lie back to back in the file) and maps it with one
+ * mmap. Registering the same file (same inode) with the same size and
  * chunk_size as a live registration of this process gives a ticket of the
  * same buffer identity and takes no new descriptor. release_fn(user), if not
  * NULL, runs exactly once when this registration has ended.
@@ -499,6 +507,7 @@ int vmmipc_close(vmmipc_stream *stream);
 
 /* ------------------------------------------------------------------ */
 /* Receiver, high level: reserve, then import/map one chunk at a time  */
+/* (a host file: all its chunks at once)                               */
 /* ------------------------------------------------------------------ */
 
 typedef struct vmmipc_mapping {
@@ -516,7 +525,9 @@ typedef struct vmmipc_mapping {
  * A first import reserves the full address range (after checking that
  * RLIMIT_AS leaves room for it), then for each chunk: receives its
  * descriptor, imports and maps it at its offset, closes the descriptor.
- * All or nothing: on any failure everything mapped so far is unmapped, the
+ * Host chunks that one descriptor holds back to back (every chunk of a
+ * vmmipc_register_host_file registration) arrive as that one descriptor
+ * and are mapped with one mmap. All or nothing: on any failure everything mapped so far is unmapped, the
  * reservation is released, the descriptor in hand is closed, and the
  * message names the chunk and the call that failed.
  *   device = VMMIPC_DEVICE_HOST for host tickets (read-write shared mapping;

@@ -1,0 +1,122 @@
+package core
+
+import "fmt"
+
+// Run is what one descriptor brings a receiver: Count consecutive chunks
+// from chunk Index, Size bytes in all at Offset of the buffer, laid out back
+// to back in FD from FileOffset. A chunk is a run of one.
+type Run struct {
+	Chunk
+	Count uint64
+}
+
+// chunks names the run's chunks in messages: "chunk 5", "chunks 0-511".
+func (r Run) chunks() string {
+	if r.Count <= 1 {
+		return fmt.Sprintf("chunk %d", r.Index)
+	}
+	return fmt.Sprintf("chunks %d-%d", r.Index, r.Index+r.Count-1)
+}
+
+// NextRun returns the next run of chunks, or End once every chunk has
+// arrived (the use is then consumed), as Next does for chunks. It asks for
+// every chunk left in one message (a pull-run, wire.go): a host-file
+// registration answers with one descriptor for all of them. An exporter
+// that puts one chunk in a descriptor answers with a run of one; the stream
+// then pulls the rest chunk by chunk, Window requests ahead, as Next does.
+func (s *Stream) NextRun() (Run, error) { return s.advance(true) }
+
+// advance is Next (runs false) or NextRun: the stream's state checks and
+// its sticky error around one step.
+func (s *Stream) advance(runs bool) (Run, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	none := Run{Chunk: Chunk{FD: -1}}
+	switch {
+	case s.closed:
+		return none, Errorf(EBADF, "stream is closed")
+	case s.err != nil:
+		return none, s.err
+	case s.done:
+		return none, errEnd
+	}
+	var r Run
+	var err error
+	if runs && !s.perChunk {
+		r, err = s.nextRun()
+	} else {
+		r.Count = 1
+		r.Chunk, err = s.next()
+	}
+	if err != nil && err != errEnd {
+		s.err = err
+	}
+	return r, err
+}
+
+// nextRun sends one pull-run for every chunk left and receives its answer.
+// Pull-runs go one at a time, so nothing else is in flight.
+func (s *Stream) nextRun() (Run, error) {
+	none := Run{Chunk: Chunk{FD: -1}}
+	if s.received == s.t.Count {
+		return none, s.finish()
+	}
+	want := s.t.Count - s.received
+	if err := s.c.send(pullMsg{First: s.received, Count: want}.encodeRun(), -1); err != nil {
+		return none, s.chunkErr(pendingError(s.c, err))
+	}
+	f, err := s.c.recv()
+	if err != nil {
+		return none, s.chunkErr(err)
+	}
+	switch f.Type {
+	case msgRun:
+	case msgError:
+		closeFD(&f.FD)
+		return none, remoteError(f.Body)
+	default:
+		closeFD(&f.FD)
+		return none, Errorf(EINVAL, "protocol: expected a run from chunk %d, got %s", s.received, msgName(f.Type))
+	}
+	m, err := parseRun(f.Body)
+	if err == nil {
+		err = s.checkRun(m, want, f.FD)
+	}
+	if err != nil {
+		closeFD(&f.FD)
+		return none, err
+	}
+	s.received += m.Count
+	s.requested = s.received
+	s.offset += m.Size
+	s.ackFollows = s.received == s.t.Count // the exporter sends the done-ack unasked
+	if m.Count == 1 && want > 1 {
+		s.perChunk = true // one chunk per descriptor: pull the rest a window ahead
+	}
+	return Run{Chunk: Chunk{Index: m.Index, Offset: m.Offset, Size: m.Size, FileOffset: m.FileOffset, FD: f.FD}, Count: m.Count}, nil
+}
+
+// checkRun verifies that a run answers our pull-run for want chunks and
+// fits the ticket, as checkChunk does for a chunk: a confused or hostile
+// exporter cannot make us map outside the range we reserved.
+func (s *Stream) checkRun(m runMsg, want uint64, fd int) error {
+	left := s.t.Total - s.offset // bytes the ticket leaves for the chunks not yet received
+	switch {
+	case fd < 0:
+		return Errorf(EINVAL, "protocol: the run from chunk %d arrived without a descriptor", m.Index)
+	case m.Index != s.received:
+		return Errorf(EINVAL, "protocol: got a run from chunk %d, expected chunk %d", m.Index, s.received)
+	case m.Count == 0 || m.Count > want:
+		return Errorf(EINVAL, "protocol: a run of %d chunks from chunk %d; asked for 1 to %d", m.Count, m.Index, want)
+	case m.Offset != s.offset:
+		return Errorf(EINVAL, "protocol: the run from chunk %d at offset %d, expected %d", m.Index, m.Offset, s.offset)
+	case m.Size < m.Count || m.Size > left || left-m.Size < want-m.Count:
+		// Every chunk holds at least one byte, those after the run too.
+		return Errorf(EINVAL, "protocol: a run of %d chunks and %d bytes from chunk %d does not fit the %d bytes left for %d chunks", m.Count, m.Size, m.Index, left, want)
+	case m.Count == want && m.Size != left:
+		return Errorf(EINVAL, "protocol: chunks end at %d, the ticket says %d", m.Offset+m.Size, s.t.Total)
+	case m.FileOffset+m.Size < m.FileOffset:
+		return Errorf(EINVAL, "protocol: the run from chunk %d at file offset %d of %d bytes overflows", m.Index, m.FileOffset, m.Size)
+	}
+	return nil
+}
