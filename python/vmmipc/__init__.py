@@ -14,7 +14,7 @@ a missing library raises there, before any child process is started. The contrac
         ...m.addr, m.size, m.device...
 """
 
-from ._errors import (AuthError, BadHandleError, CudaError, ExportError, InternalError,
+from ._errors import (AuthError, BadHandleError, BufferInUseError, CudaError, ExportError, InternalError,
                       InvalidError, LibraryNotFoundError, NotFoundError, OutOfDescriptorsError,
                       VmmipcError, VmmipcForkError, VmmipcIOError, VmmipcMemoryError,
                       VmmipcTimeoutError, error_for)
@@ -37,7 +37,7 @@ __version__ = "0.2.0"
 _reductions.init_reductions()
 
 __all__ = [
-    "AuthError", "BadHandleError", "CacheInfo", "Chunk", "CudaError", "CudaRange",
+    "AuthError", "BadHandleError", "BufferInUseError", "CacheInfo", "Chunk", "CudaError", "CudaRange",
     "DEFAULT_CHUNK_SIZE", "DEVICE_HOST", "DEVICE_SAME", "EAUTH", "EBADF", "ECUDA", "EEXPORT",
     "EFORK", "EINTERNAL", "EINVAL", "EIO", "END", "ENFILE", "ENOENT", "ENOMEM", "ETIMEDOUT",
     "ExportError", "HostBuffer", "IMPORT_NO_CACHE", "InternalError", "InvalidError",

@@ -151,6 +151,17 @@ class VmmipcTimeoutError(VmmipcError, TimeoutError):
     status = ETIMEDOUT
 
 
+class BufferInUseError(VmmipcError, BufferError):
+    """close() of a HostBuffer or host Mapping while views of its memory
+    (memoryviews, numpy arrays, torch tensors) are alive; it stays open.
+    Raised in Python (status is None). Also a BufferError."""
+    status = None
+
+    @property
+    def status_name(self) -> str:
+        return "in use"
+
+
 class LibraryNotFoundError(VmmipcError, OSError):
     """libvmmipc.so could not be found or loaded (status is None)."""
     status = None

@@ -21,6 +21,8 @@ valid after that. wait() blocks until every such registration has ended.
 
 from __future__ import annotations
 
+import copyreg
+import ctypes
 import errno
 import fcntl
 import itertools
@@ -31,7 +33,7 @@ import threading
 import time
 import weakref
 
-from . import _args, _errors, _lib
+from . import _args, _errors, _exported, _lib
 from ._mapping import import_stream
 from ._register import register_again, register_host_file, unregister
 from ._ticket import Ticket
@@ -100,12 +102,27 @@ def _release_owner(fd: int, anchor: Ticket, pid: int) -> None:
         os.close(fd)
 
 
+def _pickle_uses(uses) -> int:
+    return _args.u32(uses, "pickle_uses", "HostBuffer", "0 = unlimited")
+
+
+def _pickle_ttl(ttl):
+    if ttl is not None:
+        _args.milliseconds(ttl, "pickle_ttl", 1, _lib.MAX_TTL_MS, "HostBuffer", "None = never")
+    return ttl
+
+
 class HostBuffer(_lib.Closeable):
-    """Chunked host shared memory with a writable memoryview of the whole
-    range (``view``; also indexing, len() and, on Python 3.12+,
-    memoryview(hb)). ``numpy.frombuffer(hb.view, dtype)`` and
-    ``torch.frombuffer(hb.view, dtype=torch.uint8)`` see the same bytes
-    without a copy (close() then refuses while those arrays live).
+    """Chunked host shared memory. The HostBuffer is a writable buffer of the
+    whole range (format "B"), and so is ``view``, a memoryview of it:
+    ``memoryview(hb)``, ``numpy.frombuffer(hb, dtype)``, ``numpy.asarray(hb)``
+    (uint8), ``torch.frombuffer(hb, dtype=torch.uint8)`` see the same bytes
+    without a copy, ``bytes(hb)`` copies them at once; len(hb), hb[i] and
+    hb[a:b] (a memoryview) too. close() refuses (BufferInUseError, a
+    BufferError) while views it can see are alive: on Python 3.12+ every
+    one; before 3.12 those made from ``view``, while those made from the
+    HostBuffer itself keep it, and so its memory, alive: close() then leaves
+    the unmapping to its collection (_exported.py).
 
     HostBuffer(size, chunk_size) creates the memory (the owner) and loads
     libvmmipc.so. Pickling it (pickle, multiprocessing Queue/Pipe/Pool/
@@ -114,8 +131,8 @@ class HostBuffer(_lib.Closeable):
     unpickling maps it, so the receiver sees and writes the same bytes.
     """
 
-    def __init__(self, size: int, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
-                 name: str = "vmmipc-hostbuffer", uses: int = 1, ttl: float | None = None):
+    def __new__(cls, size: int, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
+                name: str = "vmmipc-hostbuffer", uses: int = 1, ttl: float | None = None):
         where = "HostBuffer"
         size = _args.integer(size, "size", 1, sys.maxsize, where)
         chunk_size = _args.integer(chunk_size, "chunk_size", PAGE_SIZE, sys.maxsize, where,
@@ -125,7 +142,7 @@ class HostBuffer(_lib.Closeable):
                                        f"size {PAGE_SIZE}", _errors.EINVAL, where)
         if not isinstance(name, str):
             raise TypeError(f"{where}: name must be a str, not {type(name).__name__}")
-        self._init(size, chunk_size, uses, ttl)
+        _pickle_uses(uses), _pickle_ttl(ttl)  # checked before anything is made
         _lib.lib(where)  # a missing library fails here, before any child starts
         fd = _memfd(name, size)
         try:
@@ -147,17 +164,26 @@ class HostBuffer(_lib.Closeable):
         except BaseException:
             os.close(fd)
             raise
+        memory = _exported.Memory(size, buffer=mm)  # keeps mm mapped while it lives
+        self = _exported.instance(cls, memory.addr, size)
+        self._init(size, chunk_size, uses, ttl)
         self._fd = fd
         self._anchor: Ticket | None = anchor
         self._mmap = mm
+        self._memory = memory
         self._mapping = None
-        self._view = memoryview(mm)
         # atexit=False: at exit a Queue feeder thread may still be pickling
         # this buffer; the process's end closes the fd and the server anyway.
         self._finalizer = weakref.finalize(self, _release_owner, fd, anchor, os.getpid())
         self._finalizer.atexit = False
+        return self
+
+    def __init__(self, *args, **kwargs):
+        """Everything happened in __new__, which places the object over the
+        memory it made (_exported.instance)."""
 
     def _init(self, size, chunk_size, uses, ttl):
+        self._closed = False
         self._size = size
         self._chunk_size = chunk_size
         self.pickle_uses = uses
@@ -179,13 +205,13 @@ class HostBuffer(_lib.Closeable):
             chunk_size = _args.integer(chunk_size, "chunk_size", PAGE_SIZE, sys.maxsize,
                                        "HostBuffer.from_ticket")
         mapping = import_stream(t, _lib.DEVICE_HOST, timeout=timeout, cache=cache)
-        self = cls.__new__(cls)
+        self = _exported.instance(cls, mapping.addr, mapping.size)  # mapping outlives self
         self._init(mapping.size, chunk_size, 1, None)
         self._fd = -1
         self._anchor = None
         self._mmap = None
+        self._memory = None
         self._mapping = mapping
-        self._view = mapping.view
         self._finalizer = None
         return self
 
@@ -210,7 +236,7 @@ class HostBuffer(_lib.Closeable):
 
     @pickle_uses.setter
     def pickle_uses(self, uses: int) -> None:
-        self._pickle_uses = _args.u32(uses, "pickle_uses", "HostBuffer", "0 = unlimited")
+        self._pickle_uses = _pickle_uses(uses)
 
     @property
     def pickle_ttl(self) -> float | None:
@@ -219,10 +245,7 @@ class HostBuffer(_lib.Closeable):
 
     @pickle_ttl.setter
     def pickle_ttl(self, ttl: float | None) -> None:
-        if ttl is not None:
-            _args.milliseconds(ttl, "pickle_ttl", 1, _lib.MAX_TTL_MS, "HostBuffer",
-                               "None = never")
-        self._pickle_ttl = ttl
+        self._pickle_ttl = _pickle_ttl(ttl)
 
     @property
     def is_owner(self) -> bool:
@@ -231,14 +254,14 @@ class HostBuffer(_lib.Closeable):
 
     @property
     def closed(self) -> bool:
-        return self._view is None
+        return self._closed
 
     @property
     def view(self) -> memoryview:
         """Writable memoryview (format 'B') of the whole buffer."""
-        if self._view is None:
+        if self._closed:
             raise ValueError("HostBuffer is closed")
-        return self._view
+        return self._memory.view() if self._mapping is None else self._mapping.view
 
     def fileno(self) -> int:
         """The owner's memfd (borrowed; do not close it)."""
@@ -255,8 +278,29 @@ class HostBuffer(_lib.Closeable):
     def __setitem__(self, key, value) -> None:
         self.view[key] = value
 
+    def __iter__(self):
+        return iter(self.view)
+
     def __buffer__(self, flags: int) -> memoryview:  # Python 3.12+ (PEP 688)
         return memoryview(self.view)
+
+    def __release_buffer__(self, view: memoryview) -> None:
+        # Python releases `view` itself. Defined so that consumers see a
+        # releasing exporter: numpy then keeps a memoryview, which
+        # views_alive() sees, rather than only a reference to self.
+        pass
+
+    __hash__ = object.__hash__  # by identity (ctypes objects are unhashable)
+
+    def __reduce_ex__(self, protocol):
+        # Instances are of per-size subclasses (_exported.instance), which
+        # copyreg's table does not name: use the reducer installed for
+        # HostBuffer (never ctypes', which would copy the bytes).
+        reduce = copyreg.dispatch_table.get(HostBuffer)
+        if reduce is None:
+            raise TypeError("HostBuffer pickles through vmmipc's reducer, which `import "
+                            "vmmipc` installs")
+        return reduce(self)
 
     # --------------------------------------------------------------- sharing
 
@@ -308,23 +352,37 @@ class HostBuffer(_lib.Closeable):
     # --------------------------------------------------------------- closing
 
     def close(self) -> None:
-        """Drop this process's view of the memory (BufferError while exported
-        memoryviews are alive). The owner also ends its anchor registration
-        and closes its memfd; shares already made stay fetchable until they
-        end, and receivers' mappings stay valid."""
-        view, self._view = self._view, None
-        if view is None:
+        """Drop this process's view of the memory. BufferInUseError (a
+        BufferError) while views of it are alive; it stays open then. The
+        owner also ends its anchor registration and closes its memfd; shares
+        already made stay fetchable until they end, and receivers' mappings
+        stay valid. Python < 3.12: when anything besides the caller may hold
+        the HostBuffer (a buffer taken from it, or another name), the memory
+        is unmapped at its collection instead (_exported.py)."""
+        self._close(False)
+
+    def __exit__(self, *exc) -> None:
+        self._close(True)
+
+    def _close(self, via_exit: bool) -> None:
+        if self._closed:
             return
-        try:
+        n = self._memory.views_alive() if self._mapping is None else self._mapping.views_alive()
+        unmap = _exported.held_only_by_caller(self, via_exit)
+        if not unmap:
+            n += _exported.memoryviews_of(self)
+        if n:
+            raise _errors.BufferInUseError(_exported.in_use_message("HostBuffer", n), None,
+                                           "HostBuffer.close")
+        self._closed = True
+        if unmap:
+            _exported.disarm(self)
             if self._mapping is not None:
-                self._mapping.close()  # releases the view it lent us
+                mapping, self._mapping = self._mapping, None
+                mapping.close()
             else:
-                view.release()
+                self._memory = None  # mm's last export (the memory's holder) goes
                 self._mmap.close()
-        except BufferError:
-            # Still exported (numpy, slices held elsewhere): stay open.
-            self._view = self._mapping.view if self._mapping is not None else memoryview(self._mmap)
-            raise
         if self._finalizer is not None:
             self._finalizer()
         self._anchor = None

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import ctypes
 import os
-import sys
 import weakref
 from typing import NamedTuple
 
-from . import _args, _dlpack, _lib
+from . import _args, _dlpack, _errors, _exported, _lib
 from ._lib import DEVICE_HOST, DEVICE_SAME, IMPORT_NO_CACHE, MEMORY_HOST
 from ._ticket import as_ticket
 
@@ -29,30 +28,22 @@ def _unmap(struct: _lib.vmmipc_mapping, pid: int) -> None:
     _lib.call("vmmipc_unmap", ctypes.byref(struct))
 
 
-_view_types: dict[int, type] = {}
-
-
-def _host_bytes(addr: int, size: int):
-    """A ctypes byte array over [addr, addr + size) that supports weakrefs, so
-    the unmapping can wait for the last memoryview of it."""
-    cls = _view_types.get(size)
-    if cls is None:
-        cls = type("_MappedBytes", (ctypes.c_ubyte * size,), {})
-        if len(_view_types) < 64:
-            _view_types[size] = cls
-    return cls.from_address(addr)
-
-
 class Mapping(_lib.Closeable):
     """One reference to a buffer mapped into this process by import_stream.
     Close it (or use ``with``) to drop the reference; it is also dropped when
     the Mapping is collected. Two Mappings of the same cached import share
     one address.
 
-    Host memory: ``view`` is a writable memoryview of the whole range (so
-    ``numpy.frombuffer(m.view, dtype)``, ``torch.frombuffer(m.view,
-    dtype=torch.uint8)``); the mapping stays until the last memoryview of it
-    is gone, and close() refuses (BufferError) while one is alive.
+    Host memory: the Mapping is a writable buffer of the whole range (format
+    "B"), and so is ``view``, a memoryview of it: ``memoryview(m)``,
+    ``numpy.frombuffer(m, dtype)``, ``numpy.asarray(m)`` (uint8),
+    ``torch.frombuffer(m, dtype=torch.uint8)`` and ``bytes(m)`` (one copy)
+    see the same bytes; len(m), m[i] and m[a:b] (a memoryview) too. The
+    mapping stays until the last of them is gone, and close() refuses
+    (BufferInUseError, a BufferError) while one it can see is alive: on
+    Python 3.12+ every one; before 3.12 those made from ``view``, while
+    those made from the Mapping itself keep it, and so its memory, alive:
+    close() then leaves the unmapping to its collection (_exported.py).
 
     CUDA memory: ``__cuda_array_interface__`` (version 3) and ``__dlpack__``
     describe the range as a 1-D uint8 array on ``device``, so
@@ -63,25 +54,32 @@ class Mapping(_lib.Closeable):
     while one is alive. Host mappings export DLPack too (kDLCPU).
     """
 
+    def __new__(cls, struct: _lib.vmmipc_mapping):
+        if struct.memory_kind == MEMORY_HOST:  # a buffer over the mapping
+            return _exported.instance(cls, struct.addr, struct.size)
+        return super().__new__(cls)
+
     def __init__(self, struct: _lib.vmmipc_mapping):
         self._struct = struct
         self._addr: int = struct.addr
         self.size: int = struct.size
         self.device: int = struct.device
         self.memory_kind: int = struct.memory_kind
-        self._view: memoryview | None = None
-        self._mem = None
+        self._memory = None
         self._dlpack_exports = 0
+        self._closing = False  # closed, the unmapping left to collection
         pid = os.getpid()
         if self.memory_kind == MEMORY_HOST:
-            self._mem = _host_bytes(self._addr, self.size)
-            self._finalizer = weakref.finalize(self._mem, _unmap, struct, pid)
+            # The reference goes when the memory's holder does: after every
+            # memoryview of it (_exported.Memory).
+            self._memory = _exported.Memory(self.size, addr=self._addr)
+            self._finalizer = weakref.finalize(self._memory.obj, _unmap, struct, pid)
         else:
             self._finalizer = weakref.finalize(self, _unmap, struct, pid)
 
     @property
     def closed(self) -> bool:
-        return not self._finalizer.alive
+        return self._closing or not self._finalizer.alive
 
     @property
     def addr(self) -> int:
@@ -102,13 +100,48 @@ class Mapping(_lib.Closeable):
     def view(self) -> memoryview:
         """Writable memoryview (format 'B') of a host mapping."""
         self._check_open()
-        if self._mem is None:
+        if self._memory is None:
             raise TypeError("a CUDA mapping has no host memoryview; use addr (a "
                             "CUdeviceptr), __cuda_array_interface__, __dlpack__ or "
                             "vmmipc.cuda_core")
-        if self._view is None:
-            self._view = memoryview(self._mem).cast("B")
-        return self._view
+        return self._memory.view()
+
+    def views_alive(self) -> int:
+        """How many memoryviews of a host mapping's memory are alive besides
+        ``view`` (slices, and those numpy arrays and tensors hold; DLPack
+        exports aside); close() refuses while there are any. It lets go of
+        the memoryview ``view`` gave out before (``view`` gives a new one).
+        0 for CUDA and once closed."""
+        return self._memory.views_alive() if self._memory is not None and not self.closed else 0
+
+    # ------------------------------------------------- the buffer protocol
+
+    def __buffer__(self, flags: int) -> memoryview:  # Python 3.12+ (PEP 688)
+        return memoryview(self.view)
+
+    def __release_buffer__(self, view: memoryview) -> None:
+        # Python releases `view` itself. Defined so that consumers see a
+        # releasing exporter: numpy then keeps a memoryview, which
+        # views_alive() sees, rather than only a reference to self.
+        pass
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, key):
+        return self.view[key]
+
+    def __setitem__(self, key, value) -> None:
+        self.view[key] = value
+
+    def __iter__(self):
+        return iter(self.view)
+
+    __hash__ = object.__hash__  # by identity (ctypes objects are unhashable)
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("a vmmipc Mapping cannot be pickled: send a ticket (register_again "
+                        "of the exporter's registration, or a HostBuffer) and import that")
 
     # ------------------------------------------------------- array protocols
 
@@ -163,23 +196,37 @@ class Mapping(_lib.Closeable):
 
     def close(self) -> None:
         """Drop this reference now (the mapping itself may stay in the import
-        cache). Idempotent. BufferError while memoryviews or DLPack exports
-        of it are alive."""
+        cache). Idempotent. BufferInUseError (a BufferError) while
+        memoryviews, arrays or DLPack exports of it are alive. Python < 3.12:
+        when anything besides the caller may hold the Mapping (a buffer
+        taken from it, or another name), the reference goes with the
+        Mapping's collection instead (_exported.py)."""
+        self._close(False)
+
+    def __exit__(self, *exc) -> None:
+        self._close(True)
+
+    def _close(self, via_exit: bool) -> None:
         if self.closed:
             return
         if self._dlpack_exports:
-            raise BufferError(f"cannot unmap: {self._dlpack_exports} DLPack export(s) of this "
-                              "mapping are still alive; let their consumers go first")
-        if self._mem is not None:
-            if self._view is not None:
-                self._view.release()  # BufferError if exported (e.g. numpy)
-                self._view = None
-            # our attribute + getrefcount's argument; more means live views
-            if sys.getrefcount(self._mem) > 2:
-                raise BufferError("cannot unmap: memoryviews of this mapping are still "
-                                  "alive; release them first")
+            raise _errors.BufferInUseError(
+                f"cannot unmap: {self._dlpack_exports} DLPack export(s) of this mapping are "
+                "still alive; let their consumers go first", None, "Mapping.close")
+        if self._memory is not None:
+            n = self._memory.views_alive()
+            unmap = _exported.held_only_by_caller(self, via_exit)
+            if not unmap:
+                n += _exported.memoryviews_of(self)
+            if n:
+                raise _errors.BufferInUseError(f"cannot unmap: {_exported.in_use_message('Mapping', n)}",
+                                               None, "Mapping.close")
+            if not unmap:
+                self._closing = True  # unmapped with the last holder (_exported.py)
+                return
+            _exported.disarm(self)
         self._finalizer()
-        self._mem = None
+        self._memory = None
 
     def __repr__(self) -> str:
         kind = "host" if self.is_host else f"cuda device {self.device}"

@@ -265,3 +265,18 @@ def child_get_error(q, results):
     except BaseException as e:
         results.put({"type": type(e).__name__, "message": str(e),
                      "notes": list(getattr(e, "__notes__", []))})
+
+
+def buffer_child(q, results):
+    """test_buffer's receiver: reads what the sender wrote through the
+    buffer protocol and writes back through it."""
+    try:
+        hb = q.get()
+        v = memoryview(hb)
+        results.put(("ok", bytes(v[100:105]), len(hb)))
+        v[200:205] = b"WORLD"
+        v.release()
+        q.get()
+        hb.close()
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        results.put(("failed", repr(e), 0))

@@ -1,0 +1,198 @@
+"""The buffer protocol for HostBuffer and host Mappings, on every Python.
+
+Their memory is not Python's: a memfd the owner mapped, or a mapping
+libvmmipc made. Two things are needed: the object itself must export the
+memory (memoryview(hb), numpy.frombuffer(hb), numpy.asarray(hb),
+torch.frombuffer(hb), bytes(hb) in one copy), and close() must never unmap
+memory that some buffer still points at.
+
+- Memory holds the private ctypes object over the memory and the
+  memoryview `view` of it. Every memoryview, array or tensor made from
+  `view` keeps that ctypes object, which nothing else can reach,
+  referenced, so `views_alive()` sees each one.
+- Python 3.12+ (PEP 688): the classes define __buffer__, which hands out
+  another memoryview of `view`; so every buffer taken from the object is
+  seen by views_alive(), and close() refuses while one lives.
+- Python 3.9-3.11 have no __buffer__: only a C type can export a buffer.
+  `instance()` makes each object of a class that also derives from a ctypes
+  array of `size` one-byte unions placed over the memory (a union's buffer
+  format is "B", as bytes' is; c_ubyte's would be "<B", which memoryview
+  cannot index). A buffer taken from the object that way holds the object
+  itself and tells nobody when it is released, so close() cannot count it;
+  `held_only_by_caller()` tells whether anything besides the code that
+  called close() references the object. When something may (a buffer taken
+  from it, or just another name), close() leaves the unmapping to the
+  object's collection, which waits for all of them: later, never too early.
+  When nothing does, close() unmaps at once and first `disarm()`s the
+  object: it becomes an array of 0 bytes, so that a buffer taken from it
+  after close() is empty rather than a view of unmapped memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+
+PEP688 = sys.version_info >= (3, 12)
+
+
+class _Byte(ctypes.Union):
+    """One byte whose buffer format is "B"."""
+    _fields_ = [("b", ctypes.c_ubyte)]
+
+
+_classes: dict[tuple[type, int], type] = {}
+_bytes_types: dict[int, type] = {}
+
+
+def _cached(cache: dict, key, make):
+    cls = cache.get(key)
+    if cls is None:
+        cls = make()
+        if len(cache) < 64:  # sizes repeat in practice; do not grow without bound
+            cache[key] = cls
+    return cls
+
+
+def instance(base: type, addr: int, size: int):
+    """A new object of a subclass of `base` that exports [addr, addr + size)
+    as its buffer (format "B", writable) and has an instance dict; neither
+    __new__ nor __init__ of base runs. base must define __init__ (ctypes'
+    own would take the array's items), __reduce_ex__, __hash__ and the item
+    access it wants: the ctypes array's come after base's in the MRO."""
+    return _sized(base, size).from_address(addr)
+
+
+def _sized(base: type, size: int) -> type:
+    return _cached(_classes, (base, size),
+                   lambda: type(base.__name__, (base, _Byte * size),
+                                {"__module__": base.__module__, "__qualname__": base.__qualname__}))
+
+
+def _struct_words(obj):
+    """The first words of a ctypes object's C struct (CDataObject: the
+    object header, then b_ptr, b_needsfree, b_base, b_size)."""
+    return (ctypes.c_ssize_t * 6).from_address(id(obj))
+
+
+def _layout_known() -> bool:
+    """Whether b_ptr and b_size sit where disarm() writes (checked, not
+    assumed: a debug build's header is larger)."""
+    probe = (_Byte * 12345).from_address(0x1000)  # never dereferenced
+    words = _struct_words(probe)
+    return words[2] == 0x1000 and words[5] == 12345
+
+
+CAN_DISARM = PEP688 or _layout_known()
+
+
+def disarm(obj) -> None:
+    """Python < 3.12: make obj (from instance()) an array of 0 bytes, so that
+    its buffer is empty from now on. Only when no buffer of it is alive."""
+    if PEP688:
+        return  # __buffer__ serves its buffers, and refuses once closed
+    obj.__class__ = _sized(type(obj).__bases__[0], 0)
+    _struct_words(obj)[5] = 0  # b_size
+
+
+class Memory:
+    """The private ctypes object over [addr, addr + size) (or over a mapped
+    `buffer`, which it then keeps mapped: an mmap object cannot close while
+    it lives) and the memoryview (format "B") that `view()` gives out. It
+    unmaps nothing itself: whoever owns the memory unmaps it when `obj` is
+    collected, or once views_alive() is 0."""
+
+    def __init__(self, size: int, addr: int = 0, buffer=None):
+        # A subclass of its own, so that it takes weak references.
+        t = _cached(_bytes_types, size, lambda: type("_MappedBytes", (ctypes.c_ubyte * size,), {}))
+        self.obj = t.from_address(addr) if buffer is None else t.from_buffer(buffer)
+        self.addr = ctypes.addressof(self.obj)
+        self._view: memoryview | None = None
+        self._bare = self._count()  # obj's count while no memoryview of it lives
+
+    def _count(self) -> int:
+        return sys.getrefcount(self.obj)
+
+    def view(self) -> memoryview:
+        if self._view is None:
+            self._view = memoryview(self.obj).cast("B")
+        return self._view
+
+    def views_alive(self) -> int:
+        """Lets go of `view` (view() makes a new one) and returns how many
+        memoryviews of the memory are still alive: slices, casts, and those
+        that numpy arrays, torch tensors and the like hold. 0: none, and
+        none can appear but through view()."""
+        if self._view is not None:
+            try:
+                self._view.release()
+            except BufferError:  # a consumer holds a buffer of it right now
+                return max(1, _memoryviews_over(self.obj))
+            self._view = None
+        # Every memoryview keeps obj referenced through its managed buffer.
+        return 0 if self._count() == self._bare else max(1, _memoryviews_over(self.obj))
+
+
+def _memoryviews_over(target) -> int:
+    """The memoryviews whose managed buffer holds target."""
+    import gc
+    mbufs = [r for r in gc.get_referrers(target) if type(r).__name__ == "managedbuffer"]
+    return sum(1 for m in mbufs for r in gc.get_referrers(m) if type(r) is memoryview)
+
+
+def memoryviews_of(obj) -> int:
+    """Python < 3.12: the memoryviews taken from obj itself (the garbage
+    collector sees them; numpy arrays and tensors it does not)."""
+    return 0 if PEP688 else _memoryviews_over(obj)
+
+
+def in_use_message(what: str, n: int) -> str:
+    return (f"{n} view{'s' if n != 1 else ''} of its memory "
+            f"{'are' if n != 1 else 'is'} still alive: memoryviews or slices of it, or numpy arrays "
+            f"or torch tensors made from it (numpy.frombuffer, numpy.asarray, torch.frombuffer, "
+            f"of the {what} or of its .view); delete them (or call .release() on memoryviews) and "
+            f"close again; the {what} stays open")
+
+
+_LIMITS: tuple[int, int] | None = None  # set by _calibrate() below
+
+
+def held_only_by_caller(obj, via_exit: bool) -> bool:
+    """Python < 3.12: whether nothing but the code that called close() (one
+    name, or a `with` statement) references obj, so that no buffer taken
+    from obj can be alive, and disarm() works here. Always True on 3.12+. Call it as `_close(self, via_exit)` does, from a
+    method that close() (via_exit False) or __exit__ (True) calls at once:
+    the limits were counted at that depth."""
+    n = sys.getrefcount(obj)
+    if _LIMITS is None:
+        return n  # calibrating
+    return PEP688 or (CAN_DISARM and n <= _LIMITS[via_exit])
+
+
+class _Probe:
+    """Closes as HostBuffer and Mapping do, to count what this interpreter
+    sees for a caller that holds the object by one name (3.9 and 3.10 count
+    more than 3.11 does)."""
+
+    def close(self):
+        return self._close(False)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.counted = self._close(True)
+
+    def _close(self, via_exit):
+        return held_only_by_caller(self, via_exit)
+
+
+def _calibrate() -> tuple[int, int]:
+    p = _Probe()
+    by_name = p.close()
+    with p:
+        pass
+    return by_name, p.counted
+
+
+_LIMITS = _calibrate()
