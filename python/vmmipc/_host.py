@@ -196,7 +196,7 @@ class HostBuffer(_lib.Closeable):
         """Import a host ticket (what unpickling does): a HostBuffer over a
         mapping of the sender's memory (from the import cache if this process
         has it mapped already)."""
-        t = Ticket(ticket)
+        t = Ticket(ticket, "HostBuffer.from_ticket")
         if chunk_size is None:
             info = t.info()
             per = -(-info.total_size // info.chunk_count)

@@ -249,7 +249,7 @@ def import_stream(ticket, device: int | None = None, *, timeout: float | None = 
     (VMMIPC_IMPORT_NO_CACHE). VmmipcMemoryError if the address range cannot
     be reserved."""
     fn = "vmmipc_import_stream"
-    t = as_ticket(ticket)
+    t = as_ticket(ticket, fn)
     if device is not None:
         device = _args.integer(device, "device", DEVICE_SAME, _args.I32_MAX, fn,
                                "DEVICE_HOST = -1, DEVICE_SAME = -2, or a CUDA ordinal")

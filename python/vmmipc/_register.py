@@ -219,7 +219,7 @@ def register_again(ticket, *, uses: int = 1, ttl: float | None = None,
     registration made from it lives, even after `ticket` itself has ended.
     NotFoundError if `ticket` is not a live registration of this process."""
     fn = "vmmipc_register_again"
-    t = as_ticket(ticket)
+    t = as_ticket(ticket, fn)
     _callable(release, "release", fn)
     opts = _lib.options(fn, uses=uses, ttl=ttl)
 
@@ -233,7 +233,7 @@ def unregister(ticket) -> None:
     ours or has already ended). Memory already imported stays valid. Its
     release callback runs once no export is in flight: before this returns,
     or shortly after on a library thread (wait() tells when)."""
-    _lib.call("vmmipc_unregister", ctypes.byref(as_ticket(ticket)._c()))
+    _lib.call("vmmipc_unregister", ctypes.byref(as_ticket(ticket, "vmmipc_unregister")._c()))
 
 
 def live_registrations() -> int:

@@ -63,6 +63,7 @@ class Stream(_lib.Closeable):
         self._pid = os.getpid()
         self.ticket = ticket
         self.done = False
+        self.pulled = 0  # chunks handed out so far
         self._current: Chunk | None = None
         count, total = c_uint64(), c_uint64()
         _lib.call("vmmipc_stream_info", c_void_p(handle), ctypes.byref(count),
@@ -86,6 +87,7 @@ class Stream(_lib.Closeable):
             self.done = True
             raise StopIteration
         self._current = Chunk(c.index, c.offset, c.size, c.fd, c.file_offset)
+        self.pulled += 1
         return self._current
 
     def _drop_current(self) -> None:
@@ -104,6 +106,16 @@ class Stream(_lib.Closeable):
     def closed(self) -> bool:
         return self._handle is None
 
+    def __repr__(self) -> str:
+        state = ("done" if self.done else "closed" if self.closed
+                 else f"next chunk {self.pulled}")
+        try:
+            pid = f" from pid {self.ticket.info().exporter_pid}"
+        except Exception:  # repr must not raise (no library, fork)
+            pid = ""
+        return (f"<vmmipc.Stream {self.pulled} of {self.count} chunks pulled, "
+                f"{self.total_size} bytes{pid}, {state}>")
+
     def __del__(self):
         try:
             self.close()
@@ -115,7 +127,7 @@ def open(ticket, *, timeout: float | None = None, window: int | None = None) -> 
     """Connect to the ticket's exporter and claim one use (vmmipc_open).
     timeout: seconds to wait on a silent peer; window: chunk requests kept in
     flight (1 = lockstep)."""
-    t = as_ticket(ticket)
+    t = as_ticket(ticket, "vmmipc_open")
     opts = _lib.options("vmmipc_open", timeout=timeout, window=window)
     handle = c_void_p()
     _lib.call("vmmipc_open", ctypes.byref(t._c()), ctypes.byref(opts), ctypes.byref(handle))

@@ -24,14 +24,18 @@ class Ticket(bytes):
     anywhere. Whoever holds it can map the memory: treat it like a password
     (its repr never shows the bytes)."""
 
-    def __new__(cls, data) -> "Ticket":
-        if hasattr(type(data), "__index__"):  # bytes(256) would be 256 zeros
-            raise TypeError(f"a Ticket is made from {TICKET_SIZE} bytes, not "
-                            f"{type(data).__name__}")
+    def __new__(cls, data, function: str = "Ticket") -> "Ticket":
+        # bytes(256) would be 256 zeros, bytes('x') needs an encoding, and
+        # bytes(None) says nothing of tickets: only bytes-like objects.
+        if hasattr(type(data), "__index__") or isinstance(data, str) or not _bytes_like(data):
+            shown = repr(data) if len(repr(data)) <= 40 else repr(data)[:37] + "..."
+            raise TypeError(f"{function}: ticket must be a vmmipc.Ticket or its {TICKET_SIZE} "
+                            f"bytes (from share(), register_*(), HostBuffer.share() or a "
+                            f"pickle), not {type(data).__name__} ({shown})")
         b = bytes(data)
         if len(b) != TICKET_SIZE:
             raise InvalidError(f"a ticket is {TICKET_SIZE} bytes, got {len(b)}",
-                               _errors.EINVAL, "Ticket")
+                               _errors.EINVAL, function)
         return super().__new__(cls, b)
 
     def __reduce__(self):
@@ -74,12 +78,22 @@ class Ticket(bytes):
     __str__ = __repr__
 
 
-def as_ticket(ticket) -> Ticket:
-    return ticket if isinstance(ticket, Ticket) else Ticket(ticket)
+def _bytes_like(data) -> bool:
+    try:
+        memoryview(data).release()
+        return True
+    except TypeError:
+        return False
+
+
+def as_ticket(ticket, function: str = "Ticket") -> Ticket:
+    """ticket as a Ticket; TypeError naming `function` and the parameter for
+    anything but a Ticket or bytes-like object."""
+    return ticket if isinstance(ticket, Ticket) else Ticket(ticket, function)
 
 
 def wait(ticket, timeout: float = 30.0) -> bool:
     """Wait until the registration named by `ticket` has ended and its
     release callback has returned; False if it is still live after `timeout`
     seconds. Same as Ticket(ticket).wait(timeout)."""
-    return as_ticket(ticket).wait(timeout)
+    return as_ticket(ticket, "vmmipc_wait").wait(timeout)

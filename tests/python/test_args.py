@@ -5,6 +5,7 @@ TypeError naming it. Nothing is registered or mapped by a refused call."""
 
 import math
 import mmap
+import os
 import re
 import sys
 
@@ -115,6 +116,38 @@ NOT_AN_INTEGER = [
     (lambda: vmmipc.HostBuffer(PAGE, name=3), "name"),
     (lambda: vmmipc.Ticket(256), "Ticket"),
 ]
+
+# Anything but a Ticket or its bytes, where a ticket goes: TypeError naming
+# the function and the parameter (not "string argument without an encoding").
+NOT_A_TICKET = [
+    (lambda t: vmmipc.import_stream(t), "vmmipc_import_stream"),
+    (lambda t: vmmipc.open(t), "vmmipc_open"),
+    (lambda t: vmmipc.wait(t), "vmmipc_wait"),
+    (lambda t: vmmipc.register_again(t), "vmmipc_register_again"),
+    (lambda t: vmmipc.unregister(t), "vmmipc_unregister"),
+    (lambda t: vmmipc.HostBuffer.from_ticket(t), "HostBuffer.from_ticket"),
+    (lambda t: vmmipc.Ticket(t), "Ticket"),
+]
+
+
+@pytest.mark.parametrize("value", ["abc", None, 5, 1.5, ["x"]], ids=repr)
+@pytest.mark.parametrize("call,function", NOT_A_TICKET, ids=[f for _, f in NOT_A_TICKET])
+def test_not_a_ticket_is_type_error_naming_the_parameter(call, function, value, nothing_registered):
+    with pytest.raises(TypeError) as e:
+        call(value)
+    msg = str(e.value)
+    assert msg.startswith(f"{function}: ticket must be a vmmipc.Ticket or its 256 bytes"), msg
+    assert f"not {type(value).__name__} ({value!r})" in msg, msg
+
+
+def test_stream_repr_says_where_it_is(hb):
+    with vmmipc.open(hb.share()) as s:
+        assert repr(s) == f"<vmmipc.Stream 0 of 16 chunks pulled, {hb.size} bytes from pid {os.getpid()}, next chunk 0>"
+        next(s)
+        assert "1 of 16 chunks pulled" in repr(s) and repr(s).endswith("next chunk 1>")
+        for _ in s:
+            pass
+        assert repr(s).endswith("16 of 16 chunks pulled, %d bytes from pid %d, done>" % (hb.size, os.getpid()))
 
 
 @pytest.fixture
