@@ -2,6 +2,8 @@ package core
 
 import (
 	"bytes"
+	"fmt"
+	"os"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -204,4 +206,29 @@ func TestSecretNeverCrossesTheSocket(t *testing.T) {
 		t.Fatal("the ticket's secret crossed the socket")
 	}
 	t.Logf("%d bytes to the server, %d to the receiver, no 8 bytes of the secret among them", len(toServer), len(toReceiver))
+}
+
+// TestUnregisterWhileExiting: registrations ended once the host said it is
+// exiting tell receivers so, not that their owner unregistered them.
+func TestUnregisterWhileExiting(t *testing.T) {
+	s := newTestServer(t)
+	fd := newMemfd(t, int(pageSize), pattern(int(pageSize), 1))
+	defer unix.Close(fd)
+	before := registerFile(t, s, fd, pageSize, pageSize, RegisterOptions{})
+	after := registerFile(t, s, fd, pageSize, pageSize, RegisterOptions{})
+	if err := s.Unregister(before); err != nil {
+		t.Fatal(err)
+	}
+	SetExiting()
+	t.Cleanup(func() { exiting.Store(false) })
+	if err := s.Unregister(after); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := Open(before, OpenOptions{}); CodeOf(err) != ENOENT || !strings.Contains(err.Error(), "was unregistered by its owner") {
+		t.Fatalf("unregistered before: %v", err)
+	}
+	want := fmt.Sprintf("registration %d has ended: its exporter (pid %d) is exiting", after.RegID, os.Getpid())
+	if _, err := Open(after, OpenOptions{}); CodeOf(err) != ENOENT || !strings.Contains(err.Error(), want) {
+		t.Fatalf("unregistered while exiting: %v, want ENOENT containing %q", err, want)
+	}
 }

@@ -194,7 +194,7 @@ func (s *Server) Unregister(t *Ticket) error {
 	if err != nil {
 		return err
 	}
-	if !g.end("was unregistered by its owner") {
+	if !g.end(unregisteredWhy()) {
 		return Errorf(ENOENT, "unregister: registration %d has already ended", t.RegID)
 	}
 	return nil

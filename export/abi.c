@@ -242,6 +242,11 @@ int vmmipc_unregister(const vmmipc_ticket *ticket) {
   return vmmipcgo_unregister((vmmipc_ticket *)ticket);
 }
 
+int vmmipc_exiting(void) {
+  FORK_GUARD("vmmipc_exiting");
+  return vmmipcgo_exiting();
+}
+
 int vmmipc_live_registrations(uint64_t *count_out) {
   FORK_GUARD("vmmipc_live_registrations");
   return vmmipcgo_live_registrations(count_out);

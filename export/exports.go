@@ -238,6 +238,14 @@ func vmmipcgo_wait(ticket *C.vmmipc_ticket, timeoutMs C.uint32_t) C.int {
 	})
 }
 
+//export vmmipcgo_exiting
+func vmmipcgo_exiting() C.int {
+	return call("vmmipc_exiting", func() error {
+		core.SetExiting()
+		return nil
+	})
+}
+
 //export vmmipcgo_live_registrations
 func vmmipcgo_live_registrations(out *C.uint64_t) C.int {
 	return call("vmmipc_live_registrations", func() error {

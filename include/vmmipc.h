@@ -367,6 +367,15 @@ int vmmipc_register_again(const vmmipc_ticket *ticket,
  *   VMMIPC_EFORK   called after fork() */
 int vmmipc_unregister(const vmmipc_ticket *ticket);
 
+/* vmmipc_exiting tells the library that this process is on its way out:
+ * registrations that vmmipc_unregister ends from now on tell receivers that
+ * their exporter is exiting (ENOENT "registration 2 has ended: its exporter
+ * (pid 123) is exiting") rather than that its owner unregistered them. For
+ * hosts that end their registrations as they exit (Python's vmmipc does,
+ * from its exit hook); it ends nothing itself.
+ * Returns: VMMIPC_OK, VMMIPC_EFORK */
+int vmmipc_exiting(void);
+
 /* vmmipc_wait blocks until the registration named by `ticket` (one of this
  * process's) has ended and its release_fn, if any, has returned, or until
  * timeout_ms milliseconds have passed (0: just check). After VMMIPC_OK the

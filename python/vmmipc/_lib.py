@@ -147,6 +147,7 @@ SIGNATURES = {
                                              RELEASE_FN, c_void_p, _O, _T]),
     "vmmipc_register_again": (c_int, [_T, RELEASE_FN, c_void_p, _O, _T]),
     "vmmipc_unregister": (c_int, [_T]),
+    "vmmipc_exiting": (c_int, []),
     "vmmipc_wait": (c_int, [_T, c_uint32]),
     "vmmipc_live_registrations": (c_int, [POINTER(c_uint64)]),
     "vmmipc_cuda_query_range": (c_int, [c_uint64, c_uint64, POINTER(vmmipc_cuda_range_info)]),

@@ -262,6 +262,9 @@ def _unregister_all_at_exit() -> None:
     # pickled for them, and after Queue feeder threads were flushed.
     if not _lib.loaded():
         return
+    # Receivers that come now hear that the exporter is exiting, not that
+    # someone unregistered what they were sent.
+    _lib.call("vmmipc_exiting")
     for rec in list(_records.values()):
         if rec.ticket is not None:
             try:

@@ -280,3 +280,9 @@ def buffer_child(q, results):
         hb.close()
     except Exception as e:  # noqa: BLE001 - reported to the test
         results.put(("failed", repr(e), 0))
+
+
+def child_put_and_exit(q):
+    """An exporter that puts a HostBuffer on the queue and exits at once."""
+    hb = vmmipc.HostBuffer(4096)
+    q.put(hb)

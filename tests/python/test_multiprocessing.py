@@ -315,3 +315,21 @@ def test_forkserver_preloading_vmmipc_does_not_load_the_library(tmp_path):
     r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_receiver_hears_that_the_exporter_exited():
+    """The exporter puts a HostBuffer and returns: its exit hook ends the
+    share before the receiver imports it (or the process is gone by then).
+    Either way the receiver is told the exporter is exiting or exited, never
+    that somebody unregistered what it was sent."""
+    ctx = mp.get_context("spawn")
+    for _ in range(3):
+        q = ctx.Queue()
+        p = ctx.Process(target=h.child_put_and_exit, args=(q,))
+        p.start()
+        with pytest.raises((vmmipc.NotFoundError, vmmipc.VmmipcIOError)) as e:
+            q.get(timeout=60)
+        p.join(timeout=30)
+        msg = str(e.value)
+        assert "unregistered by its owner" not in msg, msg
+        assert "is exiting" in msg or "exited" in msg, msg
