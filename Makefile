@@ -70,9 +70,17 @@ test-python: lib ## Python shim tests (pytest)
 # checks of pointers passed between Go and C). The C tests use RUNPATH, so
 # LD_LIBRARY_PATH picks this build. (-race is covered by go test -race: a
 # race-instrumented c-shared library cannot load into an uninstrumented host.)
-test-cgocheck: test-c ## the C tests against a GOEXPERIMENT=cgocheck2 build of the library
+test-cgocheck: test-c ## the C tests against a GOEXPERIMENT=cgocheck2 build of the library (quiet unless one fails)
 	cmake --build $(CMAKE_DIR) --target vmmipc_go_cgocheck2
-	LD_LIBRARY_PATH=$(BUILD)/cgocheck $(CMAKE_DIR)/test_vmmipc all
+	@log=$(BUILD)/cgocheck/test_vmmipc.log; \
+	echo "LD_LIBRARY_PATH=$(BUILD)/cgocheck $(CMAKE_DIR)/test_vmmipc all >$$log 2>&1"; \
+	if LD_LIBRARY_PATH=$(BUILD)/cgocheck $(CMAKE_DIR)/test_vmmipc all >$$log 2>&1; then \
+	  echo "cgocheck2: $$(tail -n 1 $$log) (every test's output: $$log)"; \
+	else \
+	  status=$$?; cat $$log; \
+	  echo "cgocheck2: FAILED (status $$status): the C tests against the cgocheck2 build; output above and in $$log" >&2; \
+	  exit 1; \
+	fi
 
 # Installs into a scratch prefix (build/install-test/prefix; the GPU machine's
 # examples/cuda/run.sh uses it too), then builds every C example against it

@@ -35,8 +35,18 @@ func checkAddressSpace(need uint64) error {
 	if lim.Cur > used {
 		free = lim.Cur - used
 	}
-	return Errorf(ENOMEM, "import: reserving %s needs that much address space plus %s kept for the Go runtime, but RLIMIT_AS (%s) leaves %s free (%s in use): raise RLIMIT_AS (ulimit -v) or import less at a time",
-		sizeStr(need), sizeStr(runtimeHeadroom), sizeStr(lim.Cur), sizeStr(free), sizeStr(used))
+	// The figures are rounded down and the shortfall given exactly: a free
+	// figure rounded up to what is needed would read as enough.
+	return Errorf(ENOMEM, "import: reserving %s needs that much address space plus %s kept for the Go runtime, but RLIMIT_AS (%s) leaves %s free (%s in use), %s short: raise RLIMIT_AS (ulimit -v) or import less at a time",
+		sizeStr(need), sizeStr(runtimeHeadroom), sizeStr(lim.Cur), sizeStr(free), sizeStr(used), shortStr(need+runtimeHeadroom-free))
+}
+
+// shortStr gives a shortfall, rounded up to a whole KiB below 1 MiB.
+func shortStr(n uint64) string {
+	if n < 1<<20 {
+		return fmt.Sprintf("%d KiB", (n+1023)/1024)
+	}
+	return sizeStr(n)
 }
 
 // addressSpaceInUse is this process's virtual size, what RLIMIT_AS counts.
@@ -56,12 +66,13 @@ func addressSpaceInUse() (uint64, error) {
 	return pages * pageSize, nil
 }
 
+// sizeStr gives a size to a tenth of a GiB or MiB, rounded down.
 func sizeStr(n uint64) string {
 	switch {
 	case n >= 1<<30:
-		return fmt.Sprintf("%.1f GiB", float64(n)/(1<<30))
+		return fmt.Sprintf("%d.%d GiB", n>>30, (n%(1<<30))*10>>30)
 	case n >= 1<<20:
-		return fmt.Sprintf("%.1f MiB", float64(n)/(1<<20))
+		return fmt.Sprintf("%d.%d MiB", n>>20, (n%(1<<20))*10>>20)
 	default:
 		return fmt.Sprintf("%d bytes", n)
 	}
