@@ -432,6 +432,21 @@ func unsealableSays(t *testing.T, f *os.File) string {
 	return "cannot be sealed (not a memfd: a /dev/shm or disk file?)"
 }
 
+// TestSizesRoundDown: a refusal's figures never round up to what was
+// needed (192 MiB less 40 KiB read "192.0 MiB free" for 192 MiB needed).
+func TestSizesRoundDown(t *testing.T) {
+	for n, want := range map[uint64]string{
+		192<<20 - 40<<10: "191.9 MiB", 192 << 20: "192.0 MiB", 1<<30 + 1<<30/10*9 + 1<<29/10: "1.9 GiB", 4095: "4095 bytes",
+	} {
+		if got := sizeStr(n); got != want {
+			t.Errorf("sizeStr(%d) = %q, want %q", n, got, want)
+		}
+	}
+	if got := shortStr(40<<10 - 1); got != "40 KiB" {
+		t.Errorf("shortStr(40 KiB - 1) = %q", got)
+	}
+}
+
 // TestAddressSpaceCheck: under a tight RLIMIT_AS, a reservation that would
 // leave the Go runtime less than its headroom is refused with ENOMEM and
 // the figures, before anything is reserved; the use it claimed is given
@@ -444,7 +459,7 @@ func TestAddressSpaceCheck(t *testing.T) {
 		t.Fatalf("64 MiB with 1 GiB free: %s", got)
 	}
 	got := h.expect("check 2147483648 ", faultTimeout)
-	for _, want := range []string{fmt.Sprintf("code=%d", ENOMEM), "reserving 2.0 GiB needs that much address space plus 128.0 MiB kept for the Go runtime", "but RLIMIT_AS (", "free (", "in use): raise RLIMIT_AS (ulimit -v) or import less at a time"} {
+	for _, want := range []string{fmt.Sprintf("code=%d", ENOMEM), "reserving 2.0 GiB needs that much address space plus 128.0 MiB kept for the Go runtime", "but RLIMIT_AS (", "free (", "in use), ", " short: raise RLIMIT_AS (ulimit -v) or import less at a time"} {
 		if !strings.Contains(got, want) {
 			t.Fatalf("2 GiB with 1 GiB free: %q does not say %q", got, want)
 		}
