@@ -3,8 +3,8 @@
     python3 bench/plot.py RAW.jsonl [--md TABLES.md] [--console] [--png PLOT.png]
                           [--default-window W]
 
-RAW.jsonl holds what bench/vmmipc_bench.c, bench/allatonce.py and
-bench/pypath.py printed. Times are medians over the runs that had no
+RAW.jsonl holds what bench/vmmipc_bench.c, bench/allatonce.py,
+bench/pypath.py and bench/hostrows.py printed. Times are medians over the runs that had no
 descriptor sampler running (where there are some), peak descriptors the
 largest seen in the sampled runs. --md writes Markdown tables (for
 results.md), --console prints a plain-text table, --png draws the plot
@@ -113,12 +113,48 @@ def classify(r, host, default_window):
         return ((3, sched), f"nocache/{sched}", f"repeated transfer, cache off{in_sched}", "nocache")
     if a == "allatonce":
         return ((4,), "allatonce", "all-at-once (DupFd)" if host else "all-at-once (DupFd, cuda.core's way)", "allatonce")
+    if a == "hostrows":
+        way = HOST_WAYS.get(r.get("path"))
+        if way is None:
+            return None
+        order, name = way
+        if r.get("send") == 1:
+            return ((8, order), f"host/{r['path']}/{bool(r.get('again'))}/cold",
+                    f"{name} + Queue, first send (fresh child{', the same buffer after' if r.get('again') else ''})",
+                    "hostrow")
+        what = ("the same buffer again" + (" (import-cache hit)" if r["path"] == "hostbuffer" else "")
+                if r.get("again") else "a new buffer each send")
+        return ((7, bool(r.get("again")), order), f"host/{r['path']}/{bool(r.get('again'))}",
+                f"{name} + Queue, {what}", "hostrow")
     if a == "python":
         what = "HostBuffer" if r.get("path") == "hostbuffer+queue" else "share"
         if r.get("send") == 1:
             return ((5,), "py1", f"Python {what} + Queue, first send", "python")
         return ((6,), "py2", f"Python {what} + Queue, later sends (cache hit)", "pyhit")
     return None
+
+
+# The host rows' ways (bench/hostrows.py): table order and name.
+HOST_WAYS = {"hostbuffer": (0, "vmmipc.HostBuffer"), "sharedmemory": (1, "SharedMemory"),
+             "bytes": (2, "pickled bytes")}
+
+
+def host_target(by_config):
+    """The host rows' target, in words: HostBuffer <= 1.5 x SharedMemory at
+    1 GiB, a new buffer each send and the same one again (warm sends)."""
+    lines = []
+    for (n, chunk), rs in by_config.items():
+        by_key = {r.key: r for r in rs}
+        for again, what in ((False, "a new buffer each send"), (True, "the same buffer again")):
+            hb, shm = by_key.get(f"host/hostbuffer/{again}"), by_key.get(f"host/sharedmemory/{again}")
+            if not (hb and shm and hb.ms and shm.ms):
+                continue
+            x = hb.ms / shm.ms
+            fds = max(v for v in (hb.fds("sender"), hb.fds("receiver"), 0) if v is not None)
+            lines.append(f"{config_name(n, chunk)}, {what}: HostBuffer <= 1.5 x SharedMemory: "
+                         f"{'met' if x <= 1.5 else 'missed'} ({x:.2f} x: {fmt(hb.ms, 3)} ms against "
+                         f"{fmt(shm.ms, 3)} ms; HostBuffer peak extra fds {fds})")
+    return lines
 
 
 def row_notes(host):
@@ -142,6 +178,10 @@ def row_notes(host):
          "Python: vmmipc.share (once, uses = 0) and vmmipc.register_again per send, the ticket put on a "
          "multiprocessing Queue to a spawned child, vmmipc.import_stream there") +
         "; from the sender's call to the child's import return (bench/pypath.py)",
+        "host rows: 1 GiB into a spawned child through a multiprocessing Queue (bench/hostrows.py), from the "
+        "sender's put() to the return of the child's get() (unpickled: mapped, or copied); a vmmipc.HostBuffer "
+        "(2 MiB chunks), a multiprocessing.shared_memory.SharedMemory, or the bytes pickled; a new object each "
+        "send, or the same one every send; first sends (a fresh child) apart; children at RLIMIT_NOFILE 64",
         "ms: median of the timed runs (no descriptor sampler running); fds: the most extra descriptors a sampler "
         "saw in either process during the transfer (the floor and all-at-once hold all N by construction; the "
         "Python rows are sampled about every millisecond)",
@@ -181,7 +221,7 @@ def table_lines(rows_of_config, n):
     for row in rows_of_config:
         ms = row.ms
         fds = f"{fmt(row.fds('sender'), 0)} / {fmt(row.fds('receiver'), 0)}"
-        digits = 3 if row.kind in ("hit", "pyhit") else 1
+        digits = 3 if row.kind in ("hit", "pyhit", "hostrow") else 1
         body.append([row.label, fmt(ms, digits), spread(row), fmt(ms * 1e3 / n if ms is not None else None, 2 if digits == 3 else 1),
                      fmt(ms / floor if ms is not None and floor else None, 3 if digits == 3 else 2), fds,
                      f"{row.ok}/{len(row.runs)}"])
@@ -395,6 +435,12 @@ def report(rows, default_window):
                                               for x in row_notes(host)]
     md += sweep_table(rows, default_window) + floor_detail(rows, host) + profile_table(rows, default_window) \
         + python_detail(rows) + limit_table(rows, default_window)
+    ht = host_target(by_config)
+    if ht:
+        md += ["", "Host rows (target HostBuffer <= 1.5 x SharedMemory at 1 GiB, warm sends):", ""] + \
+            [f"- {x}" for x in ht]
+        txt += ["", "Host rows (target HostBuffer <= 1.5 x SharedMemory at 1 GiB, warm sends):"] + \
+            [f"  {x}" for x in ht]
     if host:
         md += ["", HOST_NOTE]
         txt += ["", textwrap.fill(HOST_NOTE, 110)]

@@ -9,10 +9,13 @@
 #   - all-at-once (every descriptor at once, as cuda.core shares VMM buffers);
 #   - the Python path (vmmipc.share + Queue; host: vmmipc.HostBuffer + Queue),
 #     first send and later sends of the same buffer;
+#   - the host rows: 1 GiB of host memory into a spawned child through a Queue
+#     as a vmmipc.HostBuffer, a multiprocessing SharedMemory and pickled bytes,
+#     side by side (bench/hostrows.py), in both kinds of run;
 #   - peak extra descriptors on both sides for every row; a transfer profiled
 #     inside the driver (CUDA) and both approaches at RLIMIT_NOFILE = 1024.
-# bench/vmmipc_bench.c, allatonce.py and pypath.py say exactly what each row
-# times.
+# bench/vmmipc_bench.c, allatonce.py, pypath.py and hostrows.py say exactly
+# what each row times.
 #
 #   bench/run.sh [--host] [--out DIR] [--schedule "LABEL VAR=VALUE ..."]...
 #
@@ -126,6 +129,8 @@ if [ "$MEM" = --cuda ]; then
   step "where the time goes: one first transfer, N = 4096 x 2 MiB, through the driver timing shim" \
     "profile --chunks 4096 --chunk-size $((2 << 20)) --first 0 --repeat 1 --fd-runs 0"
 fi
+step "host rows, 1 GiB into a spawned child through a Queue: HostBuffer, SharedMemory, pickled bytes (children at RLIMIT_NOFILE 64)" \
+  "hostrows --size $((1 << 30)) --chunk-size $((2 << 20)) --sends 11"
 step "receiver at RLIMIT_NOFILE 1024, N = 4096 x 2 MiB: libvmmipc" \
   "bench --chunks 4096 --chunk-size $((2 << 20)) --first 0 --repeat 0 --fd-runs 1 --nofile 1024"
 step "receiver at RLIMIT_NOFILE 1024, N = 4096 x 2 MiB: all-at-once" \
@@ -137,6 +142,7 @@ step "tables and plot" "report"
 bench() { "$BENCH" $MEM "$@" >>"$RAW"; }
 allatonce() { PYTHONUNBUFFERED=1 $PYTHON bench/allatonce.py $PYMEM "$@" >>"$RAW"; }
 pypath() { PYTHONUNBUFFERED=1 $PYTHON bench/pypath.py $PYMEM "$@" >>"$RAW"; }
+hostrows() { PYTHONUNBUFFERED=1 $PYTHON bench/hostrows.py "$@" >>"$RAW"; }
 profile() {
   $CC -O2 -Wall -shared -fPIC -o "$BUILD/libcuda_timing.so" bench/cuda_timing_shim.c -ldl -lpthread &&
     VMMIPC_LIBCUDA=$PWD/$BUILD/libcuda_timing.so bench "$@"
