@@ -219,6 +219,16 @@ def receiver(q, results, n, size, nofile, host):
         results.put(("done", time.monotonic(), False, traceback.format_exc(limit=3), 0))
 
 
+def stop_child(proc, q):
+    """Tells a benchmark child (None on its queue) to end, and kills it if it
+    has not within a minute."""
+    if proc.is_alive():
+        q.put(None)
+    proc.join(timeout=60)
+    if proc.is_alive():
+        proc.kill()
+
+
 class Sampler(threading.Thread):
     """Samples the descriptor counts of some processes until stopped."""
 

@@ -36,7 +36,7 @@ import time
 import traceback
 from multiprocessing import shared_memory
 
-from allatonce import Sampler, count_fds
+from allatonce import Sampler, count_fds, stop_child
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "python"))
@@ -181,11 +181,7 @@ def run_way(way, again, a):
             if state == "failed":
                 break
     finally:
-        if proc.is_alive():
-            q.put(None)
-        proc.join(timeout=60)
-        if proc.is_alive():
-            proc.kill()
+        stop_child(proc, q)
         w.close()
 
 

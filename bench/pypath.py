@@ -31,7 +31,7 @@ import sys
 import time
 import traceback
 
-from allatonce import Cuda, CudaBuffer, Sampler, count_fds, marker
+from allatonce import Cuda, CudaBuffer, Sampler, count_fds, marker, stop_child
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "python"))
@@ -174,11 +174,7 @@ def main():
             if state == "failed":
                 break  # the child has stopped (or is silent): nothing more to measure
     finally:
-        if proc.is_alive():
-            q.put(None)
-        proc.join(timeout=60)
-        if proc.is_alive():
-            proc.kill()
+        stop_child(proc, q)
         sender.close()
 
 

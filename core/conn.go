@@ -200,6 +200,9 @@ func (c *conn) ioError(op string, err error) error {
 		return Errorf(EIO, "%s: the connection was closed on this side while %s the %s", c.what, op, c.peer())
 	}
 	if errors.Is(err, io.EOF) || errors.Is(err, syscall.EPIPE) || errors.Is(err, syscall.ECONNRESET) {
+		if c.what == "receiver" { // an exporter that exits drops its receivers this way
+			return Errorf(EIO, "%s: the %s closed the connection (it exited, or ended this registration)", c.what, c.peer())
+		}
 		return Errorf(EIO, "%s: the %s closed the connection", c.what, c.peer())
 	}
 	return &Error{Code: ioCode(err), Msg: fmt.Sprintf("%s: %s the %s", c.what, op, c.peer()), Err: err}

@@ -40,15 +40,22 @@ func importCounting(t *testing.T, tk *Ticket, fd, size int) *countingImporter {
 	return imp
 }
 
+// runsFile is a memfd of chunks pages holding pattern(seed), closed when
+// the test ends.
+func runsFile(t *testing.T, chunks int, seed byte) (fd, size int) {
+	size = chunks * int(pageSize)
+	fd = newMemfd(t, size, pattern(size, seed))
+	t.Cleanup(func() { unix.Close(fd) })
+	return fd, size
+}
+
 // TestHostFileImportIsOneRun: a host-file registration of 512 chunks
 // reaches an import as one descriptor, mapped with one mmap, while the
 // low-level stream still hands out 512 chunks of one descriptor each.
 func TestHostFileImportIsOneRun(t *testing.T) {
 	s := newTestServer(t)
 	const chunks = 512
-	size := chunks * int(pageSize)
-	fd := newMemfd(t, size, pattern(size, 4))
-	defer unix.Close(fd)
+	fd, size := runsFile(t, chunks, 4)
 	tk := registerFile(t, s, fd, uint64(size), pageSize, RegisterOptions{Uses: 0})
 	defer s.Unregister(tk)
 
@@ -86,9 +93,7 @@ func TestHostFileImportIsOneRun(t *testing.T) {
 func TestRunsFallBackToChunks(t *testing.T) {
 	s := newTestServer(t)
 	const chunks = 64
-	size := chunks * int(pageSize)
-	fd := newMemfd(t, size, pattern(size, 6))
-	defer unix.Close(fd)
+	fd, size := runsFile(t, chunks, 6)
 	tk, err := s.Register(hookedFile(t, fd, uint64(size), pageSize, func(uint64) error { return nil }), RegisterOptions{Uses: 0})
 	if err != nil {
 		t.Fatal(err)

@@ -95,6 +95,34 @@ def disarm(obj) -> None:
     _struct_words(obj)[5] = 0  # b_size
 
 
+class Buffer:
+    """What HostBuffer and Mapping share as buffers of their `view`: the
+    3.12+ buffer methods, item access through the memoryview, and hashing by
+    identity (ctypes objects are unhashable). Before 3.12 the ctypes base
+    that instance() adds exports the buffer."""
+    __slots__ = ()
+
+    def __buffer__(self, flags: int) -> memoryview:  # Python 3.12+ (PEP 688)
+        return memoryview(self.view)
+
+    def __release_buffer__(self, view: memoryview) -> None:
+        # Python releases `view` itself. Defined so that consumers see a
+        # releasing exporter: numpy then keeps a memoryview, which
+        # views_alive() sees, rather than only a reference to self.
+        pass
+
+    def __getitem__(self, key):
+        return self.view[key]
+
+    def __setitem__(self, key, value) -> None:
+        self.view[key] = value
+
+    def __iter__(self):
+        return iter(self.view)
+
+    __hash__ = object.__hash__
+
+
 class Memory:
     """The private ctypes object over [addr, addr + size) (or over a mapped
     `buffer`, which it then keeps mapped: an mmap object cannot close while

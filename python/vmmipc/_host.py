@@ -112,7 +112,7 @@ def _pickle_ttl(ttl):
     return ttl
 
 
-class HostBuffer(_lib.Closeable):
+class HostBuffer(_exported.Buffer, _lib.Closeable):
     """Chunked host shared memory. The HostBuffer is a writable buffer of the
     whole range (format "B"), and so is ``view``, a memoryview of it:
     ``memoryview(hb)``, ``numpy.frombuffer(hb, dtype)``, ``numpy.asarray(hb)``
@@ -272,25 +272,6 @@ class HostBuffer(_lib.Closeable):
     def __len__(self) -> int:
         return self._size
 
-    def __getitem__(self, key):
-        return self.view[key]
-
-    def __setitem__(self, key, value) -> None:
-        self.view[key] = value
-
-    def __iter__(self):
-        return iter(self.view)
-
-    def __buffer__(self, flags: int) -> memoryview:  # Python 3.12+ (PEP 688)
-        return memoryview(self.view)
-
-    def __release_buffer__(self, view: memoryview) -> None:
-        # Python releases `view` itself. Defined so that consumers see a
-        # releasing exporter: numpy then keeps a memoryview, which
-        # views_alive() sees, rather than only a reference to self.
-        pass
-
-    __hash__ = object.__hash__  # by identity (ctypes objects are unhashable)
 
     def __reduce_ex__(self, protocol):
         # Instances are of per-size subclasses (_exported.instance), which

@@ -28,7 +28,7 @@ def _unmap(struct: _lib.vmmipc_mapping, pid: int) -> None:
     _lib.call("vmmipc_unmap", ctypes.byref(struct))
 
 
-class Mapping(_lib.Closeable):
+class Mapping(_exported.Buffer, _lib.Closeable):
     """One reference to a buffer mapped into this process by import_stream.
     Close it (or use ``with``) to drop the reference; it is also dropped when
     the Mapping is collected. Two Mappings of the same cached import share
@@ -116,28 +116,9 @@ class Mapping(_lib.Closeable):
 
     # ------------------------------------------------- the buffer protocol
 
-    def __buffer__(self, flags: int) -> memoryview:  # Python 3.12+ (PEP 688)
-        return memoryview(self.view)
-
-    def __release_buffer__(self, view: memoryview) -> None:
-        # Python releases `view` itself. Defined so that consumers see a
-        # releasing exporter: numpy then keeps a memoryview, which
-        # views_alive() sees, rather than only a reference to self.
-        pass
 
     def __len__(self) -> int:
         return self.size
-
-    def __getitem__(self, key):
-        return self.view[key]
-
-    def __setitem__(self, key, value) -> None:
-        self.view[key] = value
-
-    def __iter__(self):
-        return iter(self.view)
-
-    __hash__ = object.__hash__  # by identity (ctypes objects are unhashable)
 
     def __reduce_ex__(self, protocol):
         raise TypeError("a vmmipc Mapping cannot be pickled: send a ticket (register_again "

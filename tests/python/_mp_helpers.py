@@ -285,4 +285,16 @@ def buffer_child(q, results):
 def child_put_and_exit(q):
     """An exporter that puts a HostBuffer on the queue and exits at once."""
     hb = vmmipc.HostBuffer(4096)
+    hb[0] = 42
     q.put(hb)
+
+
+def child_share_then_exit_hook(q, go):
+    """An exporter that shares a HostBuffer, runs vmmipc's exit hook (what
+    its exit would run) and stays until told to go."""
+    from vmmipc import _register
+    hb = vmmipc.HostBuffer(4096)
+    t = hb.share()
+    _register._unregister_all_at_exit()
+    q.put(bytes(t))
+    go.get(timeout=60)
