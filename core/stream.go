@@ -346,8 +346,9 @@ func (s *Stream) checkChunk(m chunkMsg, fd int) error {
 		return Errorf(EINVAL, "protocol: got chunk %d, expected %d", m.Index, s.received)
 	case m.Offset != s.offset:
 		return Errorf(EINVAL, "protocol: chunk %d at offset %d, expected %d", m.Index, m.Offset, s.offset)
-	case m.Size == 0 || m.Size > s.t.Total-s.offset:
-		return Errorf(EINVAL, "protocol: chunk %d of size %d does not fit the %d bytes left", m.Index, m.Size, s.t.Total-s.offset)
+	case m.Size == 0 || m.Size > s.t.Total-s.offset || s.t.Total-s.offset-m.Size < s.t.Count-1-m.Index:
+		// Every chunk holds at least one byte, those after this one too.
+		return Errorf(EINVAL, "protocol: chunk %d of size %d does not fit the %d bytes left for %d chunks", m.Index, m.Size, s.t.Total-s.offset, s.t.Count-m.Index)
 	case m.Index == s.t.Count-1 && m.Offset+m.Size != s.t.Total:
 		return Errorf(EINVAL, "protocol: chunks end at %d, the ticket says %d", m.Offset+m.Size, s.t.Total)
 	}
