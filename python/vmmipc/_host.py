@@ -6,11 +6,12 @@ growing, mapped once, and ONE anchor registration of it
 keeps its own duplicate of the memfd, so the owner's descriptor is only
 needed to map the memory. Each share (each pickle) is a register_again of
 the anchor: no descriptor, no new buffer identity, so a receiver that has
-the buffer cached imports it in one round trip. Each chunk crosses to the
-receiver as its own short-lived descriptor with its file offset; the
-receiver maps the chunks one at a time into one contiguous range
-(vmmipc_import_stream), so both sides hold about one descriptor at a time,
-and the receiver's writes are the sender's memory.
+the buffer cached imports it in one round trip. The chunks cross to the
+receiver as one short-lived descriptor of the memfd (they lie back to back
+in it: one run, mapped with one mmap by vmmipc_import_stream; the
+low-level vmmipc.open() stream still gets one descriptor per chunk), so
+both sides hold about one descriptor at a time, and the receiver's writes
+are the sender's memory.
 
 Lifetime: close() (or collection) unregisters the anchor and closes the
 owner's memfd and mapping. Registrations already made by share() or pickling
