@@ -351,6 +351,8 @@ func (s *Stream) checkChunk(m chunkMsg, fd int) error {
 		return Errorf(EINVAL, "protocol: chunk %d of size %d does not fit the %d bytes left for %d chunks", m.Index, m.Size, s.t.Total-s.offset, s.t.Count-m.Index)
 	case m.Index == s.t.Count-1 && m.Offset+m.Size != s.t.Total:
 		return Errorf(EINVAL, "protocol: chunks end at %d, the ticket says %d", m.Offset+m.Size, s.t.Total)
+	case m.FileOffset+m.Size < m.FileOffset:
+		return Errorf(EINVAL, "protocol: chunk %d at file offset %d of %d bytes overflows", m.Index, m.FileOffset, m.Size)
 	}
 	return nil
 }
