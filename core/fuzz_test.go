@@ -551,7 +551,7 @@ const nearMisses = 9
 
 // nearMissProof is a real HMAC that is not the proof for role in tr, as
 // how[0] picks: of the other role (a reflected proof), under another
-// secret, with either pid, the flags, the registration, the ticket digest
+// secret, with either socket of the connection, the flags, the registration, the ticket digest
 // or the server's nonce changed, or the right proof with one bit flipped
 // (how[1] picks the bit).
 func nearMissProof(tr transcript, secret Secret, role byte, how []byte) [proofSize]byte {
@@ -568,9 +568,9 @@ func nearMissProof(tr transcript, secret Secret, role byte, how []byte) [proofSi
 	case 1:
 		secret[bit%32] ^= 1 << (bit % 8)
 	case 2:
-		tr.ReceiverPid++
+		tr.Ends.Receiver++
 	case 3:
-		tr.ServerPid++
+		tr.Ends.Server++
 	case 4:
 		tr.Flags ^= helloConfirm
 	case 5:
@@ -644,8 +644,7 @@ func FuzzReceiverHandshake(f *testing.F) {
 				t.Errorf("the receiver's hello %+v, %v", hello, err)
 				return
 			}
-			tr := transcript{RegID: hello.RegID, ServerPid: tk.Pid, ReceiverPid: tk.Pid, ReceiverNonce: hello.Nonce}
-			tr.TicketDigest, _ = tk.Digest()
+			tr := serverTranscript(t, uc, tk, hello)
 			raw, _ := uc.SyscallConn()
 			var sendErr error
 			send := func(b []byte, plan []fdAttach) {

@@ -216,7 +216,7 @@ func newFakeExporter(t testing.TB, count int, total uint64, serve func(uc *net.U
 	t.Helper()
 	tk := sampleTicket()
 	tk.Address = "@vmmipc-fuzz-fake-" + itoa(os.Getpid()) + "-" + itoa(randIndex(1<<30))
-	tk.Pid, tk.StartTime = uint32(os.Getpid()), selfStartTime()
+	tk.Pid, tk.StartTime, tk.NS = uint32(os.Getpid()), selfStartTime(), selfNamespaces()
 	tk.Count, tk.Total = uint64(count), total
 	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: tk.Address, Net: "unix"})
 	if err != nil {
@@ -244,4 +244,23 @@ func newFakeExporter(t testing.TB, count int, total uint64, serve func(uc *net.U
 func (f *fakeExporter) close() {
 	f.ln.Close()
 	<-f.done
+}
+
+// serverTranscript is what an exporter's proofs cover for a receiver's
+// hello on uc (the server nonce still to be drawn).
+func serverTranscript(t testing.TB, uc *net.UnixConn, tk *Ticket, hello helloMsg) transcript {
+	t.Helper()
+	tr := transcript{RegID: hello.RegID, Flags: hello.Flags, ReceiverNonce: hello.Nonce}
+	var err error
+	if tr.TicketDigest, err = tk.Digest(); err != nil {
+		t.Error(err)
+	}
+	raw, err := uc.SyscallConn()
+	if err == nil {
+		tr.Ends, err = socketEnds(raw, roleServer)
+	}
+	if err != nil {
+		t.Error(err)
+	}
+	return tr
 }

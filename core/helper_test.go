@@ -28,13 +28,14 @@ const helperPartEnv = "VMMIPC_TEST_HELPER"
 
 // Helper parts (the roles they play).
 const (
-	partSender    = "sender"    // a server; registers on request ("register ...")
-	partReceiver  = "receiver"  // pulls a ticket's chunks, can stop and wait to be killed
-	partImpostor  = "impostor"  // a plain socket at an address, not a vmmipc server
-	partOpener    = "opener"    // tries a ticket once and reports what it got
-	partCacheEnv  = "cacheenv"  // imports with VMMIPC_CACHE_BYTES as the test set it
-	partAddrSpace = "addrspace" // imports under a tight RLIMIT_AS
-	partPidNS     = "pidns"     // runs the pid-reuse attack inside a new pid namespace
+	partSender      = "sender"      // a server; registers on request ("register ...")
+	partReceiver    = "receiver"    // pulls a ticket's chunks, can stop and wait to be killed
+	partImpostor    = "impostor"    // a plain socket at an address, not a vmmipc server
+	partOpener      = "opener"      // tries a ticket once and reports what it got
+	partCacheEnv    = "cacheenv"    // imports with VMMIPC_CACHE_BYTES as the test set it
+	partAddrSpace   = "addrspace"   // imports under a tight RLIMIT_AS
+	partPidNS       = "pidns"       // runs the pid-reuse attack inside a new pid namespace
+	partRelayRecord = "relayrecord" // imports through a recording proxy (TestSecretNeverCrossesTheSocket)
 )
 
 // Environment of the helpers.
@@ -70,6 +71,8 @@ func TestHelperProcess(t *testing.T) {
 		err = helperAddrSpace(t, out)
 	case partPidNS:
 		err = helperPidNS(t, out)
+	case partRelayRecord:
+		err = helperRelayRecord(t, out)
 	default:
 		err = fmt.Errorf("unknown part %q", part)
 	}

@@ -257,7 +257,7 @@ func rawHello(t testing.TB, tk *Ticket, flags uint64) (*rawSession, rawMsg) {
 	if s.tr.TicketDigest, err = tk.Digest(); err != nil {
 		t.Fatal(err)
 	}
-	s.tr.RegID, s.tr.Flags, s.tr.ServerPid, s.tr.ReceiverPid = tk.RegID, flags, tk.Pid, uint32(os.Getpid())
+	s.tr.RegID, s.tr.Flags = tk.RegID, flags
 	if err := rawWrite(fd, helloMsg{RegID: tk.RegID, Flags: flags, Nonce: s.tr.ReceiverNonce}.encode()); err != nil {
 		t.Fatalf("sending hello: %v", err)
 	}
@@ -274,6 +274,9 @@ func rawHello(t testing.TB, tk *Ticket, flags uint64) (*rawSession, rawMsg) {
 			t.Fatal(err)
 		}
 		s.tr.ServerNonce = ch.Nonce
+		if s.tr.Ends, err = endsOf(fd, roleReceiver); err != nil {
+			t.Fatal(err)
+		}
 		if !s.tr.verify(tk.Secret, roleServer, ch.Proof) {
 			t.Fatal("the server's proof does not check out for a ticket it issued")
 		}
@@ -334,6 +337,7 @@ type recordingProxy struct {
 
 	mu                   sync.Mutex
 	toServer, toReceiver []byte
+	fds                  int // descriptors relayed, both ways
 }
 
 func newRecordingProxy(t testing.TB, target string) *recordingProxy {
@@ -393,6 +397,7 @@ func (p *recordingProxy) relay(from, to *net.UnixConn, record *[]byte) {
 		if n > 0 {
 			p.mu.Lock()
 			*record = append(*record, buf[:n]...)
+			p.fds += len(fds)
 			p.mu.Unlock()
 			var rights []byte
 			if len(fds) > 0 {
@@ -427,4 +432,11 @@ func (p *recordingProxy) recorded(t testing.TB) (toServer, toReceiver []byte) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return p.toServer, p.toReceiver
+}
+
+// descriptors is how many descriptors crossed the proxy.
+func (p *recordingProxy) descriptors() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.fds
 }

@@ -14,7 +14,6 @@ type session struct {
 	srv     *Server
 	c       *conn
 	p       *pendingConn
-	peerPid uint32
 	authed  bool // the peer proved the secret
 	refused bool // the peer was told why it gets nothing
 }
@@ -32,9 +31,6 @@ func (s *Server) serve(p *pendingConn) {
 	defer func() { _ = recover() }() // a bug here must not take the host down
 	c.deadline = p.since.Add(handshakeTimeout)
 	ss := &session{srv: s, c: c, p: p}
-	if cred, err := peerCred(p.uc); err == nil {
-		ss.peerPid = uint32(cred.Pid)
-	}
 	ss.run()
 	// A peer dropped before it authenticated, evicted or out of time (a
 	// receiver starved of CPU, say), is told "busy": a libvmmipc receiver
@@ -122,8 +118,13 @@ func (ss *session) authenticate(g *registration, hello helloMsg) bool {
 		ss.refuse(err)
 		return false
 	}
+	ends, err := socketEnds(ss.c.raw, roleServer)
+	if err != nil {
+		ss.refuse(err)
+		return false
+	}
 	tr := transcript{
-		RegID: hello.RegID, Flags: hello.Flags, ServerPid: ss.srv.pid, ReceiverPid: ss.peerPid,
+		RegID: hello.RegID, Flags: hello.Flags, Ends: ends,
 		TicketDigest: g.digest, ReceiverNonce: hello.Nonce, ServerNonce: ns,
 	}
 	if err := ss.c.send(challengeMsg{Nonce: ns, Proof: tr.proof(g.secret, roleServer)}.encode(), -1); err != nil {
