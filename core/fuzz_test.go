@@ -551,7 +551,7 @@ const nearMisses = 9
 
 // nearMissProof is a real HMAC that is not the proof for role in tr, as
 // how[0] picks: of the other role (a reflected proof), under another
-// secret, with either socket of the connection, the flags, the registration, the ticket digest
+// secret, with another exporter socket or none, the flags, the registration, the ticket digest
 // or the server's nonce changed, or the right proof with one bit flipped
 // (how[1] picks the bit).
 func nearMissProof(tr transcript, secret Secret, role byte, how []byte) [proofSize]byte {
@@ -568,9 +568,9 @@ func nearMissProof(tr transcript, secret Secret, role byte, how []byte) [proofSi
 	case 1:
 		secret[bit%32] ^= 1 << (bit % 8)
 	case 2:
-		tr.Ends.Receiver++
+		tr.Socket++
 	case 3:
-		tr.Ends.Server++
+		tr.Socket = 0
 	case 4:
 		tr.Flags ^= helloConfirm
 	case 5:

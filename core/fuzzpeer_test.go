@@ -257,7 +257,7 @@ func serverTranscript(t testing.TB, uc *net.UnixConn, tk *Ticket, hello helloMsg
 	}
 	raw, err := uc.SyscallConn()
 	if err == nil {
-		tr.Ends, err = socketEnds(raw, roleServer)
+		tr.Socket, err = exporterSocket(raw, roleServer)
 	}
 	if err != nil {
 		t.Error(err)

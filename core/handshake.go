@@ -16,12 +16,12 @@ import (
 //	receiver → server: proof(HMAC(secret, "R" || T))
 //
 // T binds everything either side could be fooled about: the protocol
-// version, the registration id, the hello flags, the two sockets of this
-// very connection (sockends.go: each side fstats its own and asks the
-// kernel for its peer's, so a process that relays the session between the
-// two, in any namespace, holds two connections and gets proofs bound to
-// neither), the SHA-256 of the whole ticket (so a ticket changed in any
-// byte fails), and both fresh nonces (so no proof can be replayed). The receiver accepts
+// version, the registration id, the hello flags, this very connection (the
+// kernel's cookie of the exporter's socket of it, sockends.go: a process
+// that relays the session between the two, in any namespace, holds two
+// connections and gets proofs bound to neither), the SHA-256 of the whole
+// ticket (so a ticket changed in any byte fails), and both fresh nonces (so
+// no proof can be replayed). The receiver accepts
 // no descriptor before the server's proof checks out; the server answers
 // nothing but the challenge before the receiver's does. The role byte keeps a
 // server's proof from ever passing for a receiver's.
@@ -48,7 +48,7 @@ func random32(what string) ([32]byte, error) {
 type transcript struct {
 	RegID         uint64
 	Flags         uint64
-	Ends          connEnds // the connection's two sockets
+	Socket        uint64 // the cookie of the exporter's socket of the connection
 	TicketDigest  [32]byte
 	ReceiverNonce nonce
 	ServerNonce   nonce
@@ -62,16 +62,15 @@ const (
 // proof is HMAC-SHA256 under the secret of the role byte and the transcript.
 func (t *transcript) proof(secret Secret, role byte) [proofSize]byte {
 	mac := hmac.New(sha256.New, secret[:])
-	var b [1 + 1 + 8 + 8 + 8 + 8 + 32 + 2*nonceSize]byte
+	var b [1 + 1 + 8 + 8 + 8 + 32 + 2*nonceSize]byte
 	b[0] = role
 	b[1] = ProtocolVersion
 	binary.LittleEndian.PutUint64(b[2:], t.RegID)
 	binary.LittleEndian.PutUint64(b[10:], t.Flags)
-	binary.LittleEndian.PutUint64(b[18:], t.Ends.Server)
-	binary.LittleEndian.PutUint64(b[26:], t.Ends.Receiver)
-	copy(b[34:], t.TicketDigest[:])
-	copy(b[66:], t.ReceiverNonce[:])
-	copy(b[66+nonceSize:], t.ServerNonce[:])
+	binary.LittleEndian.PutUint64(b[18:], t.Socket)
+	copy(b[26:], t.TicketDigest[:])
+	copy(b[58:], t.ReceiverNonce[:])
+	copy(b[58+nonceSize:], t.ServerNonce[:])
 	mac.Write(b[:])
 	var out [proofSize]byte
 	copy(out[:], mac.Sum(nil))

@@ -274,7 +274,7 @@ func rawHello(t testing.TB, tk *Ticket, flags uint64) (*rawSession, rawMsg) {
 			t.Fatal(err)
 		}
 		s.tr.ServerNonce = ch.Nonce
-		if s.tr.Ends, err = endsOf(fd, roleReceiver); err != nil {
+		if s.tr.Socket, err = exporterSocketOf(fd, roleReceiver); err != nil {
 			t.Fatal(err)
 		}
 		if !s.tr.verify(tk.Secret, roleServer, ch.Proof) {

@@ -118,13 +118,13 @@ func (ss *session) authenticate(g *registration, hello helloMsg) bool {
 		ss.refuse(err)
 		return false
 	}
-	ends, err := socketEnds(ss.c.raw, roleServer)
+	sock, err := exporterSocket(ss.c.raw, roleServer)
 	if err != nil {
 		ss.refuse(err)
 		return false
 	}
 	tr := transcript{
-		RegID: hello.RegID, Flags: hello.Flags, Ends: ends,
+		RegID: hello.RegID, Flags: hello.Flags, Socket: sock,
 		TicketDigest: g.digest, ReceiverNonce: hello.Nonce, ServerNonce: ns,
 	}
 	if err := ss.c.send(challengeMsg{Nonce: ns, Proof: tr.proof(g.secret, roleServer)}.encode(), -1); err != nil {

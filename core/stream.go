@@ -188,8 +188,8 @@ func handshake(c *conn, t *Ticket, digest [32]byte, flags uint64) error {
 		return err
 	}
 	// The exporter has accepted the connection (it answered): its socket
-	// has its inode now.
-	ends, err := socketEnds(c.raw, roleReceiver)
+	// is a socket now, with its inode and cookie.
+	sock, err := exporterSocket(c.raw, roleReceiver)
 	if errors.Is(err, errNoPeer) {
 		return pendingError(c, err) // evicted after the challenge: "busy"
 	}
@@ -197,7 +197,7 @@ func handshake(c *conn, t *Ticket, digest [32]byte, flags uint64) error {
 		return wrapErr(EIO, err, "open")
 	}
 	tr := transcript{
-		RegID: t.RegID, Flags: flags, Ends: ends,
+		RegID: t.RegID, Flags: flags, Socket: sock,
 		TicketDigest: digest, ReceiverNonce: nr, ServerNonce: ch.Nonce,
 	}
 	if !tr.verify(t.Secret, roleServer, ch.Proof) {
