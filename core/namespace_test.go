@@ -55,14 +55,17 @@ type containerOpts struct {
 	keep bool // pid 1 is a shell that outlives the helper, so that a child the helper leaves (fork-listener) lives on
 }
 
-// container runs a helper in a container (see the top of the file). The
-// helper is pid 1 there, unless o.keep.
+// container runs a helper in a container (see the top of the file). Its
+// pid 1 is a shell, which unshare kills when it is killed (--kill-child),
+// taking the whole PID namespace with it: a helper that execs from a thread
+// other than its first loses that parent-death signal. The helper's pid is
+// the same in every container.
 func (l *nsLab) container(o containerOpts) []string {
 	wrap := []string{"unshare", "--pid", "--net", "--mount", "--fork", "--mount-proc", "--kill-child"}
 	if o.user {
 		wrap = append(wrap, "--user", "--map-root-user")
 	}
-	run := `exec "$@"`
+	run := `"$@"; exit $?`
 	if o.keep {
 		run = `"$@"; exec sleep 1000000`
 	}
