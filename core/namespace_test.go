@@ -14,11 +14,15 @@ import (
 
 // Receivers and exporters in other namespaces, made with unshare (root, or
 // unprivileged user namespaces, is needed; the tests skip with the reason
-// where unshare cannot make them). A "container" here has its own PID,
-// network and mount namespaces (and, where asked, user namespace); the
-// lab's directory is a private tmpfs in it, with only the socket directory
-// bind-mounted at its own path, as a volume would be. The rest of the file
-// system (the test binary, libraries) is shared, as an image would be.
+// where unshare cannot make them). A "container" is what
+// tests/namespaces/container.sh makes: its own PID, network and mount
+// namespaces (and, where asked, user namespace), in which the lab's
+// directory is a private tmpfs with only the socket directory bind-mounted
+// at its own path, as a volume would be. The rest of the file system (the
+// test binary, libraries) is shared, as an image would be.
+
+// containerScript is tests/namespaces/container.sh (go test runs in core/).
+const containerScript = "../tests/namespaces/container.sh"
 
 // nsLab is one test's directory: root/shared is the socket directory.
 type nsLab struct {
@@ -27,10 +31,6 @@ type nsLab struct {
 
 func newNSLab(t *testing.T) *nsLab {
 	t.Helper()
-	args := []string{"--pid", "--net", "--mount", "--fork", "--mount-proc", "true"}
-	if out, err := exec.Command("unshare", args...).CombinedOutput(); err != nil {
-		t.Skipf("cannot make namespaces here (unshare %s: %v: %s); these tests need root or unprivileged user namespaces", strings.Join(args, " "), err, strings.TrimSpace(string(out)))
-	}
 	root, err := os.MkdirTemp("", "vmmipc-ns-")
 	if err != nil {
 		t.Fatal(err)
@@ -39,6 +39,10 @@ func newNSLab(t *testing.T) *nsLab {
 	l := &nsLab{root: root, shared: filepath.Join(root, "shared")}
 	if err := os.Mkdir(l.shared, 0o700); err != nil {
 		t.Fatal(err)
+	}
+	wrap := l.container(containerOpts{})
+	if out, err := exec.Command(wrap[0], append(wrap[1:], "true")...).CombinedOutput(); err != nil {
+		t.Skipf("cannot make a container here (%s: %v: %s); these tests need unshare and root or unprivileged user namespaces", containerScript, err, strings.TrimSpace(string(out)))
 	}
 	return l
 }
@@ -52,25 +56,23 @@ func (l *nsLab) pidOnly() []string {
 // containerOpts say what else a container gets.
 type containerOpts struct {
 	user bool // its own user namespace (uid 0 inside maps to ours)
-	keep bool // pid 1 is a shell that outlives the helper, so that a child the helper leaves (fork-listener) lives on
+	keep bool // pid 1 outlives the helper, so that a child the helper leaves (fork-listener) lives on
 }
 
-// container runs a helper in a container (see the top of the file). Its
-// pid 1 is a shell, which unshare kills when it is killed (--kill-child),
-// taking the whole PID namespace with it: a helper that execs from a thread
-// other than its first loses that parent-death signal. The helper's pid is
+// container runs a helper in a container of the lab. Its pid 1 is a
+// shell, which dies with the helper's process (unshare), taking the whole
+// PID namespace with it: a helper that execs from a thread other than its
+// first would lose a parent-death signal of its own. The helper's pid is
 // the same in every container.
 func (l *nsLab) container(o containerOpts) []string {
-	wrap := []string{"unshare", "--pid", "--net", "--mount", "--fork", "--mount-proc", "--kill-child"}
+	wrap := []string{"sh", containerScript}
 	if o.user {
-		wrap = append(wrap, "--user", "--map-root-user")
+		wrap = append(wrap, "--user")
 	}
-	run := `"$@"; exit $?`
 	if o.keep {
-		run = `"$@"; exec sleep 1000000`
+		wrap = append(wrap, "--keep")
 	}
-	script := `set -e; cd "$1"; mount -t tmpfs -o mode=0700 vmmipc-test "$2"; mkdir -m 0700 "$1"; mount --no-canonicalize --bind . "$1"; cd /; shift 2; ` + run
-	return append(wrap, "sh", "-c", script, "container", l.shared, l.root)
+	return append(wrap, l.shared, l.root)
 }
 
 // files lists the socket directory.

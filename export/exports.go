@@ -10,11 +10,13 @@
 package main
 
 /*
+#include <stdlib.h>
 #include "abi.h"
 */
 import "C"
 
 import (
+	"sync"
 	"syscall"
 	"time"
 	"unsafe"
@@ -24,6 +26,9 @@ import (
 )
 
 func main() {}
+
+// removeAtExit hands the default server's files to abi.c once.
+var removeAtExit sync.Once
 
 // init runs after the syscall package's init, which raised the host's soft
 // RLIMIT_NOFILE; it puts the limit back (through syscall.Setrlimit, which
@@ -101,6 +106,14 @@ func register(spec core.BufferSpec, o core.RegisterOptions, out *C.vmmipc_ticket
 	if err != nil {
 		return err
 	}
+	removeAtExit.Do(func() {
+		if f := srv.Files(); len(f) == 2 {
+			sock, lock := C.CString(f[0]), C.CString(f[1])
+			C.vmmipc_abi_remove_at_exit(sock, lock)
+			C.free(unsafe.Pointer(sock))
+			C.free(unsafe.Pointer(lock))
+		}
+	})
 	t, err := srv.Register(spec, o)
 	if err != nil {
 		return err
