@@ -3,7 +3,7 @@
 # one home of what the namespace tests mean by that (core/namespace_test.go,
 # tests/namespaces/run_examples.sh, tests/python/test_namespaces.py,
 # tests/gpu/run_namespaces.sh): new PID (pid 1 is a shell; /proc of its
-# own), network (loopback only) and mount namespaces, in which ROOT is a
+# own), network (loopback only), IPC and mount namespaces, in which ROOT is a
 # private tmpfs with only SHARED, a directory under ROOT, bind-mounted at
 # its own path, as a volume would be. The rest of the file system (programs,
 # libraries, /dev) is shared, as an image and device nodes would be.
@@ -29,7 +29,7 @@ done
 # bind the real directory ("." unresolved: mount must not canonicalize it
 # into the new, empty path).
 # shellcheck disable=SC2086 # $user is two words or none
-exec unshare --pid --net --mount --fork --mount-proc --kill-child $user sh -c '
+exec unshare --pid --net --ipc --mount --fork --mount-proc --kill-child $user sh -c '
   set -e
   cd "$1"
   mount -t tmpfs -o mode=0700 vmmipc-container "$2"
