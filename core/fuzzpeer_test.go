@@ -19,7 +19,8 @@ import (
 
 // sampleTicket is a well-formed ticket used as a seed.
 func sampleTicket() *Ticket {
-	t := &Ticket{Kind: MemoryHost, Address: "@vmmipc-1234-00112233", Pid: 1234, StartTime: 5678, RegID: 7, BufferID: 3, Count: 4, Total: 4 * 4096}
+	t := &Ticket{Kind: MemoryHost, Address: "@vmmipc-1234-00112233", Pid: 1234, StartTime: 5678, RegID: 7, BufferID: 3, Count: 4, Total: 4 * 4096,
+		NS: Namespaces{Dev: 4, PID: 4026531836, Net: 4026531840, Time: 4026531834}}
 	for i := range t.Secret {
 		t.Secret[i] = byte(i * 7)
 	}
