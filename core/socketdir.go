@@ -89,8 +89,9 @@ func checkDirChain(dir string) error {
 
 // serverLock is the lock an exporter holds next to its socket.
 type serverLock struct {
-	fd   int
-	path string
+	fd       int
+	path     string
+	released sync.Once
 }
 
 // ownLocks are the lock files this process holds. The process must never
@@ -144,11 +145,14 @@ func createLock(base string) (*serverLock, error) {
 	return &serverLock{fd: fd, path: path}, nil
 }
 
-// release removes the lock file and drops the lock.
+// release removes the lock file and drops the lock, once: a second Close
+// of the server must not close whatever descriptor took the number.
 func (l *serverLock) release() {
-	_ = unix.Unlink(l.path)
-	_ = unix.Close(l.fd)
-	setOwnLock(l.path, false)
+	l.released.Do(func() {
+		_ = unix.Unlink(l.path)
+		_ = unix.Close(l.fd)
+		setOwnLock(l.path, false)
+	})
 }
 
 // lockState is what probeLock found.

@@ -233,7 +233,7 @@ def test_bad_tickets(hb):
         vmmipc.import_stream(tampered(t, 0, b"XXXX"))
     with pytest.raises(vmmipc.InvalidError):
         vmmipc.Ticket(bytes(256)).info()
-    secret = bytes(b ^ 0xFF for b in t[40:72])  # the 256-bit secret (ticket format 2)
+    secret = bytes(b ^ 0xFF for b in t[40:72])  # the 256-bit secret (ticket format 3)
     with pytest.raises(vmmipc.AuthError, match="secret"):
         vmmipc.open(tampered(t, 40, secret))
     wrong_pid = (os.getpid() + 1).to_bytes(4, "little")
