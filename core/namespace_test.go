@@ -21,30 +21,32 @@ import (
 // at its own path, as a volume would be. The rest of the file system (the
 // test binary, libraries) is shared, as an image would be.
 
-// containerScript is tests/namespaces/container.sh (go test runs in core/).
-const containerScript = "../tests/namespaces/container.sh"
+// containerScript and newLabScript are in tests/namespaces (go test runs
+// in core/).
+const (
+	containerScript = "../tests/namespaces/container.sh"
+	newLabScript    = "../tests/namespaces/new_lab.sh"
+)
 
 // nsLab is one test's directory: root/shared is the socket directory.
 type nsLab struct {
 	root, shared string
 }
 
+// newNSLab makes one with new_lab.sh, or skips the test saying why no
+// container can be made here.
 func newNSLab(t *testing.T) *nsLab {
 	t.Helper()
-	root, err := os.MkdirTemp("", "vmmipc-ns-")
+	cmd := exec.Command("sh", newLabScript)
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
 	if err != nil {
-		t.Fatal(err)
+		t.Skipf("%s: %v: %s", newLabScript, err, strings.TrimSpace(stderr.String()))
 	}
+	root := strings.TrimSpace(string(out))
 	t.Cleanup(func() { os.RemoveAll(root) })
-	l := &nsLab{root: root, shared: filepath.Join(root, "shared")}
-	if err := os.Mkdir(l.shared, 0o700); err != nil {
-		t.Fatal(err)
-	}
-	wrap := l.container(containerOpts{})
-	if out, err := exec.Command(wrap[0], append(wrap[1:], "true")...).CombinedOutput(); err != nil {
-		t.Skipf("cannot make a container here (%s: %v: %s); these tests need unshare and root or unprivileged user namespaces", containerScript, err, strings.TrimSpace(string(out)))
-	}
-	return l
+	return &nsLab{root: root, shared: filepath.Join(root, "shared")}
 }
 
 // pidOnly runs a helper in a new PID namespace with its own /proc,
@@ -138,6 +140,26 @@ func (h *helper) waitLive(want int) {
 	}
 }
 
+// expectDone waits until a sender helper's registrations have all ended
+// and checks that it holds the descriptors it held before it registered.
+func (h *helper) expectDone(base int) {
+	h.t.Helper()
+	h.waitLive(0)
+	if n := h.fds(); n != base {
+		h.t.Fatalf("the sender holds %d descriptors after its registrations ended, %d before", n, base)
+	}
+}
+
+// expectCleanClose checks that the sender's files are in the socket
+// directory while it serves and gone once it closes its server.
+func (l *nsLab) expectCleanClose(t *testing.T, sender *helper, addr string) {
+	t.Helper()
+	l.expectFiles(t, "while the sender serves", exporterFiles(addr)...)
+	sender.send("close")
+	sender.expect("closed", faultTimeout)
+	l.expectFiles(t, "after the sender closed its server")
+}
+
 // importResult is what an importer helper reported.
 type importResult struct {
 	code                      Code
@@ -203,14 +225,8 @@ func TestAcrossPidNamespace(t *testing.T) {
 		base := sender.fds()
 		tk := sender.register(8, 4096, 1, -1, 31)
 		importIn(t, lab.pidOnly(), tk, 31).ok(t)
-		sender.waitLive(0)
-		if n := sender.fds(); n != base {
-			t.Fatalf("the sender holds %d descriptors, %d before", n, base)
-		}
-		lab.expectFiles(t, "while the sender serves", exporterFiles(addr)...)
-		sender.send("close")
-		sender.expect("closed", faultTimeout)
-		lab.expectFiles(t, "after the sender closed its server")
+		sender.expectDone(base)
+		lab.expectCleanClose(t, sender, addr)
 	})
 	t.Run("exporter in a new one", func(t *testing.T) {
 		sender, _ := startSender(t, lab.pidOnly(), lab.shared)
@@ -246,10 +262,7 @@ func TestAcrossPidNetMountNamespaces(t *testing.T) {
 		base := sender.fds()
 		tk := sender.register(16, 4096, 1, -1, 34)
 		importIn(t, lab.container(containerOpts{}), tk, 34).ok(t)
-		sender.waitLive(0)
-		if n := sender.fds(); n != base {
-			t.Fatalf("the sender holds %d descriptors, %d before", n, base)
-		}
+		sender.expectDone(base)
 	})
 	t.Run("abstract socket", func(t *testing.T) {
 		sender, _ := startSender(t, nil, "")
@@ -279,14 +292,8 @@ func TestTwoContainers(t *testing.T) {
 			if r.ok(t); r.hits != 1 {
 				t.Fatalf("%d import-cache hits for the second import, want 1", r.hits)
 			}
-			sender.waitLive(0)
-			if n := sender.fds(); n != base {
-				t.Fatalf("the sender holds %d descriptors, %d before", n, base)
-			}
-			lab.expectFiles(t, "while the sender serves", exporterFiles(addr)...)
-			sender.send("close")
-			sender.expect("closed", faultTimeout)
-			lab.expectFiles(t, "after the sender closed its server")
+			sender.expectDone(base)
+			lab.expectCleanClose(t, sender, addr)
 		})
 	}
 }

@@ -194,10 +194,7 @@ func TestSwappedSocketAcrossContainers(t *testing.T) {
 			imp.send("restore")
 			imp.expect("restored", faultTimeout)
 			importIn(t, receiver(lab), tk, 45).ok(t)
-			sender.waitLive(0)
-			if n := sender.fds(); n != base {
-				t.Fatalf("the exporter holds %d descriptors, %d before it registered", n, base)
-			}
+			sender.expectDone(base)
 		})
 	}
 }

@@ -42,14 +42,9 @@ verdict() { # verdict NAME RC: counts and prints one line
 skip() { echo "SKIP $1: $2"; skipped=$((skipped + 1)); }
 
 [ -f build/libvmmipc.so ] || { echo "run_namespaces: no build/libvmmipc.so: build it with make lib (Go) and carry build/"; exit 2; }
-root=$(mktemp -d /tmp/vmmipc-ns-XXXXXX)
+root=$(sh tests/namespaces/new_lab.sh) || exit 2
 trap 'rm -rf "$root"' EXIT
 shared=$root/shared
-mkdir -m 0700 "$shared"
-if ! out=$(sh "$container" "$shared" "$root" true 2>&1); then
-  echo "run_namespaces: cannot make a container here ($out): needs unshare and root (or unprivileged user namespaces)"
-  exit 2
-fi
 
 bins=$PWD/build/tests/namespaces
 mkdir -p "$bins"

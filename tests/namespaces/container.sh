@@ -2,7 +2,7 @@
 # container.sh runs a command in a "container" of its own on this host, the
 # one home of what the namespace tests mean by that (core/namespace_test.go,
 # tests/namespaces/run_examples.sh, tests/python/test_namespaces.py,
-# tests/gpu/run_namespaces.sh): new PID (pid 1 is a shell; /proc of its
+# tests/gpu/run_namespaces.sh; new_lab.sh makes ROOT and SHARED): new PID (pid 1 is a shell; /proc of its
 # own), network (loopback only), IPC and mount namespaces, in which ROOT is a
 # private tmpfs with only SHARED, a directory under ROOT, bind-mounted at
 # its own path, as a volume would be. The rest of the file system (programs,

@@ -19,14 +19,9 @@ for role in sender receiver; do
   "${CC:-cc}" -Wall -Wextra -Werror -o "$bins/host_$role" "examples/host/$role.c" \
     -I"$build/include" -L"$build" -lvmmipc -Wl,-rpath,"$build"
 done
-root=$(mktemp -d /tmp/vmmipc-ns-XXXXXX)
+root=$(sh tests/namespaces/new_lab.sh) || { echo "namespaces: skipped (see above)"; exit 77; }
 trap 'rm -rf "$root"' EXIT
 shared=$root/shared
-mkdir -m 0700 "$shared"
-if ! out=$(sh "$container" "$shared" "$root" true 2>&1); then
-  echo "namespaces: skipped: cannot make a container here ($container: $out); needs unshare and root or unprivileged user namespaces"
-  exit 77
-fi
 
 for receiver_opts in "" "--user"; do
   echo "namespaces: host_sender in one container | host_receiver in another${receiver_opts:+ (with its own user namespace)}"

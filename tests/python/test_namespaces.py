@@ -18,6 +18,7 @@ import pytest
 import conftest
 
 CONTAINER = os.path.join(conftest.ROOT, "tests", "namespaces", "container.sh")
+NEW_LAB = os.path.join(conftest.ROOT, "tests", "namespaces", "new_lab.sh")
 QUICKSTART = os.path.join(conftest.ROOT, "examples", "python", "quickstart.py")
 
 # Runs the quick start unchanged, with multiprocessing starting every child
@@ -31,14 +32,11 @@ runpy.run_path(sys.argv[2], run_name="__main__")
 
 @pytest.fixture
 def lab():
-    root = tempfile.mkdtemp(prefix="vmmipc-ns-")  # short: socket paths are at most 107 bytes
+    made = subprocess.run(["sh", NEW_LAB], capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(made.stderr.strip())
+    root = made.stdout.strip()
     shared = os.path.join(root, "shared")
-    os.mkdir(shared, 0o700)
-    probe = subprocess.run(["sh", CONTAINER, shared, root, "true"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        shutil.rmtree(root)
-        pytest.skip(f"cannot make a container here ({CONTAINER}: {probe.stderr.strip()}); "
-                    "needs unshare and root or unprivileged user namespaces")
     # The wrapper lives outside root, which each container covers.
     fd, wrapper = tempfile.mkstemp(prefix="vmmipc-ns-python-")
     with os.fdopen(fd, "w") as f:
