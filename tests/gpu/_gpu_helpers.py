@@ -187,6 +187,20 @@ def driver_range(ptr):
     return int(base_), int(size)
 
 
+def is_vmm_memory(ptr):
+    """Whether ptr lies in CUDA VMM memory (cuMemCreate: expandable
+    segments) rather than cudaMalloc memory, asked of the driver alone
+    (cuMemRetainAllocationHandle fails on cudaMalloc memory with
+    CUDA_ERROR_INVALID_VALUE), so a process that must not load libvmmipc
+    can ask too."""
+    from cuda.bindings import driver
+    err, handle = driver.cuMemRetainAllocationHandle(ptr)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        return False
+    driver.cuMemRelease(handle)  # the retain took a reference
+    return True
+
+
 def pidfd_getfd_refused():
     """Whether this process runs under a filter refusing pidfd_getfd
     (tests/gpu/no_pidfd_getfd)."""
