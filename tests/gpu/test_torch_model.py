@@ -534,8 +534,10 @@ def kill_mid_sync(vt):
     left: no descriptor, no cached mapping, the addresses unmapped, and
     the GPU memory of both sides back to the driver."""
     import multiprocessing as mp
+    from multiprocessing import resource_tracker
     runs, run_bytes = 16, 512 * MiB
     ctx = mp.get_context("spawn")
+    resource_tracker.ensure_running()  # spawn starts it once, with a descriptor of its own
     free0, fds0, cache0 = gpu_free(), settled_fd_count(), vmmipc.cache_info()
     conn, child_end = ctx.Pipe()
     proc = ctx.Process(target=killed_sender, args=(child_end, runs, run_bytes))
@@ -605,6 +607,7 @@ def kill_mid_sync(vt):
         if proc.is_alive():
             proc.kill()
             proc.join(TIMEOUT)
+        proc.close()  # its sentinel descriptor
         conn.close()
     fds = settled_fd_count()
     if fds != fds0:
