@@ -380,7 +380,11 @@ func vmmipcgo_import_stream(ticket *C.vmmipc_ticket, device C.int, opts *C.vmmip
 		if err != nil {
 			return err
 		}
-		r, err := core.Import(t, int32(device), o.importOptions(), cuda.NewImporter)
+		io, err := o.importOptions()
+		if err != nil {
+			return err
+		}
+		r, err := core.Import(t, int32(device), io, cuda.GPU{})
 		if err != nil {
 			return err
 		}
@@ -422,6 +426,7 @@ func vmmipcgo_cache_get_info(out *C.vmmipc_cache_info, size C.size_t) C.int {
 			referenced_bytes: C.uint64_t(i.ReferencedBytes), unreferenced_bytes: C.uint64_t(i.UnreferencedBytes),
 			hits: C.uint64_t(i.Hits), misses: C.uint64_t(i.Misses),
 			evictions: C.uint64_t(i.Evictions), invalidations: C.uint64_t(i.Invalidations),
+			confirms_pending: C.uint64_t(i.ConfirmsPending), confirms_failed: C.uint64_t(i.ConfirmsFailed),
 		}
 		n := min(uintptr(size), unsafe.Sizeof(full))
 		copy(unsafe.Slice((*byte)(unsafe.Pointer(out)), n), unsafe.Slice((*byte)(unsafe.Pointer(&full)), n))

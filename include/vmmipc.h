@@ -132,7 +132,10 @@ extern "C" {
 #define VMMIPC_MAX_CHUNKS (1ull << 26)      /* chunks in one registration */
 
 /* vmmipc_options.import_flags */
-#define VMMIPC_IMPORT_NO_CACHE 0x1u /* neither reuse nor keep a cached mapping */
+#define VMMIPC_IMPORT_NO_CACHE 0x1u      /* neither reuse nor keep a cached mapping */
+#define VMMIPC_IMPORT_CONFIRM_LATER 0x2u /* a cache hit returns at once and its
+                                            use is spent in the background
+                                            (vmmipc_import_stream) */
 
 /* A ticket: plain data naming one registration. Copy it freely. It holds the
  * server's socket address, the exporter's pid and process start time, the
@@ -534,7 +537,8 @@ typedef struct vmmipc_mapping {
  * registering the same memory again) still connects, proves the secret both
  * ways, spends one use and has the exporter confirm that the registration
  * lives; then it returns another reference to the same mapping, at the same
- * address, with no descriptor and no driver call. A stale hit cannot
+ * address, with no descriptor and no driver call (the device is resolved
+ * from a table read once per process). A stale hit cannot
  * happen: a buffer id names one set of allocations (or one memfd) that the
  * exporter holds references to for as long as any registration of it
  * lives, ids are never reused within the exporter's life, the exporter's
@@ -547,6 +551,22 @@ typedef struct vmmipc_mapping {
  * default 32 GiB; 0 turns the cache off) and are unmapped when the exporter
  * says the buffer ended (checked every 250 ms while any exist) or the
  * exporter exits. opts->import_flags VMMIPC_IMPORT_NO_CACHE bypasses it.
+ *
+ * opts->import_flags VMMIPC_IMPORT_CONFIRM_LATER takes the confirmation off
+ * the caller's path: a hit returns at once (no connection, no system call,
+ * no driver call) and the use is spent by a library thread, one
+ * authenticated session per ticket, in order per exporter
+ * (vmmipc_cache_info counts those pending and failed). The reference is
+ * valid whatever that answer is, since the mapping holds its own references
+ * to the memory; but until it comes, the hit has trusted the ticket's
+ * exporter and buffer fields without proof, so use the flag only for
+ * tickets from the channel you trust for the data itself (a ticket whose
+ * secret is wrong gets the mapping this process already has of that buffer,
+ * and a failed confirmation). A miss streams as without the flag. Whoever
+ * waits on the sender (vmmipc_wait) sees the registration end only once the
+ * confirmation ran, usually within a millisecond; confirmations still
+ * queued when this process exits are lost (the sender's registration then
+ * lives until its ttl or its process's end).
  *
  * *mapping_out belongs to the caller; drop the reference with vmmipc_unmap.
  * Returns:
@@ -594,6 +614,10 @@ typedef struct vmmipc_cache_info {
                                   when the cache was turned off */
   uint64_t invalidations;      /* mappings undone because the buffer ended
                                   or the exporter exited */
+  uint64_t confirms_pending;   /* VMMIPC_IMPORT_CONFIRM_LATER confirmations
+                                  queued or in flight */
+  uint64_t confirms_failed;    /* ...that failed (the exporter refused the
+                                  ticket, or could not be reached) */
 } vmmipc_cache_info;
 
 /* vmmipc_cache_set_limit sets this process's bound on the bytes of

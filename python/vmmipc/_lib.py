@@ -52,6 +52,7 @@ MAX_ACCESS_DEVICES = 64
 MAX_TTL_MS = 1 << 40
 MAX_CHUNKS = 1 << 26
 IMPORT_NO_CACHE = 0x1
+IMPORT_CONFIRM_LATER = 0x2
 
 
 class vmmipc_ticket(Structure):
@@ -123,6 +124,8 @@ class vmmipc_cache_info(Structure):
         ("misses", c_uint64),
         ("evictions", c_uint64),
         ("invalidations", c_uint64),
+        ("confirms_pending", c_uint64),
+        ("confirms_failed", c_uint64),
     ]
 
 
