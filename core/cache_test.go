@@ -655,3 +655,35 @@ func TestCacheConfirmLater(t *testing.T) {
 	expectCache(t, "the anchor ended", before, CacheInfo{Hits: 1 + grants, Misses: 1, Invalidations: 1, ConfirmsFailed: 1})
 	expectMapped(t, "the anchor ended", 0)
 }
+
+// TestConfirmSpendsOneUse: Confirm spends one use of a ticket and makes no
+// descriptor; a ticket with a wrong secret is refused and spends nothing of
+// the real one; a used-up ticket is ENOENT.
+func TestConfirmSpendsOneUse(t *testing.T) {
+	s := newTestServer(t)
+	anchor := registerCounting(t, s, cacheSize, 10, RegisterOptions{Uses: 0})
+	grant, err := s.RegisterAgain(anchor.tk, RegisterOptions{Uses: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	forged := *grant
+	forged.Secret[31] ^= 0x80
+	if err := Confirm(&forged, ImportOptions{}); CodeOf(err) != EAUTH {
+		t.Fatalf("confirming a forged ticket: %v, want EAUTH", err)
+	}
+	if err := s.Wait(grant, 50*time.Millisecond); CodeOf(err) != ETIMEDOUT {
+		t.Fatalf("the real grant after a forged confirmation: %v, want it still live", err)
+	}
+	if err := Confirm(grant, ImportOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Wait(grant, 5*time.Second); err != nil {
+		t.Fatalf("the grant did not end after its confirmation: %v", err)
+	}
+	if err := Confirm(grant, ImportOptions{}); CodeOf(err) != ENOENT {
+		t.Fatalf("confirming a used-up ticket: %v, want ENOENT", err)
+	}
+	if anchor.exports.Load() != 0 {
+		t.Fatalf("confirmations made %d descriptors", anchor.exports.Load())
+	}
+}

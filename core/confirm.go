@@ -82,6 +82,23 @@ func (c *confirmer) work(key string) {
 	}
 }
 
+// Confirm spends one use of t without receiving anything, for a receiver
+// that has the memory mapped already (through another ticket of the same
+// buffer): at once, or queued with opts.ConfirmLater. It reports what the
+// exporter said (queued: nil).
+func Confirm(t *Ticket, opts ImportOptions) error {
+	if err := opts.Validate(); err != nil {
+		return err
+	}
+	opts.OpenOptions = opts.OpenOptions.withDefaults()
+	if opts.ConfirmLater {
+		confirms.add(t, opts.Timeout)
+		return nil
+	}
+	_, err := confirm(t, opts.Timeout)
+	return err
+}
+
 // counts reports confirmations queued or in flight, and those that failed.
 func (c *confirmer) counts() (pending, failed uint64) {
 	c.mu.Lock()

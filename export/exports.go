@@ -395,6 +395,21 @@ func vmmipcgo_import_stream(ticket *C.vmmipc_ticket, device C.int, opts *C.vmmip
 	})
 }
 
+//export vmmipcgo_confirm
+func vmmipcgo_confirm(ticket *C.vmmipc_ticket, opts *C.vmmipc_options) C.int {
+	return call("vmmipc_confirm", func() error {
+		t, o, err := receiveArgs("", ticket, opts, false)
+		if err != nil {
+			return err
+		}
+		io, err := o.importOptions()
+		if err != nil {
+			return err
+		}
+		return core.Confirm(t, io)
+	})
+}
+
 //export vmmipcgo_unmap
 func vmmipcgo_unmap(m *C.vmmipc_mapping) C.int {
 	return call("vmmipc_unmap", func() error {

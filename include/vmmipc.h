@@ -587,6 +587,22 @@ int vmmipc_import_stream(const vmmipc_ticket *ticket, int device,
                          const vmmipc_options *opts,
                          vmmipc_mapping *mapping_out);
 
+/* vmmipc_confirm spends one use of the ticket and receives nothing: for a
+ * receiver that has the memory mapped already, through another ticket of
+ * the same buffer (as vmmipc_register_again makes them), and must still let
+ * the sender know it has it, so that the registration ends (and its
+ * release_fn runs). It connects, proves the secret both ways and has the
+ * exporter spend the use, as a cache hit of vmmipc_import_stream does; with
+ * VMMIPC_IMPORT_CONFIRM_LATER in opts->import_flags it returns at once and a
+ * library thread does that (vmmipc_cache_info counts it; see
+ * vmmipc_import_stream). Opens no descriptor, makes no driver call.
+ * Returns:
+ *   VMMIPC_OK      the use is spent (or, with the flag, queued)
+ *   VMMIPC_EINVAL  NULL ticket, malformed ticket, option out of bounds
+ *   VMMIPC_EAUTH, VMMIPC_ENOENT, VMMIPC_EIO, VMMIPC_ENFILE  as vmmipc_open
+ *   VMMIPC_EFORK   called after fork() */
+int vmmipc_confirm(const vmmipc_ticket *ticket, const vmmipc_options *opts);
+
 /* vmmipc_unmap drops the reference *mapping holds and zeroes *mapping. When
  * it was the last reference, the mapping is kept in the import cache (if
  * the cache has room and the exporter's buffer lives on) or undone

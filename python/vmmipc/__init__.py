@@ -29,7 +29,7 @@ from ._register import (live_registrations, register, register_again, register_c
                         version)
 from ._cuda import CudaRange, cuda_query_range
 from ._stream import Chunk, Stream, export_chunks, export_fds, open
-from ._mapping import CacheInfo, Mapping, cache_info, import_stream, set_cache_limit
+from ._mapping import CacheInfo, Mapping, cache_info, confirm, import_stream, set_cache_limit
 from ._host import DEFAULT_CHUNK_SIZE, HostBuffer
 from . import _reductions
 
@@ -45,7 +45,7 @@ __all__ = [
     "LibraryNotFoundError", "MAX_ACCESS_DEVICES", "MAX_CHUNKS", "MAX_TTL_MS", "MAX_WINDOW",
     "MEMORY_CUDA", "MEMORY_HOST", "Mapping", "NotFoundError", "OK", "OutOfDescriptorsError",
     "Stream", "TICKET_SIZE", "Ticket", "TicketInfo", "VmmipcError", "VmmipcForkError",
-    "VmmipcIOError", "VmmipcMemoryError", "VmmipcTimeoutError", "cache_info",
+    "VmmipcIOError", "VmmipcMemoryError", "VmmipcTimeoutError", "cache_info", "confirm",
     "cuda_query_range", "error_for", "export_chunks", "export_fds",
     # not "open": `from vmmipc import *` must not shadow the builtin
     "import_stream", "live_registrations", "register", "register_again", "register_cuda",

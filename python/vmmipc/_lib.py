@@ -159,6 +159,7 @@ SIGNATURES = {
     "vmmipc_pull_next": (c_int, [_STREAM, POINTER(vmmipc_chunk)]),
     "vmmipc_close": (c_int, [_STREAM]),
     "vmmipc_import_stream": (c_int, [_T, c_int, _O, POINTER(vmmipc_mapping)]),
+    "vmmipc_confirm": (c_int, [_T, _O]),
     "vmmipc_unmap": (c_int, [POINTER(vmmipc_mapping)]),
     "vmmipc_cache_set_limit": (c_int, [c_uint64]),
     "vmmipc_cache_get_info": (c_int, [POINTER(vmmipc_cache_info), ctypes.c_size_t]),

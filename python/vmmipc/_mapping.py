@@ -219,6 +219,19 @@ def import_stream(ticket, device: int | None = None, *, timeout: float | None = 
     return Mapping(out)
 
 
+def confirm(ticket, *, later: bool = False, timeout: float | None = None) -> None:
+    """Spend one use of a ticket without importing anything
+    (vmmipc_confirm): for a receiver that has the memory mapped already,
+    through another ticket of the same buffer, so that the sender's
+    registration ends. later=True returns at once and a library thread
+    confirms (VMMIPC_IMPORT_CONFIRM_LATER; cache_info counts it)."""
+    fn = "vmmipc_confirm"
+    t = as_ticket(ticket)
+    opts = _lib.options(fn, timeout=timeout,
+                        import_flags=IMPORT_CONFIRM_LATER if later else 0)
+    _lib.call(fn, ctypes.byref(t._c()), ctypes.byref(opts))
+
+
 class CacheInfo(NamedTuple):
     limit_bytes: int         # bound on unreferenced bytes; 0 = off
     entries: int             # mappings the cache knows, referenced or not
