@@ -13,19 +13,26 @@ _HANDLE_TYPE_NAMES = {
 }
 
 
+_modules: list = []  # [torch, torch.multiprocessing.reductions] once imported
+
+
 def torch_module():
     """The torch module, or an ImportError that says what is missing."""
+    if _modules:
+        return _modules[0]
     try:
         import torch
+        import torch.multiprocessing.reductions as reductions
     except ImportError as e:
         raise ImportError("vmmipc.torch needs PyTorch (pip install torch); it could not be "
                           f"imported: {e}") from e
+    _modules[:] = [torch, reductions]
     return torch
 
 
 def torch_reductions():
-    import torch.multiprocessing.reductions as reductions
-    return reductions
+    torch_module()
+    return _modules[1]
 
 
 def handle_type_names(bits: int) -> str:

@@ -81,9 +81,20 @@ class Batch:
 
     def __init__(self):
         self.ttl = _pickle_ttl
+        self.where = _mp.fork_destination()  # the pickle's: it is made on this thread
         self._grants: dict[RunAnchor, tuple] = {}
         self._events: dict[int, bytes] = {}
         self._not_vmm: set[int] = set()  # ids of storages planned and found not VMM
+        self._runs: dict[int, tuple] = {}  # id(storage) -> (storage, its anchor)
+
+    def run_of(self, storage) -> RunAnchor | None:
+        """storage's anchor as found in this batch (storages do not move
+        while one thread pickles them)."""
+        found = self._runs.get(id(storage))
+        return found[1] if found is not None and found[0] is storage else None
+
+    def remember(self, storage, run: RunAnchor) -> None:
+        self._runs[id(storage)] = (storage, run)
 
     def grant(self, run: RunAnchor, storage):
         """The ticket of this batch's grant of run; storage is kept alive
@@ -108,7 +119,9 @@ class Batch:
         refused, with a clear error) when it is reduced."""
         pending = []
         for storage in _storages_in(obj):
-            if runs.attached(storage) is not None:
+            run = runs.attached(storage)
+            if run is not None:
+                self.remember(storage, run)
                 continue
             try:
                 p = runs.pending(storage)
@@ -122,7 +135,11 @@ class Batch:
             try:
                 runs.plan(pending)
             except _errors.VmmipcError:
-                pass  # each reducer retries alone and raises for its own storage
+                return  # each reducer retries alone and raises for its own storage
+            for p in pending:
+                run = runs.attached(p.storage)
+                if run is not None:
+                    self.remember(p.storage, run)
 
     def known_not_vmm(self, storage) -> bool:
         return id(storage) in self._not_vmm
@@ -143,7 +160,7 @@ def batch(obj=None):
     storages are anchored together up front (dicts, lists and tuples of
     tensors are searched)."""
     b = Batch()
-    if obj is not None:
+    if obj is not None and b.where is None:  # never register for a forked child
         b.plan(obj)
     stack = _local.__dict__.setdefault("batches", [])
     stack.append(b)
@@ -219,13 +236,18 @@ def _reduce_through(what: str, storage, torch_reduce, vmm_reduce):
     that vmmipc does not hold; otherwise vmm_reduce(run, batch), guarded
     (fork destinations refused, errors carried to the receiver of a Queue)."""
     b = current_batch()
-    try:
-        run = _anchor_of(storage, b)
-    except _errors.VmmipcError as e:  # e.g. no POSIX fd, libvmmipc or libcuda missing
-        return _mp.guarded_reduce(what, functools.partial(_raise, e))
+    run = b.run_of(storage) if b is not None else None
+    where = b.where if b is not None else _mp.ASK
     if run is None:
-        return torch_reduce()
-    return _mp.guarded_reduce(what, functools.partial(vmm_reduce, run, b))
+        try:
+            run = _anchor_of(storage, b)
+        except _errors.VmmipcError as e:  # e.g. no POSIX fd, libvmmipc or libcuda missing
+            return _mp.guarded_reduce(what, functools.partial(_raise, e), where)
+        if run is None:
+            return torch_reduce()
+        if b is not None:
+            b.remember(storage, run)
+    return _mp.guarded_reduce(what, functools.partial(vmm_reduce, run, b), where)
 
 
 def _storage_reduction(storage, run: RunAnchor, b: Batch | None):
@@ -238,6 +260,7 @@ def _storage_reduction(storage, run: RunAnchor, b: Batch | None):
         # anchor the storage anew.
         runs.attached(storage)  # detaches it from the ended anchor
         run = _anchor_of(storage, None)
+        b.remember(storage, run)
         ticket = b.grant(run, storage)
     device = storage.device.index
     return (rebuild_storage, (ticket, run.id, storage.data_ptr() - run.base, storage.nbytes(),
