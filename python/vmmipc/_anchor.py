@@ -137,13 +137,24 @@ class Anchor:
         self._keys = itertools.count()
         self.retired = False
 
-    def grant(self, *, uses: int = 1, ttl: float | None = None, keep=None) -> Ticket:
+    def grant(self, *, uses: int = 1, ttl: float | None = None, keep=None,
+              limit: int | None = None) -> Ticket:
         """A new registration of the anchor's memory (register_again) for
         `uses` receivers (0 = unlimited) and `ttl` seconds; `keep` (any
-        object) stays referenced until the grant ends. NotFoundError if the
-        anchor ended (retired, or unregistered at exit)."""
+        object) stays referenced until the grant ends. limit: at most this
+        many grants pending; beyond it the oldest is ended (on the reaper),
+        so a receiver that never comes cannot make the sender hold more and
+        more. NotFoundError if the anchor ended (retired, or unregistered at
+        exit)."""
         key = next(self._keys)
         with self._lock:
+            if limit is not None and len(self._grants) >= limit:
+                oldest = next((k for k, t in self._grants.items() if t is not None), None)
+                if oldest is not None:
+                    log.warning("vmmipc: %d grants of one anchor are still not received; ending "
+                                "the oldest (its receiver will be told it was unregistered)",
+                                len(self._grants))
+                    reaper.submit(_end_quietly, self._grants.pop(oldest))
             self._grants[key] = None  # a release that comes first removes it
         release = _Release(self, key, keep)
         try:

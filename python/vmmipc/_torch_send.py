@@ -40,6 +40,12 @@ from ._torch_runs import RunAnchor, runs
 # least this long has passed since it was pickled.
 EVENT_KEEP_SECONDS = 2.0
 
+# Pickles of one run that may wait for their receivers at once; beyond it the
+# oldest grant is ended (its receiver gets ENOENT), so a receiver that stopped
+# reading cannot make the sender hold more and more (set_pickle_ttl bounds
+# the wait in time).
+MAX_PENDING_PICKLES = 1024
+
 _pickle_ttl: float | None = None
 
 
@@ -102,7 +108,8 @@ class Batch:
         entry = self._grants.get(run)
         if entry is None:
             keep: list = []
-            entry = (run.anchor.grant(uses=1, ttl=self.ttl, keep=keep), keep)
+            entry = (run.anchor.grant(uses=1, ttl=self.ttl, keep=keep,
+                                      limit=MAX_PENDING_PICKLES), keep)
             self._grants[run] = entry
         entry[1].append(storage)
         return entry[0]

@@ -369,6 +369,23 @@ def test_a_grant_that_fails_keeps_nothing(fake):
     assert alive() is None and anchor.pending() == []
 
 
+def test_pending_grants_are_bounded(fake):
+    """A receiver that never comes: beyond the limit the oldest grant is
+    ended, and what it kept alive is let go."""
+    anchor = _anchor.Anchor("anchor-z")
+    kept = [Storage(i, 1) for i in range(5)]
+    alive = [weakref.ref(k) for k in kept]
+    tickets = [anchor.grant(keep=[k], limit=3) for k in kept]
+    del kept
+    drain()
+    assert fake.unregistered == tickets[:2] and anchor.pending() == tickets[2:]
+    for (_, _, _, release), ticket in zip(fake.again, tickets):
+        if ticket in fake.unregistered:
+            release()  # what the library does once an unregistered grant has ended
+    drain()
+    assert [r() is None for r in alive] == [True, True, False, False, False]
+
+
 def test_anchor_grants_are_pending_until_released(fake):
     anchor = _anchor.Anchor("anchor-y")
     t1 = anchor.grant(uses=2, ttl=1.5)
