@@ -66,8 +66,8 @@ from . import _args, _reductions, _torch_receive, _torch_send
 from ._torch_env import POSIX_FD_HANDLE, handle_type_names, torch_module
 from ._torch_receive import open_tensors
 from ._torch_runs import runs as _runs
-from ._torch_send import (EVENT_KEEP_SECONDS, batch, is_vmm_tensor, reduce_storage,
-                          reduce_tensor, share_tensors)
+from ._torch_send import (EVENT_KEEP_SECONDS, MAX_PENDING_PICKLES, batch, is_vmm_tensor,
+                          reduce_storage, reduce_tensor, share_tensors)
 
 
 def set_receive_device(device: int | None) -> None:
@@ -124,6 +124,6 @@ try:
 except ImportError:
     pass  # no torch: the functions above raise a clear ImportError when used
 
-__all__ = ["EVENT_KEEP_SECONDS", "POSIX_FD_HANDLE", "batch", "handle_type_names", "install",
+__all__ = ["EVENT_KEEP_SECONDS", "MAX_PENDING_PICKLES", "POSIX_FD_HANDLE", "batch", "handle_type_names", "install",
            "is_vmm_tensor", "live_anchors", "open_tensors", "reduce_storage", "reduce_tensor",
            "set_pickle_ttl", "set_receive_device", "share_tensors"]
