@@ -215,20 +215,20 @@ def _mapped_run(torch, grant, anchor_id, target) -> tuple[_MappedRun, bool]:
 
 def rebuild_storage(grant, anchor_id, offset, nbytes, exporter_device, event_handle):
     """Unpickling side of a VMM storage."""
-    torch = torch_module()
-    torch.cuda.init()  # a fresh child may not have touched CUDA yet
     target = _target()
     key = (anchor_id, offset, nbytes, target)
-    first = grant not in _redeemed
     storage = _received.get(key)
     redeemed = False
     if storage is None:
+        torch = torch_module()
+        torch.cuda.init()  # a fresh child may not have touched CUDA yet
         run, redeemed = _mapped_run(torch, grant, anchor_id, target)
         storage = _received.add(key, _storage_over(torch, run, offset, nbytes))
-    if first and _redeemed.add(grant):
+    if _redeemed.add(grant):  # the first storage of this grant here
         try:
             if not redeemed:
                 confirm(grant, later=True)
+            torch = torch_module()
             event_device = (storage.device.index if target is None
                             else _ordinal_of_exporter(torch, grant, exporter_device))
             event = torch.cuda.Event.from_ipc_handle(event_device, event_handle)
@@ -239,8 +239,14 @@ def rebuild_storage(grant, anchor_id, offset, nbytes, exporter_device, event_han
     return storage
 
 
-def rebuild_tensor(cls, storage, storage_offset, size, stride, dtype, requires_grad):
-    """Unpickling side of a VMM tensor (its storage is unpickled first)."""
+def rebuild_tensor(storage_args, cls, storage_offset, size, stride, dtype, requires_grad):
+    """Unpickling side of a VMM tensor: its storage, then the view."""
+    return tensor_over(rebuild_storage(*storage_args), cls, storage_offset, size, stride, dtype,
+                       requires_grad)
+
+
+def tensor_over(storage, cls, storage_offset, size, stride, dtype, requires_grad):
+    """A tensor of class cls viewing storage as the sender's did."""
     torch = torch_module()
     tensor = torch.empty((0,), dtype=dtype, device=storage.device).set_(
         storage, storage_offset, size, stride)

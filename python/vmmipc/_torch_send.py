@@ -92,6 +92,7 @@ class Batch:
         self._events: dict[int, bytes] = {}
         self._not_vmm: set[int] = set()  # ids of storages planned and found not VMM
         self._runs: dict[int, tuple] = {}  # id(storage) -> (storage, its anchor)
+        self.args: dict[int, tuple] = {}  # id(storage) -> (storage, rebuild_storage's args)
 
     def run_of(self, storage) -> RunAnchor | None:
         """storage's anchor as found in this batch (storages do not move
@@ -114,10 +115,10 @@ class Batch:
         entry[1].append(storage)
         return entry[0]
 
-    def event(self, torch, device: int) -> bytes:
+    def event(self, device: int) -> bytes:
         handle = self._events.get(device)
         if handle is None:
-            handle = self._events[device] = _events.record(torch, device)
+            handle = self._events[device] = _events.record(torch_module(), device)
         return handle
 
     def plan(self, obj) -> None:
@@ -257,9 +258,15 @@ def _reduce_through(what: str, storage, torch_reduce, vmm_reduce):
     return _mp.guarded_reduce(what, functools.partial(vmm_reduce, run, b), where)
 
 
-def _storage_reduction(storage, run: RunAnchor, b: Batch | None):
-    torch = torch_module()
-    b = b if b is not None else Batch()
+def _storage_args(storage, run: RunAnchor, b: Batch | None) -> tuple:
+    """rebuild_storage's arguments for storage (one tuple per storage and
+    batch, so the pickler's memo sends it once for all its views)."""
+    if b is not None:
+        found = b.args.get(id(storage))
+        if found is not None and found[0] is storage:
+            return found[1]
+    else:
+        b = Batch()
     try:
         ticket = b.grant(run, storage)
     except _errors.NotFoundError:
@@ -270,11 +277,19 @@ def _storage_reduction(storage, run: RunAnchor, b: Batch | None):
         b.remember(storage, run)
         ticket = b.grant(run, storage)
     device = storage.device.index
-    return (rebuild_storage, (ticket, run.id, storage.data_ptr() - run.base, storage.nbytes(),
-                              device, b.event(torch, device)))
+    args = (ticket, run.id, storage.data_ptr() - run.base, storage.nbytes(), device,
+            b.event(device))
+    b.args[id(storage)] = (storage, args)
+    return args
 
 
-def _tensor_reduction(torch, tensor, storage):
+def _storage_reduction(storage, run: RunAnchor, b: Batch | None):
+    return (rebuild_storage, _storage_args(storage, run, b))
+
+
+def tensor_meta(torch, tensor) -> tuple:
+    """What rebuilds tensor over its storage (receive.tensor_over's
+    arguments after the storage), checking that it can be sent."""
     if tensor.requires_grad and not tensor.is_leaf:
         raise RuntimeError("cannot send a non-leaf tensor that requires grad: autograd does "
                            "not cross processes; send tensor.detach() instead")
@@ -282,11 +297,14 @@ def _tensor_reduction(torch, tensor, storage):
         raise ValueError("cannot send a tensor with a lazy conjugate or negative bit through "
                          "vmmipc: call tensor.resolve_conj() or tensor.resolve_neg() first")
     torch.utils.hooks.warn_if_has_hooks(tensor)
-    # The storage goes in as an object of its own: the pickler's memo then
-    # sends it once for all the tensors of this pickle that view it.
-    return (rebuild_tensor, (type(tensor), storage, tensor.storage_offset(),
-                             tuple(tensor.size()), tuple(tensor.stride()), tensor.dtype,
-                             tensor.requires_grad))
+    return (type(tensor), tensor.storage_offset(), tuple(tensor.size()), tuple(tensor.stride()),
+            tensor.dtype, tensor.requires_grad)
+
+
+def _tensor_reduction(torch, tensor, storage, run: RunAnchor, b: Batch | None):
+    # One call per tensor, its storage's arguments inline: the receiver's
+    # table of received storages gives views of one storage one storage.
+    return (rebuild_tensor, (_storage_args(storage, run, b),) + tensor_meta(torch, tensor))
 
 
 def reduce_tensor(tensor):
@@ -301,7 +319,7 @@ def reduce_tensor(tensor):
         return own(tensor)
     storage = tensor.untyped_storage()
     return _reduce_through("CUDA tensor", storage, lambda: own(tensor),
-                           lambda run, b: _tensor_reduction(torch, tensor, storage))
+                           lambda run, b: _tensor_reduction(torch, tensor, storage, run, b))
 
 
 def reduce_storage(storage):

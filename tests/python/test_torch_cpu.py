@@ -554,9 +554,8 @@ def test_tensor_metadata_round_trip(dtype):
     dt = getattr(torch, dtype)
     base = torch.arange(60).to(dt).reshape(6, 10)
     for view in (base, base[2:], base[:, 3:7], base.t(), base[1::2, ::3]):
-        fn, args = _torch_send._tensor_reduction(torch, view, view.untyped_storage())
-        assert fn is _torch_receive.rebuild_tensor and args[1] is view.untyped_storage()
-        got = fn(*args)
+        got = _torch_receive.tensor_over(view.untyped_storage(),
+                                         *_torch_send.tensor_meta(torch, view))
         assert got.dtype == dt and got.shape == view.shape and got.stride() == view.stride()
         assert got.storage_offset() == view.storage_offset() and torch.equal(got, view)
         assert got.untyped_storage() is view.untyped_storage(), "a view, not a copy"
@@ -565,27 +564,33 @@ def test_tensor_metadata_round_trip(dtype):
 @needs_torch
 def test_parameters_and_requires_grad_are_kept():
     import torch
-    reduction = _torch_send._tensor_reduction
+    meta, over = _torch_send.tensor_meta, _torch_receive.tensor_over
     p = torch.nn.Parameter(torch.randn(4, 4))
-    fn, args = reduction(torch, p, p.untyped_storage())
-    got = fn(*args)
+    got = over(p.untyped_storage(), *meta(torch, p))
     assert type(got) is torch.nn.Parameter and got.requires_grad and torch.equal(got, p)
     frozen = torch.nn.Parameter(torch.arange(4, dtype=torch.int8), requires_grad=False)
-    got = _torch_receive.rebuild_tensor(*reduction(torch, frozen, frozen.untyped_storage())[1])
+    got = over(frozen.untyped_storage(), *meta(torch, frozen))
     assert type(got) is torch.nn.Parameter and not got.requires_grad
     with pytest.raises(RuntimeError, match="non-leaf tensor that requires grad"):
-        reduction(torch, p * 2, p.untyped_storage())
+        meta(torch, p * 2)
     z = torch.randn(4, dtype=torch.complex64).conj()  # a lazy view: the bit is not in the data
     with pytest.raises(ValueError, match="resolve_conj"):
-        reduction(torch, z, z.untyped_storage())
+        meta(torch, z)
 
 
-@needs_torch
-def test_views_of_one_storage_reduce_to_one_storage_object():
-    import torch
-    w = torch.randn(8, 8)
-    tied = {"embed": w, "head": w.t(), "row": w[3]}
-    storages = {name: _torch_send._tensor_reduction(torch, t, t.untyped_storage())[1][1]
-                for name, t in tied.items()}
-    assert storages["embed"] is storages["head"] is storages["row"], \
-        "the pickler's memo then sends the storage once"
+def test_views_of_one_storage_share_one_argument_tuple(fake):
+    """Tied weights and views: one storage's rebuild arguments are one tuple
+    per batch (the pickler's memo sends it once; the receiver's table makes
+    one storage of it), with one grant and one event for the batch."""
+    runs = _torch_runs.runs
+    s = Storage(BASE, 1 << 20)
+    other = Storage(BASE + (1 << 20), 1 << 20)
+    plan(runs, s, other)
+    b = _torch_send.Batch()
+    b._events[0] = b"event"  # recorded once per device; no GPU here
+    first = _torch_send._storage_args(s, runs.attached(s), b)
+    again = _torch_send._storage_args(s, runs.attached(s), b)
+    second = _torch_send._storage_args(other, runs.attached(other), b)
+    assert first is again and first != second
+    assert first[0] is second[0] and len(fake.again) == 1, "one grant for the run"
+    assert first[2:] == (0, 1 << 20, 0, b"event") and second[2] == 1 << 20
