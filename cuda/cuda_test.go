@@ -23,11 +23,13 @@ func driverPresent(t *testing.T) bool {
 func everyEntry() map[string]error {
 	_, errRange := RegisterRange(0x7f0000000000, 2<<20)
 	_, errHandles := RegisterHandles([]uint64{1}, []uint64{2 << 20})
-	_, errImport := NewImporter(0, [16]byte{1}, nil)
-	_, errSame := NewImporter(core.DeviceSame, [16]byte{1}, []int32{1})
+	_, errImport := GPU{}.NewImporter(0, [16]byte{1}, nil)
+	_, errSame := GPU{}.NewImporter(core.DeviceSame, [16]byte{1}, []int32{1})
+	_, errPlacement := GPU{}.Placement(core.DeviceSame, [16]byte{1}, nil)
 	_, _, _, _, errQuery := QueryRange(0x7f0000000000, 2<<20)
 	return map[string]error{"RegisterRange": errRange, "RegisterHandles": errHandles,
-		"NewImporter": errImport, "NewImporter(DeviceSame)": errSame, "QueryRange": errQuery}
+		"NewImporter": errImport, "NewImporter(DeviceSame)": errSame, "Placement": errPlacement,
+		"QueryRange": errQuery}
 }
 
 func TestNoDriverAtOverridePath(t *testing.T) {
@@ -67,7 +69,7 @@ func TestLibraryWithoutCUDAEntryPoints(t *testing.T) {
 	// library be closed again), not crash.
 	t.Setenv(LibraryEnv, "libc.so.6")
 	for i := 0; i < 3; i++ {
-		_, err := NewImporter(0, [16]byte{}, nil)
+		_, err := GPU{}.NewImporter(0, [16]byte{}, nil)
 		if core.CodeOf(err) != core.ECUDA || !strings.Contains(err.Error(), "libc.so.6 is not a usable CUDA driver: entry point cuInit not found") {
 			t.Fatalf("got %v (%v)", core.CodeOf(err), err)
 		}

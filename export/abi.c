@@ -278,6 +278,11 @@ int vmmipc_ticket_decode(const vmmipc_ticket *ticket, vmmipc_ticket_info *info_o
   return vmmipcgo_ticket_decode((vmmipc_ticket *)ticket, info_out);
 }
 
+int vmmipc_confirm(const vmmipc_ticket *ticket, const vmmipc_options *opts) {
+  FORK_GUARD("vmmipc_confirm");
+  return vmmipcgo_confirm((vmmipc_ticket *)ticket, (vmmipc_options *)opts);
+}
+
 int vmmipc_open(const vmmipc_ticket *ticket, const vmmipc_options *opts,
                 vmmipc_stream **stream_out) {
   FORK_GUARD("vmmipc_open");

@@ -169,7 +169,10 @@ extern "C" {
 #define VMMIPC_MAX_CHUNKS (1ull << 26)      /* chunks in one registration */
 
 /* vmmipc_options.import_flags */
-#define VMMIPC_IMPORT_NO_CACHE 0x1u /* neither reuse nor keep a cached mapping */
+#define VMMIPC_IMPORT_NO_CACHE 0x1u      /* neither reuse nor keep a cached mapping */
+#define VMMIPC_IMPORT_CONFIRM_LATER 0x2u /* a cache hit returns at once and its
+                                            use is spent in the background
+                                            (vmmipc_import_stream) */
 
 /* A ticket: plain data naming one registration. Copy it freely. It holds the
  * server's socket address, the exporter's pid and process start time and
@@ -579,7 +582,8 @@ typedef struct vmmipc_mapping {
  * registering the same memory again) still connects, proves the secret both
  * ways, spends one use and has the exporter confirm that the registration
  * lives; then it returns another reference to the same mapping, at the same
- * address, with no descriptor and no driver call. A stale hit cannot
+ * address, with no descriptor and no driver call (the device is resolved
+ * from a table read once per process). A stale hit cannot
  * happen: a buffer id names one set of allocations (or one memfd) that the
  * exporter holds references to for as long as any registration of it
  * lives, ids are never reused within the exporter's life, the exporter's
@@ -592,6 +596,22 @@ typedef struct vmmipc_mapping {
  * default 32 GiB; 0 turns the cache off) and are unmapped when the exporter
  * says the buffer ended (checked every 250 ms while any exist) or the
  * exporter exits. opts->import_flags VMMIPC_IMPORT_NO_CACHE bypasses it.
+ *
+ * opts->import_flags VMMIPC_IMPORT_CONFIRM_LATER takes the confirmation off
+ * the caller's path: a hit returns at once (no connection, no system call,
+ * no driver call) and the use is spent by a library thread, one
+ * authenticated session per ticket, in order per exporter
+ * (vmmipc_cache_info counts those pending and failed). The reference is
+ * valid whatever that answer is, since the mapping holds its own references
+ * to the memory; but until it comes, the hit has trusted the ticket's
+ * exporter and buffer fields without proof, so use the flag only for
+ * tickets from the channel you trust for the data itself (a ticket whose
+ * secret is wrong gets the mapping this process already has of that buffer,
+ * and a failed confirmation). A miss streams as without the flag. Whoever
+ * waits on the sender (vmmipc_wait) sees the registration end only once the
+ * confirmation ran, usually within a millisecond; confirmations still
+ * queued when this process exits are lost (the sender's registration then
+ * lives until its ttl or its process's end).
  *
  * *mapping_out belongs to the caller; drop the reference with vmmipc_unmap.
  * Returns:
@@ -611,6 +631,22 @@ typedef struct vmmipc_mapping {
 int vmmipc_import_stream(const vmmipc_ticket *ticket, int device,
                          const vmmipc_options *opts,
                          vmmipc_mapping *mapping_out);
+
+/* vmmipc_confirm spends one use of the ticket and receives nothing: for a
+ * receiver that has the memory mapped already, through another ticket of
+ * the same buffer (as vmmipc_register_again makes them), and must still let
+ * the sender know it has it, so that the registration ends (and its
+ * release_fn runs). It connects, proves the secret both ways and has the
+ * exporter spend the use, as a cache hit of vmmipc_import_stream does; with
+ * VMMIPC_IMPORT_CONFIRM_LATER in opts->import_flags it returns at once and a
+ * library thread does that (vmmipc_cache_info counts it; see
+ * vmmipc_import_stream). Opens no descriptor, makes no driver call.
+ * Returns:
+ *   VMMIPC_OK      the use is spent (or, with the flag, queued)
+ *   VMMIPC_EINVAL  NULL ticket, malformed ticket, option out of bounds
+ *   VMMIPC_EAUTH, VMMIPC_ENOENT, VMMIPC_EIO, VMMIPC_ENFILE  as vmmipc_open
+ *   VMMIPC_EFORK   called after fork() */
+int vmmipc_confirm(const vmmipc_ticket *ticket, const vmmipc_options *opts);
 
 /* vmmipc_unmap drops the reference *mapping holds and zeroes *mapping. When
  * it was the last reference, the mapping is kept in the import cache (if
@@ -639,6 +675,10 @@ typedef struct vmmipc_cache_info {
                                   when the cache was turned off */
   uint64_t invalidations;      /* mappings undone because the buffer ended
                                   or the exporter exited */
+  uint64_t confirms_pending;   /* VMMIPC_IMPORT_CONFIRM_LATER confirmations
+                                  queued or in flight */
+  uint64_t confirms_failed;    /* ...that failed (the exporter refused the
+                                  ticket, or could not be reached) */
 } vmmipc_cache_info;
 
 /* vmmipc_cache_set_limit sets this process's bound on the bytes of

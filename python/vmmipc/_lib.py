@@ -52,6 +52,7 @@ MAX_ACCESS_DEVICES = 64
 MAX_TTL_MS = 1 << 40
 MAX_CHUNKS = 1 << 26
 IMPORT_NO_CACHE = 0x1
+IMPORT_CONFIRM_LATER = 0x2
 
 
 class vmmipc_ticket(Structure):
@@ -123,6 +124,8 @@ class vmmipc_cache_info(Structure):
         ("misses", c_uint64),
         ("evictions", c_uint64),
         ("invalidations", c_uint64),
+        ("confirms_pending", c_uint64),
+        ("confirms_failed", c_uint64),
     ]
 
 
@@ -156,6 +159,7 @@ SIGNATURES = {
     "vmmipc_pull_next": (c_int, [_STREAM, POINTER(vmmipc_chunk)]),
     "vmmipc_close": (c_int, [_STREAM]),
     "vmmipc_import_stream": (c_int, [_T, c_int, _O, POINTER(vmmipc_mapping)]),
+    "vmmipc_confirm": (c_int, [_T, _O]),
     "vmmipc_unmap": (c_int, [POINTER(vmmipc_mapping)]),
     "vmmipc_cache_set_limit": (c_int, [c_uint64]),
     "vmmipc_cache_get_info": (c_int, [POINTER(vmmipc_cache_info), ctypes.c_size_t]),

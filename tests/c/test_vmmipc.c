@@ -561,6 +561,7 @@ static const struct {
     {"option_bounds", test_option_bounds},
     {"status_names", test_status_names},
     {"cache_api", test_cache_api},
+    {"confirm", test_confirm},
     {"cache_env", test_cache_env},
     {"cache_eviction", test_cache_eviction},
     {"cache_invalidation_unregister", test_cache_invalidation_unregister},
