@@ -9,7 +9,7 @@
 #   2. a vmmipc.torch state dict: examples/python/torch_state_dict.py, its
 #      spawned child in another container (multiprocessing's executable is a
 #      wrapper that starts it there); the child's output must match;
-#   3. and 4. the same two under tests/gpu/no_pidfd_getfd (pidfd_getfd
+#   3. and 4. the same two under tests/gpu/no_pidfd_getfd.sh (pidfd_getfd
 #      refused, as a container's default seccomp profile does).
 # After each, the socket directory must be empty (the sender's exit removed
 # its files). Needs root (or unprivileged user namespaces), unshare, a CUDA
@@ -48,7 +48,7 @@ shared=$root/shared
 
 bins=$PWD/build/tests/namespaces
 mkdir -p "$bins"
-gcc -O2 -Wall -Wextra -o build/tests/no_pidfd_getfd tests/gpu/no_pidfd_getfd.c || exit 1
+sh tests/gpu/no_pidfd_getfd.sh true || exit 1 # builds the filter; fails early without gcc
 cuda_ok=1
 if [ ! -f "$CUDA_HOME/include/cuda.h" ]; then
   cuda_ok=0 why="no $CUDA_HOME/include/cuda.h (set CUDA_HOME)"
@@ -88,7 +88,7 @@ torch_example() { # torch_example [FILTER]
 
 torch_ok=1
 "$PYTHON" -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null || torch_ok=0
-for filter in "" "build/tests/no_pidfd_getfd"; do
+for filter in "" "sh tests/gpu/no_pidfd_getfd.sh"; do
   under=${filter:+, under no_pidfd_getfd}
   if [ $cuda_ok = 1 ]; then
     echo "== CUDA buffer, container to container$under"
