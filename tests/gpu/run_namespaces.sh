@@ -8,9 +8,15 @@
 #      checks every byte on the GPU), the ticket through a pipe;
 #   2. a vmmipc.torch state dict: examples/python/torch_state_dict.py, its
 #      spawned child in another container (multiprocessing's executable is a
-#      wrapper that starts it there); the child's output must match;
-#   3. and 4. the same two under tests/gpu/no_pidfd_getfd.sh (pidfd_getfd
-#      refused, as a container's default seccomp profile does).
+#      wrapper that starts it there; the two share /dev/shm, where
+#      multiprocessing keeps its semaphores); the child's output must match;
+#   3. a vmmipc.torch state dict between two containers that share nothing
+#      but the socket directory, a pipe and the GPU (each with a /dev/shm of
+#      its own, as pods have): tests/gpu/torch_namespaces.py, share_tensors
+#      in one, open_tensors in the other;
+#   then the same three under tests/gpu/no_pidfd_getfd.sh (pidfd_getfd
+#   refused, as a container's default seccomp profile does).
+# The CUDA pair runs with a private /dev/shm too.
 # After each, the socket directory must be empty (the sender's exit removed
 # its files). Needs root (or unprivileged user namespaces), unshare, a CUDA
 # GPU, gcc and the CUDA headers (CUDA_HOME, default /usr/local/cuda), torch
@@ -69,15 +75,29 @@ empty_after() {
 
 # cuda_pair [FILTER]: sender and receiver each in a container of its own.
 cuda_pair() {
-  VMMIPC_SOCKET_DIR=$shared "$@" sh "$container" "$shared" "$root" "$bins/cuda_sender" |
-    "$@" sh "$container" "$shared" "$root" "$bins/cuda_receiver" && empty_after "cuda pair"
+  VMMIPC_SOCKET_DIR=$shared "$@" sh "$container" --private-shm "$shared" "$root" "$bins/cuda_sender" |
+    "$@" sh "$container" --private-shm "$shared" "$root" "$bins/cuda_receiver" && empty_after "cuda pair"
+}
+
+# torch_pods [FILTER]: share_tensors in one container, open_tensors in
+# another, the bytes through a pipe, "done" back through a fifo.
+torch_pods() {
+  local done=$root.done
+  rm -f "$done" && mkfifo "$done"
+  VMMIPC_SOCKET_DIR=$shared timeout 300 "$@" sh "$container" --private-shm "$shared" "$root" \
+    "$PYTHON" "$PWD/tests/gpu/torch_namespaces.py" send "$done" |
+    timeout 300 "$@" sh "$container" --private-shm "$shared" "$root" \
+      "$PYTHON" "$PWD/tests/gpu/torch_namespaces.py" receive "$done"
+  local rc=$?
+  rm -f "$done"
+  [ $rc = 0 ] && empty_after "torch between containers"
 }
 
 # The torch example unchanged, every spawned child started in a container.
 wrapper=$root.python
 printf '#!/bin/sh\nexec sh "%s" "%s" "%s" "%s" "$@"\n' "$PWD/$container" "$shared" "$root" "$(command -v "$PYTHON")" >"$wrapper"
 chmod 0700 "$wrapper"
-trap 'rm -rf "$root" "$wrapper"' EXIT
+trap 'rm -rf "$root" "$wrapper" "$root.done"' EXIT
 driver='import multiprocessing, runpy, sys
 multiprocessing.set_executable(sys.argv[1])
 runpy.run_path(sys.argv[2], run_name="__main__")'
@@ -101,8 +121,12 @@ for filter in "" "sh tests/gpu/no_pidfd_getfd.sh"; do
     echo "== vmmipc.torch state dict, into a spawned child's container$under"
     torch_example $filter
     verdict "vmmipc.torch state dict, into another container$under" $?
+    echo "== vmmipc.torch share_tensors/open_tensors, between two containers with their own /dev/shm$under"
+    torch_pods $filter
+    verdict "vmmipc.torch share_tensors/open_tensors between containers$under" $?
   else
     skip "vmmipc.torch state dict$under" "torch with CUDA is not importable by $PYTHON"
+    skip "vmmipc.torch share_tensors/open_tensors$under" "torch with CUDA is not importable by $PYTHON"
   fi
 done
 echo "run_namespaces: $passed passed, $failed failed, $skipped skipped; log in $log"

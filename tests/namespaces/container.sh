@@ -6,21 +6,26 @@
 # own), network (loopback only), IPC and mount namespaces, in which ROOT is a
 # private tmpfs with only SHARED, a directory under ROOT, bind-mounted at
 # its own path, as a volume would be. The rest of the file system (programs,
-# libraries, /dev) is shared, as an image and device nodes would be.
+# libraries, /dev) is shared, as an image and device nodes would be, and
+# so is /dev/shm unless --private-shm: a multiprocessing parent and the
+# child it spawns into a container share named semaphores there.
 # Killing this process (it becomes unshare) kills the whole container.
 # Needs root, or unprivileged user namespaces with --user.
 #
-#   tests/namespaces/container.sh [--user] [--keep] SHARED ROOT COMMAND [ARG...]
-#     --user  also a user namespace of its own (uid 0 inside is ours)
-#     --keep  pid 1 outlives COMMAND, so that children it leaves live on,
-#             until the container is killed
+#   tests/namespaces/container.sh [--user] [--keep] [--private-shm] SHARED ROOT COMMAND [ARG...]
+#     --user         also a user namespace of its own (uid 0 inside is ours)
+#     --keep         pid 1 outlives COMMAND, so that children it leaves live
+#                    on, until the container is killed
+#     --private-shm  a /dev/shm of its own, as a container has by default
 set -eu
 user=
+shm=
 run='"$@"; exit $?'
 while :; do
   case $1 in
   --user) user="--user --map-root-user"; shift ;;
   --keep) run='"$@"; exec sleep 1000000'; shift ;;
+  --private-shm) shm='mount -t tmpfs -o mode=1777 vmmipc-shm /dev/shm'; shift ;;
   *) break ;;
   esac
 done
@@ -35,6 +40,7 @@ exec unshare --pid --net --ipc --mount --fork --mount-proc --kill-child $user sh
   mount -t tmpfs -o mode=0700 vmmipc-container "$2"
   mkdir -m 0700 "$1"
   mount --no-canonicalize --bind . "$1"
+  '"$shm"'
   cd /
   shift 2
   '"$run" container "$@"
