@@ -263,5 +263,8 @@ func serverTranscript(t testing.TB, uc *net.UnixConn, tk *Ticket, hello helloMsg
 	if err != nil {
 		t.Error(err)
 	}
+	if hello.Flags&helloPidBound != 0 {
+		tr.Socket = uint64(os.Getpid()) // the receiver is this process
+	}
 	return tr
 }

@@ -19,7 +19,8 @@ import (
 // version, the registration id, the hello flags, this very connection (the
 // kernel's cookie of the exporter's socket of it, sockends.go: a process
 // that relays the session between the two, in any namespace, holds two
-// connections and gets proofs bound to neither), the SHA-256 of the whole
+// connections and gets proofs bound to neither; a receiver without
+// sock_diag binds its pid instead), the SHA-256 of the whole
 // ticket (so a ticket changed in any byte fails), and both fresh nonces (so
 // no proof can be replayed). The receiver accepts
 // no descriptor before the server's proof checks out; the server answers

@@ -42,16 +42,17 @@ const (
 
 // Environment of the helpers.
 const (
-	envTicket     = "VMMIPC_TEST_TICKET"      // hex ticket for receivers and openers
-	envStopAt     = "VMMIPC_TEST_STOP_AT"     // receiver: chunks to pull before waiting to be killed
-	envAddr       = "VMMIPC_TEST_ADDR"        // impostor: the address to bind
-	envListenFD   = "VMMIPC_TEST_LISTEN_FD"   // impostor: an inherited listening descriptor instead
-	envListenMode = "VMMIPC_TEST_LISTEN_MODE" // impostor: how to answer (see helperImpostor)
-	envReplay     = "VMMIPC_TEST_REPLAY"      // impostor "replay": the hex message to answer with
-	envNoFile     = "VMMIPC_TEST_NOFILE"      // sender: its soft RLIMIT_NOFILE
-	envSeed       = "VMMIPC_TEST_SEED"        // importer: the pattern the bytes must follow
-	envImports    = "VMMIPC_TEST_IMPORTS"     // importer: how many times to import
-	envTake       = "VMMIPC_TEST_TAKE"        // impostor at a socket path: "swap", "lock" (see impostorListen)
+	envTicket     = "VMMIPC_TEST_TICKET"       // hex ticket for receivers and openers
+	envStopAt     = "VMMIPC_TEST_STOP_AT"      // receiver: chunks to pull before waiting to be killed
+	envAddr       = "VMMIPC_TEST_ADDR"         // impostor: the address to bind
+	envListenFD   = "VMMIPC_TEST_LISTEN_FD"    // impostor: an inherited listening descriptor instead
+	envListenMode = "VMMIPC_TEST_LISTEN_MODE"  // impostor: how to answer (see helperImpostor)
+	envReplay     = "VMMIPC_TEST_REPLAY"       // impostor "replay": the hex message to answer with
+	envNoFile     = "VMMIPC_TEST_NOFILE"       // sender: its soft RLIMIT_NOFILE
+	envSeed       = "VMMIPC_TEST_SEED"         // importer: the pattern the bytes must follow
+	envImports    = "VMMIPC_TEST_IMPORTS"      // importer: how many times to import
+	envTake       = "VMMIPC_TEST_TAKE"         // impostor at a socket path: "swap", "lock" (see impostorListen)
+	envNoSockDiag = "VMMIPC_TEST_NO_SOCK_DIAG" // any part: act as if sock_diag were refused (nodiag_test.go)
 )
 
 func TestHelperProcess(t *testing.T) {
@@ -60,6 +61,9 @@ func TestHelperProcess(t *testing.T) {
 		t.Skip("not a test: the process that fault, hostile-peer and attack tests start as their peer")
 	}
 	out := &lineWriter{w: bufio.NewWriter(os.Stdout)}
+	if os.Getenv(envNoSockDiag) != "" { // before any goroutine of the library runs
+		probeSockDiag = func() error { return fmt.Errorf("refused for this test: %w", unix.EPROTONOSUPPORT) }
+	}
 	var err error
 	switch part {
 	case partSender:

@@ -175,10 +175,12 @@ func importIn(t *testing.T, wrap []string, tk *Ticket, seed byte) importResult {
 	return importTimesIn(t, wrap, tk, seed, 1)
 }
 
-// importTimesIn imports tk n times in one importer helper run in wrap.
-func importTimesIn(t *testing.T, wrap []string, tk *Ticket, seed byte, n int) importResult {
+// importTimesIn imports tk n times in one importer helper run in wrap, with
+// env added to its environment.
+func importTimesIn(t *testing.T, wrap []string, tk *Ticket, seed byte, n int, env ...string) importResult {
 	t.Helper()
-	h := startHelper(t, partImporter, helperOpts{wrap: wrap, env: []string{envTicket + "=" + ticketHex(t, tk), envSeed + "=" + itoa(int(seed)), envImports + "=" + itoa(n)}})
+	env = append([]string{envTicket + "=" + ticketHex(t, tk), envSeed + "=" + itoa(int(seed)), envImports + "=" + itoa(n)}, env...)
+	h := startHelper(t, partImporter, helperOpts{wrap: wrap, env: env})
 	line := h.expect("import ", 2*faultTimeout)
 	var r importResult
 	var code, took int

@@ -274,8 +274,11 @@ func rawHello(t testing.TB, tk *Ticket, flags uint64) (*rawSession, rawMsg) {
 			t.Fatal(err)
 		}
 		s.tr.ServerNonce = ch.Nonce
-		if s.tr.Socket, err = exporterSocketOf(fd, roleReceiver); err != nil {
-			t.Fatal(err)
+		s.tr.Socket = uint64(os.Getpid())
+		if flags&helloPidBound == 0 {
+			if s.tr.Socket, err = exporterSocketOf(fd, roleReceiver); err != nil {
+				t.Fatal(err)
+			}
 		}
 		if !s.tr.verify(tk.Secret, roleServer, ch.Proof) {
 			t.Fatal("the server's proof does not check out for a ticket it issued")

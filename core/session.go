@@ -118,7 +118,7 @@ func (ss *session) authenticate(g *registration, hello helloMsg) bool {
 		ss.refuse(err)
 		return false
 	}
-	sock, err := exporterSocket(ss.c.raw, roleServer)
+	sock, err := ss.binding(hello.Flags)
 	if err != nil {
 		ss.refuse(err)
 		return false
@@ -149,6 +149,23 @@ func (ss *session) authenticate(g *registration, hello helloMsg) bool {
 	}
 	ss.authed = ss.srv.adm.authenticated(ss.p)
 	return ss.authed
+}
+
+// binding is what this session's proofs bind the connection by
+// (sockends.go): our socket's cookie, or the receiver's pid where it asked
+// for that (it has no sock_diag), which must be one of our PID namespace.
+func (ss *session) binding(flags uint64) (uint64, error) {
+	if flags&helloPidBound == 0 {
+		return exporterSocket(ss.c.raw, roleServer)
+	}
+	cred, err := peerCred(ss.p.uc)
+	if err != nil {
+		return 0, Errorf(EAUTH, "cannot read the receiver's credentials (SO_PEERCRED): %v", err)
+	}
+	if cred.Pid == 0 {
+		return 0, Errorf(EAUTH, "the receiver, which cannot use sock_diag, binds the handshake to its pid, but it is not in the exporter's PID namespace (its pid here is 0): it needs unix_diag in the kernel (modprobe unix_diag) and netlink sockets allowed by its seccomp profile")
+	}
+	return uint64(cred.Pid), nil
 }
 
 // recv reads one message from the receiver; on failure it says why when

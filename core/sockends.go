@@ -3,6 +3,7 @@ package core
 import (
 	"encoding/binary"
 	"errors"
+	"sync"
 	"syscall"
 
 	"golang.org/x/sys/unix"
@@ -20,6 +21,43 @@ import (
 // receiver's query always finds it (the exporter's query for the
 // receiver's socket could not). Pids cannot do this across PID namespaces:
 // SO_PEERCRED reports 0 for a process we cannot see.
+
+// Without sock_diag (no unix_diag in the kernel, or a seccomp profile that
+// refuses netlink), a receiver in the exporter's PID namespace binds its
+// own pid instead, as SO_PEERCRED reports it to the exporter (hello flag
+// helloPidBound, which the proofs cover, so no relay can set or clear
+// it): a relay there has a pid of its own. Elsewhere that pid is 0 or
+// another number, and the receiver is refused with the cause.
+
+var (
+	sockDiagOnce sync.Once
+	sockDiagErr  error
+)
+
+// sockDiagWorks tells whether this process can ask the kernel about its
+// unix sockets (asked once, of a socket pair).
+func sockDiagWorks() error {
+	sockDiagOnce.Do(func() { sockDiagErr = probeSockDiag() })
+	return sockDiagErr
+}
+
+// probeSockDiag is a variable only so that a test can run a receiver that
+// lacks sock_diag, in a process of its own that sets it before anything
+// runs.
+var probeSockDiag = func() error {
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(fds[0])
+	defer unix.Close(fds[1])
+	var st unix.Stat_t
+	if err := unix.Fstat(fds[0], &st); err != nil {
+		return err
+	}
+	_, err = unixSockDiag(st.Ino)
+	return err
+}
 
 // exporterSocket is the cookie of the exporter's socket of the connection
 // raw is one end of; side is roleServer or roleReceiver, the side raw is.

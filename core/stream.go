@@ -63,6 +63,11 @@ func connect(t *Ticket, timeout time.Duration, flags uint64) (*conn, error) {
 	if err := checkExporterAlive(t); err != nil {
 		return nil, err
 	}
+	bound, err := bindingFlag(t)
+	if err != nil {
+		return nil, err
+	}
+	flags |= bound
 	digest, err := t.Digest()
 	if err != nil {
 		return nil, err
@@ -165,6 +170,20 @@ func checkExporter(uc *net.UnixConn, t *Ticket) error {
 	return nil
 }
 
+// bindingFlag says what this receiver's handshakes bind the connection by:
+// the exporter's socket (no flag), or, without sock_diag, its own pid, which
+// only the exporter's PID namespace can check (sockends.go).
+func bindingFlag(t *Ticket) (uint64, error) {
+	err := sockDiagWorks()
+	switch {
+	case err == nil:
+		return 0, nil
+	case t.NS.pidNS() == nsOther:
+		return 0, Errorf(EIO, "open: this process cannot ask the kernel which socket is its peer (NETLINK_SOCK_DIAG for unix sockets: %v), which the handshake needs across PID namespaces, and the exporter (pid %d in its own) is in another one; the kernel needs unix_diag (CONFIG_UNIX_DIAG; modprobe unix_diag), and a seccomp profile must allow netlink sockets", err, t.Pid)
+	}
+	return helloPidBound, nil
+}
+
 // handshake runs the receiver's half of handshake.go and checks the welcome.
 func handshake(c *conn, t *Ticket, digest [32]byte, flags uint64) error {
 	nr, err := newNonce()
@@ -189,7 +208,10 @@ func handshake(c *conn, t *Ticket, digest [32]byte, flags uint64) error {
 	}
 	// The exporter has accepted the connection (it answered): its socket
 	// is a socket now, with its inode and cookie.
-	sock, err := exporterSocket(c.raw, roleReceiver)
+	sock := uint64(os.Getpid())
+	if flags&helloPidBound == 0 {
+		sock, err = exporterSocket(c.raw, roleReceiver)
+	}
 	if errors.Is(err, errNoPeer) {
 		return pendingError(c, err) // evicted after the challenge: "busy"
 	}

@@ -65,8 +65,10 @@
  *   Receivers name the exporter's socket through the kernel's sock_diag for
  *   unix sockets (CONFIG_UNIX_DIAG, the unix_diag module, loaded on demand;
  *   a seccomp profile must allow netlink sockets, as container runtimes'
- *   default ones do): without it vmmipc_open fails with VMMIPC_EIO saying
- *   so.
+ *   default ones do). A receiver without it binds the proofs to its own pid
+ *   instead, as SO_PEERCRED shows it to the exporter, which works in the
+ *   exporter's PID namespace only; in another, vmmipc_open fails with
+ *   VMMIPC_EIO saying what is missing.
  *
  * Across containers (other namespaces on the same host)
  *   A receiver in another PID, network, IPC, mount or user namespace than
@@ -509,7 +511,8 @@ typedef struct vmmipc_chunk {
  *                  or its lock is free: at once), cannot be reached from
  *                  here (an abstract socket of another network or PID
  *                  namespace: at once, saying what to set), cannot connect,
- *                  sock_diag is unavailable, or timed out (the message says
+ *                  sock_diag is unavailable and the exporter is in another
+ *                  PID namespace, or timed out (the message says
  *                  whether the exporter never answered, e.g. at its
  *                  connection cap, or went silent)
  *   VMMIPC_ENFILE  out of descriptors
