@@ -46,20 +46,12 @@ from multiprocessing.reduction import ForkingPickler
 
 # _gpu_helpers first: it puts this checkout's vmmipc and library on the path.
 import _gpu_helpers
-from _gpu_helpers import (Worker, chunk_count, driver_range, pattern, pidfd_filter_state,
-                          problems_of, record, require_vmm, run_problems, settled_live,
-                          skip_all, summary, wait_live)
+from _gpu_helpers import (Worker, chunk_count, driver_range, import_torch_expandable, no_torch_gpu,
+                          live_problems, pattern, pidfd_filter_state, problems_of, record,
+                          require_vmm, run_problems, settled_live, skip_all, summary)
 from _mp_helpers import settled_fd_count, wait_for
 
-# Read when CUDA starts, in this process and in every child (they inherit it).
-os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-os.environ.setdefault("PYTHONUNBUFFERED", "1")
-
-try:
-    import torch
-except ImportError as _e:  # reported by main(): SKIP
-    torch = None
-    TORCH_MISSING = str(_e)
+torch, TORCH_MISSING = import_torch_expandable()  # before CUDA starts, here and in children
 
 import vmmipc  # noqa: E402  (loads nothing yet; vmmipc.torch is imported in main())
 
@@ -518,10 +510,7 @@ def keep_after_sender_drops(w, via):
     problems += problems_of(w.call(w_check_kept, "keep", spec, 0))
     del other
     w.call(w_drop, "keep")
-    after = wait_live(live)
-    if after != live:
-        problems.append(f"{after - live} registrations still live in the sender after both "
-                        "sides dropped the tensors")
+    problems += live_problems(live)
     return problems, (f"{len(spec)} tensors kept right after the sender dropped, emptied its "
                       "cache and reused the memory; the sender's registrations ended")
 
@@ -670,10 +659,7 @@ def resend_bytes(w):
     w.call(w_drop, "resend")
     del sd
     gc.collect()
-    after = wait_live(live)
-    if after != live:
-        problems.append(f"{after - live} registrations still live in the sender after both "
-                        "sides dropped the tensors")
+    problems += live_problems(live)
     return problems, (f"{len(spec)} tensors; round trips {', '.join(f'{t:.1f}' for t in times)} "
                       "ms (pickle, pipe, loads, check)")
 
@@ -769,10 +755,9 @@ def transformer(w, via):
 
 
 def main(argv):
-    if torch is None:
-        return skip_all(f"PyTorch is not installed ({TORCH_MISSING})")
-    if not torch.cuda.is_available():
-        return skip_all("no usable GPU (torch.cuda.is_available() is False)")
+    why = no_torch_gpu(torch, TORCH_MISSING)
+    if why:
+        return skip_all(why)
     try:
         import vmmipc.torch as vt
     except ImportError as e:
@@ -785,10 +770,6 @@ def main(argv):
         return summary()
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, pidfd_getfd "
           f"{'REFUSED (seccomp filter)' if filtered else 'allowed'}", flush=True)
-    missing = [name for name in ("share_tensors", "open_tensors") if not hasattr(vt, name)]
-    if missing:
-        print(f"NOTE vmmipc.torch has no {' or '.join(missing)} (the bulk API of issue 18): "
-              "every bulk check fails", flush=True)
     try:
         import transformers  # noqa: F401
         have_transformers = True
