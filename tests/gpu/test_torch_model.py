@@ -361,6 +361,12 @@ def reallocation(w, via):
     for round_, receiver_keeps in enumerate((True, False)):
         old_spec = [flat(f"w{i}", 24 * MiB, "float32", 100 + 10 * round_ + i) for i in range(6)]
         new_spec = [(n, s, d, seed + 1000) for n, s, d, seed in old_spec]
+        # A tensor kept at the start of the stream's segment keeps the segment
+        # (torch frees a wholly unmapped expandable segment, whose address
+        # range then goes): the freed chunks after it are unmapped and
+        # mapped anew at the same addresses.
+        with torch.cuda.stream(stream):
+            keeper = torch.empty(LARGE_CHUNK, dtype=torch.uint8, device="cuda")
         start = torch.cuda.memory_allocated()
         sd = build(old_spec, stream)
         ptrs = [t.data_ptr() for t in sd.values()]
@@ -388,7 +394,7 @@ def reallocation(w, via):
             problems += [f"kept old tensors: {p}" for p in
                          problems_of(w.call(w_check_kept, "old", old_spec, 0))]
             w.call(w_drop, "old")
-        del sd
+        del sd, keeper
         gc.collect()
     return problems, "; ".join(notes)
 
