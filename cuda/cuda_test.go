@@ -235,3 +235,23 @@ func TestQueryRangeArguments(t *testing.T) {
 		}
 	}
 }
+
+// TestArgumentsBeforeDriver: a caller's mistake is EINVAL whether or not a
+// driver can be loaded (here none can: the override names no file).
+func TestArgumentsBeforeDriver(t *testing.T) {
+	t.Setenv(LibraryEnv, "/nonexistent/libcuda.so.1")
+	_, zero := RegisterRange(0, 0)
+	_, null := RegisterRange(0, 2<<20)
+	_, empty := RegisterRange(0x7f0000000000, 0)
+	_, wraps := RegisterRange(^uint64(0)-4095, 8192)
+	_, noHandles := RegisterHandles(nil, nil)
+	_, uneven := RegisterHandles([]uint64{1}, []uint64{1, 2})
+	_, _, _, _, noSize := QueryRange(0x7f0000000000, 0)
+	for name, err := range map[string]error{"RegisterRange(0, 0)": zero, "RegisterRange(NULL)": null,
+		"RegisterRange(size 0)": empty, "RegisterRange(wraps)": wraps, "RegisterHandles(none)": noHandles,
+		"RegisterHandles(uneven)": uneven, "QueryRange(size 0)": noSize} {
+		if core.CodeOf(err) != core.EINVAL {
+			t.Errorf("%s: %v (%v), want EINVAL before any driver is loaded", name, core.CodeOf(err), err)
+		}
+	}
+}

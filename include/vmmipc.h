@@ -379,7 +379,8 @@ int vmmipc_register_cuda_handles(const uint64_t *handles,
  * exported for as long as any registration made from it lives.
  * Returns:
  *   VMMIPC_OK      *ticket_out is filled; release_fn will run exactly once
- *   VMMIPC_EINVAL  NULL ticket or ticket_out, malformed ticket, or an option
+ *   VMMIPC_EINVAL  NULL ticket or ticket_out, malformed ticket, a ticket
+ *                  that is not byte for byte the one issued, or an option
  *                  out of bounds (release_fn is not called)
  *   VMMIPC_EAUTH   the ticket's secret does not match (forged or corrupted)
  *   VMMIPC_ENOENT  not a registration of this process, or it has ended
@@ -397,7 +398,8 @@ int vmmipc_register_again(const vmmipc_ticket *ticket,
  * otherwise shortly after, on a library thread (vmmipc_wait tells when).
  * Returns:
  *   VMMIPC_OK
- *   VMMIPC_EINVAL  NULL or malformed ticket
+ *   VMMIPC_EINVAL  NULL or malformed ticket, or one that is not byte for
+ *                  byte the one issued
  *   VMMIPC_EAUTH   the ticket's secret does not match (forged or corrupted)
  *   VMMIPC_ENOENT  not registered in this process, or already ended
  *   VMMIPC_EFORK   called after fork() */
@@ -410,7 +412,8 @@ int vmmipc_unregister(const vmmipc_ticket *ticket);
  * Returns:
  *   VMMIPC_OK        it has ended (now or earlier) and been released
  *   VMMIPC_ETIMEDOUT it is still live (or its release_fn still running)
- *   VMMIPC_EINVAL    NULL or malformed ticket
+ *   VMMIPC_EINVAL    NULL or malformed ticket, or a live registration's
+ *                    ticket with other bytes changed
  *   VMMIPC_EAUTH     the ticket's secret does not match a live registration
  *   VMMIPC_ENOENT    the ticket was not issued by this process
  *   VMMIPC_EFORK     called after fork() */

@@ -242,20 +242,34 @@ def _raise(error):
 def _reduce_through(what: str, storage, torch_reduce, vmm_reduce):
     """The one decision of both reducers: torch's own reducer for memory
     that vmmipc does not hold; otherwise vmm_reduce(run, batch), guarded
-    (fork destinations refused, errors carried to the receiver of a Queue)."""
+    (fork destinations refused before anything is registered, errors
+    carried to the receiver of a Queue)."""
     b = current_batch()
-    run = b.run_of(storage) if b is not None else None
     where = b.where if b is not None else _mp.ASK
+    run = b.run_of(storage) if b is not None else None
+    pending = None
     if run is None:
         try:
-            run = _anchor_of(storage, b)
+            run = runs.attached(storage)
+            if run is None and not (b is not None and b.known_not_vmm(storage)):
+                pending = runs.pending(storage)  # asks the driver; registers nothing
         except _errors.VmmipcError as e:  # e.g. no POSIX fd, libvmmipc or libcuda missing
             return _mp.guarded_reduce(what, functools.partial(_raise, e), where)
-        if run is None:
+        if run is None and pending is None:
             return torch_reduce()
+
+    def reduce():
+        anchored = run
+        if anchored is None:
+            runs.plan([pending])
+            anchored = runs.attached(storage)
+            if anchored is None:
+                raise _errors.InternalError("vmmipc.torch: a storage was planned but has no "
+                                            "anchor", _errors.EINTERNAL, "vmmipc.torch")
         if b is not None:
-            b.remember(storage, run)
-    return _mp.guarded_reduce(what, functools.partial(vmm_reduce, run, b), where)
+            b.remember(storage, anchored)
+        return vmm_reduce(anchored, b)
+    return _mp.guarded_reduce(what, reduce, where)
 
 
 def _storage_args(storage, run: RunAnchor, b: Batch | None) -> tuple:

@@ -134,6 +134,29 @@ def fork_pool_task(buf):
 
 # ------------------------------------------------------------------- torch
 
+def import_torch_expandable():
+    """(torch, None), or (None, why) without torch, with expandable segments
+    on for this process and its children (they inherit the environment):
+    PyTorch reads the setting when CUDA starts, so this comes first."""
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    try:
+        import torch
+    except ImportError as e:  # the script says SKIP
+        return None, str(e)
+    return torch, None
+
+
+def no_torch_gpu(torch, torch_missing):
+    """Why a torch GPU script cannot run here (say it with skip_all), or
+    None: import_torch_expandable()'s result and a usable GPU."""
+    if torch is None:
+        return f"PyTorch is not installed ({torch_missing})"
+    if not torch.cuda.is_available():
+        return "no usable GPU (torch.cuda.is_available() is False)"
+    return None
+
+
 def set_expandable(on):
     """Switch PyTorch's caching allocator to expandable segments (VMM memory)
     or back to cudaMalloc, for the tensors allocated from now on."""
@@ -243,6 +266,14 @@ def wait_live(n, timeout=15.0):
     while vmmipc.live_registrations() != n and time.monotonic() < deadline:
         time.sleep(0.02)
     return vmmipc.live_registrations()
+
+
+def live_problems(live, what="after both sides dropped the tensors"):
+    """[] once this process is back to live registrations (within 15 s),
+    else the problem."""
+    after = wait_live(live)
+    return [] if after == live else [f"{after - live} registrations still live in the sender "
+                                     f"{what}"]
 
 
 # ------------------------------------------------------- the worker child

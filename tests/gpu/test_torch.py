@@ -26,20 +26,12 @@ import sys
 import time
 
 # _gpu_helpers first: it puts this checkout's vmmipc and library on the path.
-from _gpu_helpers import (Worker, driver_range, fork_refusals, guard, pattern,
-                          pidfd_filter_state, pidfd_getfd_refused, problems_of, record,
-                          require_vmm, run_problems, set_expandable, settled_live, skip_all,
-                          summary, wait_live)
+from _gpu_helpers import (Worker, driver_range, fork_refusals, guard, import_torch_expandable,
+                          no_torch_gpu, pattern, pidfd_filter_state, pidfd_getfd_refused,
+                          problems_of, record, require_vmm, run_problems, set_expandable,
+                          settled_live, skip_all, summary, wait_live)
 
-# Read when CUDA starts, in this process and in every child (they inherit it).
-os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-os.environ.setdefault("PYTHONUNBUFFERED", "1")
-
-try:
-    import torch
-except ImportError as _e:  # reported by main(): SKIP
-    torch = None
-    TORCH_MISSING = str(_e)
+torch, TORCH_MISSING = import_torch_expandable()  # before CUDA starts, here and in children
 
 import vmmipc  # noqa: E402  (loads nothing yet; vmmipc.torch is imported in main())
 
@@ -512,10 +504,9 @@ def native(vt):
 
 
 def main(argv):
-    if torch is None:
-        return skip_all(f"PyTorch is not installed ({TORCH_MISSING})")
-    if not torch.cuda.is_available():
-        return skip_all("no usable GPU (torch.cuda.is_available() is False)")
+    why = no_torch_gpu(torch, TORCH_MISSING)
+    if why:
+        return skip_all(why)
     try:
         import vmmipc.torch as vt
         vt.install()

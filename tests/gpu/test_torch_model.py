@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
 """GPU test of vmmipc.torch on models: state dicts of many tensors that lie
 side by side in torch's expandable segments, sent again and again, through
-three transports (the "vias"):
+four transports (the "vias"):
 
-  queue  a spawn Queue (the pickle goes through ForkingPickler.dump)
-  bytes  ForkingPickler bytes over a Pipe, loaded with ForkingPickler.loads
-         (SGLang's MultiprocessingSerializer)
-  bulk   vmmipc.torch.share_tensors -> bytes over a Pipe -> open_tensors
+  queue   a spawn Queue (the pickle goes through ForkingPickler.dump)
+  bytes   ForkingPickler bytes over a Pipe, loaded with ForkingPickler.loads
+          (SGLang's MultiprocessingSerializer)
+  bulk    vmmipc.torch.share_tensors -> bytes over a Pipe -> open_tensors
+  reduce  vLLM's pattern: (rebuild, args) = vmmipc.torch.reduce_tensor(t)
+          for each tensor inside vmmipc.torch.batch(tensors), the handles
+          sent with plain pickle over a Pipe, rebuild(*args) in the child
 
 Run from the repository root on a machine with a CUDA GPU and PyTorch,
 after `make lib` (TORCH_TEST=tests/gpu/test_torch_model.py sh
@@ -28,10 +31,12 @@ one PASS/FAIL line per check and "N passed, M failed"; exits non-zero if
 anything failed.
 """
 
+import contextlib
 import gc
 import io
 import math
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -41,20 +46,12 @@ from multiprocessing.reduction import ForkingPickler
 
 # _gpu_helpers first: it puts this checkout's vmmipc and library on the path.
 import _gpu_helpers
-from _gpu_helpers import (Worker, chunk_count, driver_range, pattern, pidfd_filter_state,
-                          problems_of, record, require_vmm, run_problems, settled_live,
-                          skip_all, summary, wait_live)
+from _gpu_helpers import (Worker, chunk_count, driver_range, import_torch_expandable, no_torch_gpu,
+                          live_problems, pattern, pidfd_filter_state, problems_of, record,
+                          require_vmm, run_problems, settled_live, skip_all, summary)
 from _mp_helpers import settled_fd_count, wait_for
 
-# Read when CUDA starts, in this process and in every child (they inherit it).
-os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-os.environ.setdefault("PYTHONUNBUFFERED", "1")
-
-try:
-    import torch
-except ImportError as _e:  # reported by main(): SKIP
-    torch = None
-    TORCH_MISSING = str(_e)
+torch, TORCH_MISSING = import_torch_expandable()  # before CUDA starts, here and in children
 
 import vmmipc  # noqa: E402  (loads nothing yet; vmmipc.torch is imported in main())
 
@@ -62,7 +59,7 @@ TIMEOUT = 120
 MiB = 1 << 20
 LARGE_CHUNK = 20 * MiB  # expandable segments map the large pool (> 1 MiB) in 20 MiB chunks,
 SMALL_CHUNK = 2 * MiB   # the small pool (<= 1 MiB) in 2 MiB ones
-VIAS = ("queue", "bytes", "bulk")
+VIAS = ("queue", "bytes", "bulk", "reduce")
 MAX_MODEL_IMPORTS = 4   # a model built at once on one stream lies in 2 runs (large and small pool)
 KILL_BOUND_S = 60       # the receiver's error must come within this after the sender died
 
@@ -160,10 +157,23 @@ def deliver(w, via, named, fn, *args):
         blob = ForkingPickler.dumps(named)
         return call_with_bytes(w, w_via_bytes, blob, fn, *args)
     import vmmipc.torch as vt
+    if via == "reduce":
+        return call_with_bytes(w, w_via_reduce, pickle.dumps(reduced(named)), fn, *args)
     blob = vt.share_tensors(named)
     if not isinstance(blob, bytes):
         return {"problems": [f"share_tensors returned {type(blob).__name__}, not bytes"]}
     return call_with_bytes(w, w_via_bulk, blob, fn, *args)
+
+
+def reduced(named, batched=True):
+    """vLLM's handles: (name, (rebuild, args)) for each tensor, the same
+    structure as named; batched: all in one vmmipc.torch.batch (one grant
+    a run), else one reduce_tensor alone per tensor (one grant each)."""
+    import vmmipc.torch as vt
+    items = list(named.items()) if isinstance(named, dict) else list(named)
+    with vt.batch([t for _, t in items]) if batched else contextlib.nullcontext():
+        handles = [(name, vt.reduce_tensor(t)) for name, t in items]
+    return dict(handles) if isinstance(named, dict) else handles
 
 
 def call_with_bytes(w, via_fn, blob, *args):
@@ -190,6 +200,15 @@ def w_via_bulk(fn, *args):
     if not _gpu_helpers.PIPE.poll(TIMEOUT):
         raise TimeoutError("no bytes arrived on the pipe")
     return fn(vt.open_tensors(_gpu_helpers.PIPE.recv_bytes()), *args)
+
+
+def w_via_reduce(fn, *args):
+    if not _gpu_helpers.PIPE.poll(TIMEOUT):
+        raise TimeoutError("no bytes arrived on the pipe")
+    handles = pickle.loads(_gpu_helpers.PIPE.recv_bytes())
+    items = handles.items() if isinstance(handles, dict) else handles
+    rebuilt = [(name, rebuild(*rargs)) for name, (rebuild, rargs) in items]
+    return fn(dict(rebuilt) if isinstance(handles, dict) else rebuilt, *args)
 
 
 def value_problems(named, spec, add=0):
@@ -342,6 +361,12 @@ def reallocation(w, via):
     for round_, receiver_keeps in enumerate((True, False)):
         old_spec = [flat(f"w{i}", 24 * MiB, "float32", 100 + 10 * round_ + i) for i in range(6)]
         new_spec = [(n, s, d, seed + 1000) for n, s, d, seed in old_spec]
+        # A tensor kept at the start of the stream's segment keeps the segment
+        # (torch frees a wholly unmapped expandable segment, whose address
+        # range then goes): the freed chunks after it are unmapped and
+        # mapped anew at the same addresses.
+        with torch.cuda.stream(stream):
+            keeper = torch.empty(LARGE_CHUNK, dtype=torch.uint8, device="cuda")
         start = torch.cuda.memory_allocated()
         sd = build(old_spec, stream)
         ptrs = [t.data_ptr() for t in sd.values()]
@@ -369,7 +394,7 @@ def reallocation(w, via):
             problems += [f"kept old tensors: {p}" for p in
                          problems_of(w.call(w_check_kept, "old", old_spec, 0))]
             w.call(w_drop, "old")
-        del sd
+        del sd, keeper
         gc.collect()
     return problems, "; ".join(notes)
 
@@ -491,10 +516,7 @@ def keep_after_sender_drops(w, via):
     problems += problems_of(w.call(w_check_kept, "keep", spec, 0))
     del other
     w.call(w_drop, "keep")
-    after = wait_live(live)
-    if after != live:
-        problems.append(f"{after - live} registrations still live in the sender after both "
-                        "sides dropped the tensors")
+    problems += live_problems(live)
     return problems, (f"{len(spec)} tensors kept right after the sender dropped, emptied its "
                       "cache and reused the memory; the sender's registrations ended")
 
@@ -643,18 +665,17 @@ def resend_bytes(w):
     w.call(w_drop, "resend")
     del sd
     gc.collect()
-    after = wait_live(live)
-    if after != live:
-        problems.append(f"{after - live} registrations still live in the sender after both "
-                        "sides dropped the tensors")
+    problems += live_problems(live)
     return problems, (f"{len(spec)} tensors; round trips {', '.join(f'{t:.1f}' for t in times)} "
                       "ms (pickle, pipe, loads, check)")
 
 
 def bulk(w):
     """share_tensors/open_tensors with a dict and with a list of pairs
-    (names and order kept; the list opened with device=0): values right;
-    once the receiver drops them, its mappings are unreferenced."""
+    (names and order kept; the list opened with device=0), and vLLM's
+    pattern with reduce_tensor called alone for each tensor (no batch: a
+    grant each): values right; once the receiver drops them, its mappings
+    are unreferenced."""
     stream = torch.cuda.Stream()
     spec = model_spec(900, layers=3)
     sd = build(spec, stream)
@@ -670,11 +691,14 @@ def bulk(w):
     problems += [f"list: {p}" for p in problems_of(r)]
     if r.get("names") is not None and r["names"] != [n for n, _ in pairs]:
         problems.append("the list of pairs came back in another order or with other names")
+    r = call_with_bytes(w, w_via_reduce, pickle.dumps(reduced(sd, batched=False)), w_check, spec)
+    problems += [f"reduce_tensor one by one: {p}" for p in problems_of(r)]
     after = w.call(w_cache)["cache"]
     if after["referenced_bytes"] != before["referenced_bytes"]:
         problems.append(f"{after['referenced_bytes'] - before['referenced_bytes']} bytes still "
                         "referenced in the receiver after it dropped the tensors")
-    return problems, f"{len(spec)} tensors as a dict and as a list of pairs"
+    return problems, (f"{len(spec)} tensors as a dict and as a list of pairs, and through "
+                      "reduce_tensor one by one")
 
 
 def w_open_list(spec):
@@ -737,10 +761,9 @@ def transformer(w, via):
 
 
 def main(argv):
-    if torch is None:
-        return skip_all(f"PyTorch is not installed ({TORCH_MISSING})")
-    if not torch.cuda.is_available():
-        return skip_all("no usable GPU (torch.cuda.is_available() is False)")
+    why = no_torch_gpu(torch, TORCH_MISSING)
+    if why:
+        return skip_all(why)
     try:
         import vmmipc.torch as vt
     except ImportError as e:
@@ -753,10 +776,6 @@ def main(argv):
         return summary()
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, pidfd_getfd "
           f"{'REFUSED (seccomp filter)' if filtered else 'allowed'}", flush=True)
-    missing = [name for name in ("share_tensors", "open_tensors") if not hasattr(vt, name)]
-    if missing:
-        print(f"NOTE vmmipc.torch has no {' or '.join(missing)} (the bulk API of issue 18): "
-              "every bulk check fails", flush=True)
     try:
         import transformers  # noqa: F401
         have_transformers = True
@@ -783,7 +802,8 @@ def main(argv):
               transformer, True),
              ("bytes", "ForkingPickler bytes over a Pipe: a send and 5 re-sends after in-place "
               "updates", resend_bytes, False),
-             ("bulk", "share_tensors/open_tensors with a dict and a list of pairs", bulk, False)]
+             ("bulk", "share_tensors/open_tensors with a dict and a list of pairs; "
+              "reduce_tensor one by one", bulk, False)]
     chosen = [case for case in cases if want(case[0])
               and (case[0] != "transformer" or have_transformers)]
     if chosen:

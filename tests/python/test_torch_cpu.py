@@ -25,7 +25,7 @@ import pytest
 
 import vmmipc
 import vmmipc.torch as vt
-from vmmipc import _anchor, _torch_receive, _torch_runs, _torch_send
+from vmmipc import _anchor, _mp, _torch_receive, _torch_runs, _torch_send
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 needs_torch = pytest.mark.skipif(
@@ -305,6 +305,43 @@ def test_not_vmm_memory_is_left_to_torch(fake):
     assert runs.pending(Storage(BASE, 0)) is None
     assert runs.pending(Storage(BASE, 64, Device("cpu", None))) is None
     assert fake.queries == [(0xdead, 64)], "CPU and empty storages never ask the library"
+
+
+def test_reducers_route_by_memory(fake):
+    torch_way = lambda: "torch's reducer"  # noqa: E731
+    ours = lambda run, b: ("vmmipc", run)  # noqa: E731
+    route = _torch_send._reduce_through
+    assert route("x", Storage(0xdead, 64), torch_way, ours) == "torch's reducer"
+    assert route("x", Storage(BASE, 0), torch_way, ours) == "torch's reducer"
+    assert route("x", Storage(BASE, 64, Device("cpu", None)), torch_way, ours) == "torch's reducer"
+    s = Storage(BASE, 64)
+    kind, run = route("x", s, torch_way, ours)
+    assert kind == "vmmipc" and run is _torch_runs.runs.attached(s)
+
+
+def test_reducer_errors_reach_the_caller(fake, monkeypatch):
+    def no_library(ptr, size):
+        raise vmmipc.LibraryNotFoundError("libvmmipc.so not found")
+
+    monkeypatch.setattr(_torch_runs, "cuda_query_range", no_library)
+    with pytest.raises(vmmipc.LibraryNotFoundError, match="libvmmipc.so not found"):
+        _torch_send._reduce_through("CUDA tensor", Storage(BASE, 64), lambda: None,
+                                    lambda run, b: None)
+
+
+@pytest.mark.parametrize("where", ["pool", "queue"])
+def test_a_pickle_for_a_forked_child_registers_nothing(fake, monkeypatch, where):
+    monkeypatch.setattr(_mp, "fork_destination", lambda: where)
+    s = Storage(BASE + (3 << 20), 64)
+    ours = lambda run, b: ("vmmipc", run)  # noqa: E731
+    with _torch_send.batch([s]):
+        if where == "pool":
+            with pytest.raises(vmmipc.VmmipcForkError, match="fork-context pool"):
+                _torch_send._reduce_through("CUDA tensor", s, lambda: None, ours)
+        else:
+            fn, args = _torch_send._reduce_through("CUDA tensor", s, lambda: None, ours)
+            assert fn is _mp.refuse_fork and args == ("queue",)
+    assert fake.shared == [] and fake.again == [], "nothing registered for a forked child"
 
 
 # -------------------------------------------------- grants and keep-alives
