@@ -219,10 +219,7 @@ func helperRelayRecord(t *testing.T, out *lineWriter) error {
 	if err != nil {
 		return err
 	}
-	proxy := newRecordingProxy(t, s.Addr())
-	s.reg.mu.Lock()
-	s.reg.addr = proxy.addr // tickets now send receivers to the proxy
-	s.reg.mu.Unlock()
+	proxy := proxyInFront(t, s)
 	const chunks = 16
 	fd := newMemfd(t, chunks*int(pageSize), pattern(chunks*int(pageSize), 8))
 	defer unix.Close(fd)
@@ -245,10 +242,7 @@ func helperRelayRecord(t *testing.T, out *lineWriter) error {
 // and no descriptor. The registration's use is not spent.
 func TestRelayRefused(t *testing.T) {
 	s := newTestServer(t)
-	proxy := newRecordingProxy(t, s.Addr())
-	s.reg.mu.Lock()
-	s.reg.addr = proxy.addr // the genuine ticket names the relay's address
-	s.reg.mu.Unlock()
+	proxy := proxyInFront(t, s)
 	fd := newMemfd(t, 4*int(pageSize), pattern(4*int(pageSize), 9))
 	defer unix.Close(fd)
 	tk := registerFile(t, s, fd, 4*pageSize, pageSize, RegisterOptions{Uses: 1})

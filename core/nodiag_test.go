@@ -28,10 +28,7 @@ func TestWithoutSockDiag(t *testing.T) {
 	})
 	t.Run("relay", func(t *testing.T) {
 		s := newTestServer(t)
-		proxy := newRecordingProxy(t, s.Addr())
-		s.reg.mu.Lock()
-		s.reg.addr = proxy.addr // the genuine ticket names the relay's address
-		s.reg.mu.Unlock()
+		proxy := proxyInFront(t, s)
 		fd := newMemfd(t, 4*int(pageSize), pattern(4*int(pageSize), 61))
 		tk := registerFile(t, s, fd, 4*pageSize, pageSize, RegisterOptions{Uses: 1})
 		closeFD(&fd)

@@ -381,6 +381,17 @@ func newRecordingProxy(t testing.TB, target string) *recordingProxy {
 	return p
 }
 
+// proxyInFront puts a recording proxy in front of s: the tickets s issues
+// from now on name the proxy's address, so receivers connect to it.
+func proxyInFront(t testing.TB, s *Server) *recordingProxy {
+	t.Helper()
+	p := newRecordingProxy(t, s.Addr())
+	s.reg.mu.Lock()
+	s.reg.addr = p.addr
+	s.reg.mu.Unlock()
+	return p
+}
+
 // relay copies from one connection to the other until end of stream,
 // descriptors included, then half-closes the other.
 func (p *recordingProxy) relay(from, to *net.UnixConn, record *[]byte) {
