@@ -228,15 +228,28 @@ def rebuild_storage(grant, anchor_id, offset, nbytes, exporter_device, event_han
         try:
             if not redeemed:
                 confirm(grant, later=True)
-            torch = torch_module()
-            event_device = (storage.device.index if target is None
-                            else _ordinal_of_exporter(torch, grant, exporter_device))
-            event = torch.cuda.Event.from_ipc_handle(event_device, event_handle)
-            torch.cuda.current_stream(storage.device).wait_event(event)
+            if event_handle is not None:  # None: the sender synchronized instead
+                _wait_event(storage, grant, exporter_device, event_handle, target)
         except BaseException:
             _redeemed.forget(grant)
             raise
     return storage
+
+
+def _wait_event(storage, grant, exporter_device, event_handle, target) -> None:
+    """Make this thread's current stream wait on the sender's event."""
+    torch = torch_module()
+    event_device = (storage.device.index if target is None
+                    else _ordinal_of_exporter(torch, grant, exporter_device))
+    try:
+        event = torch.cuda.Event.from_ipc_handle(event_device, event_handle)
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"cannot open the sender's CUDA event ({e}): CUDA keeps interprocess events in "
+            "/dev/shm, which this process does not share with the sender (another pod or "
+            "container). Have the sender call vmmipc.torch.set_ordering('sync') (the default "
+            "when VMMIPC_SOCKET_DIR is set), or share /dev/shm (--ipc=host, one pod)") from e
+    torch.cuda.current_stream(storage.device).wait_event(event)
 
 
 def rebuild_tensor(storage_args, cls, storage_offset, size, stride, dtype, requires_grad):

@@ -27,6 +27,7 @@ import collections
 import contextlib
 import functools
 import io
+import os
 import pickle
 import threading
 import time
@@ -52,6 +53,33 @@ _pickle_ttl: float | None = None
 def set_pickle_ttl(ttl: float | None) -> None:
     global _pickle_ttl
     _pickle_ttl = ttl
+
+
+# How a receiver's stream is ordered after the sender's work (set_ordering):
+#   "event": an interprocess CUDA event, recorded on the sender's current
+#            stream, which the receiver's current stream waits on (as torch
+#            does). CUDA keeps such events in /dev/shm: the receiver must
+#            share the sender's /dev/shm (one host, one pod or --ipc=host).
+#   "sync":  the sender waits, while it pickles, until the work queued on its
+#            current stream has finished; the receiver waits on nothing.
+#            Works between any two containers, pods included.
+#   "auto":  "sync" when VMMIPC_SOCKET_DIR is set (receivers may be in other
+#            containers: abstract sockets reach only the sender's network
+#            namespace), else "event".
+ORDERINGS = ("auto", "event", "sync")
+_ordering = "auto"
+
+
+def set_ordering(mode: str) -> None:
+    global _ordering
+    _ordering = mode
+
+
+def ordering() -> str:
+    """The ordering pickles get now: "event" or "sync"."""
+    if _ordering != "auto":
+        return _ordering
+    return "sync" if os.environ.get("VMMIPC_SOCKET_DIR") else "event"
 
 
 class _SentEvents:
@@ -115,10 +143,18 @@ class Batch:
         entry[1].append(storage)
         return entry[0]
 
-    def event(self, device: int) -> bytes:
-        handle = self._events.get(device)
-        if handle is None:
-            handle = self._events[device] = _events.record(torch_module(), device)
+    def event(self, device: int) -> bytes | None:
+        """The interprocess event handle for device (one per batch), or None
+        when the sender synchronized instead (ordering "sync")."""
+        if device in self._events:
+            return self._events[device]
+        torch = torch_module()
+        if ordering() == "sync":
+            torch.cuda.current_stream(device).synchronize()
+            handle = None
+        else:
+            handle = _events.record(torch, device)
+        self._events[device] = handle
         return handle
 
     def plan(self, obj) -> None:

@@ -40,7 +40,10 @@ Rules the caller keeps (the same as torch's own CUDA sharing):
     thread that pickles, and the receiver's current stream waits on it
     before the tensors are returned. A Queue pickles in its feeder thread,
     whose current stream is the default stream: synchronize work done on
-    other streams before put().
+    other streams before put(). CUDA keeps those events in /dev/shm, which
+    two pods do not share: with VMMIPC_SOCKET_DIR set (how receivers in
+    other containers are reached), pickling instead waits until that
+    stream's work has finished (set_ordering says which).
   - The sender process must outlive its receivers' imports (its vmmipc
     server serves them). It keeps each sent storage alive until its receiver
     has it; the receiver's mapping holds its own references to the memory,
@@ -90,6 +93,20 @@ def set_pickle_ttl(ttl: float | None) -> None:
     _torch_send.set_pickle_ttl(ttl)
 
 
+def set_ordering(mode: str) -> None:
+    """How receivers' streams are ordered after the work this process queued
+    before pickling, from now on: "event" (an interprocess CUDA event the
+    receiver's current stream waits on, as torch does; the receiver must
+    share this process's /dev/shm, where CUDA keeps such events), "sync"
+    (pickling waits until the work queued on the current stream has
+    finished; works between any containers), or "auto" (the default: "sync"
+    when VMMIPC_SOCKET_DIR is set, else "event"). ValueError for others."""
+    if mode not in _torch_send.ORDERINGS:
+        raise ValueError(f"vmmipc.torch.set_ordering: mode must be one of "
+                         f"{', '.join(map(repr, _torch_send.ORDERINGS))}, not {mode!r}")
+    _torch_send.set_ordering(mode)
+
+
 def live_anchors() -> int:
     """Run anchors this process holds now (for tests and diagnostics)."""
     return _runs.live()
@@ -126,4 +143,4 @@ except ImportError:
 
 __all__ = ["EVENT_KEEP_SECONDS", "MAX_PENDING_PICKLES", "POSIX_FD_HANDLE", "batch", "handle_type_names", "install",
            "is_vmm_tensor", "live_anchors", "open_tensors", "reduce_storage", "reduce_tensor",
-           "set_pickle_ttl", "set_receive_device", "share_tensors"]
+           "set_ordering", "set_pickle_ttl", "set_receive_device", "share_tensors"]
