@@ -13,9 +13,26 @@ path_without_go() {
   echo "$kept"
 }
 
+# fresh_dir DIR: DIR, emptied (made if missing); prints its absolute path.
+fresh_dir() {
+  rm -rf "$1" && mkdir -p "$1" && (cd "$1" && pwd)
+}
+
 # python/ as git sees it, ignored files included: a build must not change it.
 python_tree_state() {
   git -C "$1" status --porcelain --ignored --untracked-files=all -- python 2>/dev/null || true
+}
+
+# python_tree_unchanged ROOT BEFORE WHAT: fails, showing the difference, when
+# ROOT's python/ is no longer as BEFORE (python_tree_state) recorded it.
+python_tree_unchanged() {
+  local after
+  after=$(python_tree_state "$1")
+  if [ "$2" != "$after" ]; then
+    echo "install test: $3 left files in python/:" >&2
+    diff <(echo "$2") <(echo "$after") >&2 || true
+    return 1
+  fi
 }
 
 # quickstart_elsewhere ROOT VENV: runs examples/python/quickstart.py with

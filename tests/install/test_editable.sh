@@ -14,20 +14,13 @@ set -euo pipefail
 python=$1
 root=$(cd "$(dirname "$0")/../.." && pwd)
 . "$root/tests/install/python_env.sh"
-rm -rf "$2"
-mkdir -p "$2"
-work=$(cd "$2" && pwd)
+work=$(fresh_dir "$2")
 before=$(python_tree_state "$root")
 
 echo "editable: $python -m venv $work/venv; pip install -e ./python"
 "$python" -m venv "$work/venv"
 "$work/venv/bin/python" -m pip install --quiet -e "$root/python"
-after=$(python_tree_state "$root")
-if [ "$before" != "$after" ]; then
-  echo "editable: installing left files in python/:" >&2
-  diff <(echo "$before") <(echo "$after") >&2 || true
-  exit 1
-fi
+python_tree_unchanged "$root" "$before" "installing"
 package=$(cd / && "$work/venv/bin/python" -c 'import vmmipc; print(vmmipc.__file__)')
 if [ "$package" != "$root/python/vmmipc/__init__.py" ]; then
   echo "editable: vmmipc is imported from $package, not from the checkout's python/vmmipc/" >&2

@@ -19,9 +19,7 @@ set -euo pipefail
 python=$1
 root=$(cd "$(dirname "$0")/../.." && pwd)
 . "$root/tests/install/python_env.sh"
-rm -rf "$2"
-mkdir -p "$2"
-work=$(cd "$2" && pwd)
+work=$(fresh_dir "$2")
 before=$(python_tree_state "$root")
 
 echo "wheel: $python -m venv $work/tools, with auditwheel"
@@ -29,12 +27,7 @@ echo "wheel: $python -m venv $work/tools, with auditwheel"
 "$work/tools/bin/python" -m pip install --quiet "auditwheel>=6.8,<7"
 echo "wheel: pip wheel ./python (scikit-build-core and ziglang from PyPI; the library built through CMakeLists.txt)"
 "$work/tools/bin/python" -m pip wheel --quiet --no-deps --wheel-dir "$work/dist" "$root/python"
-after=$(python_tree_state "$root")
-if [ "$before" != "$after" ]; then
-  echo "wheel: building left files in python/:" >&2
-  diff <(echo "$before") <(echo "$after") >&2 || true
-  exit 1
-fi
+python_tree_unchanged "$root" "$before" "building the wheel"
 wheel=$(ls "$work"/dist/vmmipc-*.whl)
 "$work/tools/bin/python" "$root/tests/install/check_wheel.py" "$wheel"
 mkdir "$work/lib"
