@@ -48,7 +48,7 @@ deps: ## check the toolchain; install only what is missing (pkg-config, Go modul
 	  echo "make: installing pytest (missing) with: $(PIP_INSTALL) pytest"; $(PIP_INSTALL) pytest; } || { \
 	  echo "make: could not install pytest: install it yourself (Debian/Ubuntu: apt-get install python3-pytest)"; exit 1; }
 	@$(PYTHON) -c 'import venv, ensurepip' 2>/dev/null || { \
-	  echo "make: $(PYTHON) has no venv/ensurepip (make test-wheel needs it): install it (Debian/Ubuntu: apt-get install python3-venv)"; exit 1; }
+	  echo "make: $(PYTHON) has no venv/ensurepip (make test-wheel and test-editable need it): install it (Debian/Ubuntu: apt-get install python3-venv)"; exit 1; }
 
 test: deps lib test-go test-c test-python test-cgocheck test-install test-wheel test-editable test-readme ## every test: Go, C, Python, cgocheck2, the installed package, the examples, the wheel, the editable install, the README's snippets
 	@echo "make test: all suites passed"
