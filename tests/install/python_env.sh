@@ -1,4 +1,4 @@
-# What test_wheel.sh and test_editable.sh share (sourced, not run): a PATH
+# What test_wheel.sh and test_editable.sh share (sourced, not run): their start, a PATH
 # without Go, the state of python/ in git, and the README's Python quick
 # start run the way a user of the installed package runs it.
 
@@ -13,9 +13,16 @@ path_without_go() {
   echo "$kept"
 }
 
-# fresh_dir DIR: DIR, emptied (made if missing); prints its absolute path.
-fresh_dir() {
-  rm -rf "$1" && mkdir -p "$1" && (cd "$1" && pwd)
+# start_install_test "$0" PYTHON WORKDIR: checks a test's arguments and sets
+# python, root (the checkout), work (WORKDIR, emptied, absolute) and before
+# (python/'s state, for python_tree_unchanged).
+start_install_test() {
+  [ $# = 3 ] || { echo "usage: $1 PYTHON WORKDIR" >&2; exit 2; }
+  python=$2
+  root=$(cd "$(dirname "$1")/../.." && pwd)
+  rm -rf "$3" && mkdir -p "$3"
+  work=$(cd "$3" && pwd)
+  before=$(python_tree_state "$root")
 }
 
 # python/ as git sees it, ignored files included: a build must not change it.

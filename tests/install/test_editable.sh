@@ -10,12 +10,8 @@
 #
 #   tests/install/test_editable.sh PYTHON WORKDIR
 set -euo pipefail
-[ $# = 2 ] || { echo "usage: $0 PYTHON WORKDIR" >&2; exit 2; }
-python=$1
-root=$(cd "$(dirname "$0")/../.." && pwd)
-. "$root/tests/install/python_env.sh"
-work=$(fresh_dir "$2")
-before=$(python_tree_state "$root")
+. "$(dirname "$0")/python_env.sh"
+start_install_test "$0" "$@"
 
 echo "editable: $python -m venv $work/venv; pip install -e ./python"
 "$python" -m venv "$work/venv"
