@@ -80,15 +80,22 @@ func (ss *session) run() {
 	if err := ss.c.send(welcomeMsg{Count: uint64(len(b.sizes)), Total: b.total, Kind: b.kind, BufferID: b.id}.encode(), -1); err != nil {
 		return
 	}
-	// The use is spent once every chunk is on its way (or a cached mapping
-	// is confirmed), whether or not the receiver says done: counting only
+	// The use is spent as the last chunk goes out (or a cached mapping is
+	// confirmed), whether or not the receiver says done: counting only
 	// "done" would let a receiver pull everything, hang up and pull again.
-	// A used-up registration ends after the receiver has its answer (or has
-	// gone): its release (dropping CUDA references, say) may take a while.
+	// It is spent just before that chunk is sent, so that a receiver never
+	// holds every chunk of a use the exporter has not counted yet; it is
+	// given back if the chunk cannot be sent. A used-up registration ends
+	// after the receiver has its answer (or has gone): its release
+	// (dropping CUDA references, say) may take a while.
 	var spent, usedUp bool
-	spend := func() {
-		if !spent {
+	spend := func(spendIt bool) {
+		switch {
+		case spendIt && !spent:
 			spent, usedUp = true, g.spend(cl)
+		case !spendIt && spent:
+			g.unspend(cl)
+			spent, usedUp = false, false
 		}
 	}
 	defer func() {
@@ -97,7 +104,7 @@ func (ss *session) run() {
 		}
 	}()
 	if hello.Flags&helloConfirm != 0 {
-		spend()
+		spend(true)
 	} else if !ss.stream(g, spend) {
 		return
 	}
@@ -211,8 +218,9 @@ func (ss *session) answerStatus(f frame) {
 }
 
 // stream answers pull requests until done (true) or failure (false); it
-// calls spend once the last chunk has been sent.
-func (ss *session) stream(g *registration, spend func()) bool {
+// calls spend(true) right before the last chunk is sent, spend(false) if
+// that send fails.
+func (ss *session) stream(g *registration, spend func(bool)) bool {
 	b := g.buf
 	count := uint64(len(b.sizes))
 	next := uint64(0) // the next index we expect to be asked for
@@ -232,15 +240,19 @@ func (ss *session) stream(g *registration, spend func()) bool {
 				return false
 			}
 			for i := p.First; i < p.First+p.Count; i++ {
+				last := i == count-1
+				if last {
+					spend(true)
+				}
 				if err := ss.sendChunk(g, i); err != nil {
+					if last {
+						spend(false)
+					}
 					ss.refuse(err)
 					return false
 				}
 			}
 			next += p.Count
-			if next == count {
-				spend()
-			}
 		case msgDone:
 			if next != count {
 				ss.refuse(Errorf(EINVAL, "protocol: done after %d of %d chunks", next, count))
