@@ -20,7 +20,7 @@ INSTALL_TEST := $(BUILD)/install-test
 # CMake's generated makefiles run under this make: no "Entering directory" noise.
 MAKEFLAGS += --no-print-directory
 
-.PHONY: all lib test test-go test-c test-python test-cgocheck test-install test-wheel test-readme \
+.PHONY: all lib test test-go test-c test-python test-cgocheck test-install test-wheel test-editable test-readme \
 	demo bench install deps help clean
 
 all: lib ## build build/libvmmipc.so and build/include/vmmipc.h
@@ -48,9 +48,9 @@ deps: ## check the toolchain; install only what is missing (pkg-config, Go modul
 	  echo "make: installing pytest (missing) with: $(PIP_INSTALL) pytest"; $(PIP_INSTALL) pytest; } || { \
 	  echo "make: could not install pytest: install it yourself (Debian/Ubuntu: apt-get install python3-pytest)"; exit 1; }
 	@$(PYTHON) -c 'import venv, ensurepip' 2>/dev/null || { \
-	  echo "make: $(PYTHON) has no venv/ensurepip (make test-wheel needs it): install it (Debian/Ubuntu: apt-get install python3-venv)"; exit 1; }
+	  echo "make: $(PYTHON) has no venv/ensurepip (make test-wheel and test-editable need it): install it (Debian/Ubuntu: apt-get install python3-venv)"; exit 1; }
 
-test: deps lib test-go test-c test-python test-cgocheck test-install test-wheel test-readme ## every test: Go, C, Python, cgocheck2, the installed package, the examples, the wheel, the README's snippets
+test: deps lib test-go test-c test-python test-cgocheck test-install test-wheel test-editable test-readme ## every test: Go, C, Python, cgocheck2, the installed package, the examples, the wheel, the editable install, the README's snippets
 	@echo "make test: all suites passed"
 
 test-go: ## go vet, gofmt and go test -race
@@ -93,8 +93,23 @@ test-install: ## install to a scratch prefix; build and run the examples against
 	cmake --install $(INSTALL_TEST)/build >/dev/null
 	bash tests/install/test_examples.sh $(INSTALL_TEST)/prefix $(INSTALL_TEST)/examples
 
-test-wheel: ## pip wheel ./python, install it into a fresh venv, run the Python example from another directory
-	bash tests/install/test_wheel.sh $(PYTHON) $(BUILD)/wheel-test
+# The wheel's library is not `make lib`'s: zig cc builds it against an older
+# glibc (manylinux). After the wheel's own checks, the C suite and the load
+# hygiene tests run again against it (RUNPATH: LD_LIBRARY_PATH picks it).
+WHEEL_TEST := $(BUILD)/wheel-test
+WHEEL_LIB  := $(abspath $(WHEEL_TEST)/lib)
+test-wheel: ## pip wheel ./python: a manylinux wheel (auditwheel), installed into a fresh venv without Go, the Python example run from elsewhere, the C suite against its library
+	bash tests/install/test_wheel.sh $(PYTHON) $(WHEEL_TEST)
+	@$(CMAKE_CONFIGURE)
+	cmake --build $(CMAKE_DIR) -j2 --target test_vmmipc test_load_dlopen test_load_linked
+	@LD_LIBRARY_PATH=$(WHEEL_LIB) ldd $(CMAKE_DIR)/test_vmmipc | grep -qF "$(WHEEL_LIB)/libvmmipc.so" || \
+	  { echo "make: the C tests do not load $(WHEEL_LIB)/libvmmipc.so"; exit 1; }
+	LD_LIBRARY_PATH=$(WHEEL_LIB) $(CMAKE_DIR)/test_vmmipc all
+	$(CMAKE_DIR)/test_load_dlopen $(WHEEL_LIB)/libvmmipc.so
+	LD_LIBRARY_PATH=$(WHEEL_LIB) $(CMAKE_DIR)/test_load_linked parent
+
+test-editable: ## pip install -e ./python into a fresh venv; the Python example from elsewhere loads the editable build's library
+	bash tests/install/test_editable.sh $(PYTHON) $(BUILD)/editable-test
 
 test-readme: ## README.md's code blocks are excerpts of examples/ and compile as printed
 	$(PYTHON) tests/readme/check_snippets.py
@@ -104,7 +119,7 @@ demo: deps ## share a 4096-chunk buffer between two processes (GPU if present, e
 	cmake --build $(CMAKE_DIR) --target vmmipc_demo >/dev/null
 	$(CMAKE_DIR)/vmmipc_demo
 
-bench: lib ## floor, first and repeated (import-cache) transfers, all-at-once and the Python path at N = 4096 x 2 MiB and 410 x 20 MiB (GPU if present, else host memory) into build/bench/
+bench: lib ## floor, first and repeated (import-cache) transfers, all-at-once and the Python path at N = 4096 x 2 MiB and 410 x 20 MiB (GPU if present, else host memory) into build/bench/; matplotlib, if missing, into build/bench-venv/
 	bash bench/run.sh --out $(BUILD)/bench
 
 install: ## install library, header, CMake package and vmmipc.pc under PREFIX (ldconfig when the loader searches it)

@@ -24,12 +24,10 @@
 # progress line per step and ends with the result table. Writes into DIR
 # (default build/bench): results.md (date, commit, command, tables, console
 # output, raw measurements: paste it as bench/results/<date>-<machine>.md),
-# bench.png (the plot, if matplotlib is installed or can be installed: it
-# says which), raw.jsonl (one JSON object per measurement), tables.md,
-# console.txt and log.txt (every tool's stderr). COMMIT in the environment is
-# recorded when this tree has no git metadata. VMMIPC_BENCH_NO_INSTALL=1
-# installs nothing (no plot without matplotlib). BUILD, CC and PYTHON as in
-# the Makefile.
+# bench.png (the plot: see need_matplotlib for where matplotlib comes from),
+# raw.jsonl (one JSON object per measurement), tables.md, console.txt and
+# log.txt (every tool's stderr). COMMIT in the environment is recorded when
+# this tree has no git metadata. BUILD, CC and PYTHON as in the Makefile.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -147,24 +145,33 @@ profile() {
   $CC -O2 -Wall -shared -fPIC -o "$BUILD/libcuda_timing.so" bench/cuda_timing_shim.c -ldl -lpthread &&
     VMMIPC_LIBCUDA=$PWD/$BUILD/libcuda_timing.so bench "$@"
 }
-PLOT_WHY=""
+# The plot needs matplotlib: PYTHON's own if it has one; else the one in
+# BUILD/bench-venv, a virtual environment made (once, kept for later runs)
+# and filled from PyPI for the plot alone, so PYTHON itself never changes.
+# VMMIPC_BENCH_NO_INSTALL=1 installs nothing: no plot without matplotlib.
+PLOT_WHY="" PLOT_PYTHON=$PYTHON PLOT_VENV=$BUILD/bench-venv
 need_matplotlib() {
   if $PYTHON -c 'import matplotlib' 2>/dev/null; then return 0; fi
+  if "$PLOT_VENV/bin/python" -c 'import matplotlib' 2>/dev/null; then
+    PLOT_PYTHON=$PLOT_VENV/bin/python
+    say "matplotlib: from $PLOT_VENV"
+    return 0
+  fi
   if [ -n "${VMMIPC_BENCH_NO_INSTALL:-}" ]; then
     PLOT_WHY="matplotlib is not installed (VMMIPC_BENCH_NO_INSTALL is set, so nothing was installed)"
     return 0
   fi
-  # As make deps installs pytest: --user outside a virtual environment.
-  local pip="$PYTHON -m pip install --quiet$($PYTHON -c 'import sys; print("" if sys.prefix != sys.base_prefix else " --user")')"
-  say "matplotlib is missing; installing it for the plot: $pip matplotlib"
-  if $pip matplotlib >>"$LOG" 2>&1 && $PYTHON -c 'import matplotlib' 2>/dev/null; then
-    say "matplotlib installed"
+  local install="$PYTHON -m venv $PLOT_VENV && $PLOT_VENV/bin/python -m pip install --quiet matplotlib"
+  say "matplotlib is missing; installing it for the plot into $PLOT_VENV (not into $PYTHON): $install"
+  if eval "$install" >>"$LOG" 2>&1 && "$PLOT_VENV/bin/python" -c 'import matplotlib' 2>/dev/null; then
+    PLOT_PYTHON=$PLOT_VENV/bin/python
+    say "matplotlib installed in $PLOT_VENV"
   else
-    PLOT_WHY="matplotlib is not installed, and '$pip matplotlib' failed ($(tail -1 "$LOG"))"
+    PLOT_WHY="matplotlib is not installed, and '$install' failed ($(tail -1 "$LOG"))"
   fi
 }
 report() {
-  $PYTHON bench/plot.py "$RAW" --md "$OUT_DIR/tables.md" --default-window "$DEFAULT_WINDOW" \
+  $PLOT_PYTHON bench/plot.py "$RAW" --md "$OUT_DIR/tables.md" --default-window "$DEFAULT_WINDOW" \
     $([ -z "$PLOT_WHY" ] && echo --png "$PNG")
 }
 

@@ -41,7 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
 # The GPU tests' helpers: importing them puts this checkout's vmmipc and
 # build/libvmmipc.so on the path (the child inherits it).
-from _gpu_helpers import set_expandable  # noqa: E402
+from _gpu_helpers import chunk_count, set_expandable  # noqa: E402
 
 # Read when CUDA starts, here and in the child; "legacy" switches it off for
 # its own allocations only.
@@ -131,16 +131,6 @@ def make_tensor(way, nbytes, seed, vt):
     return t
 
 
-def chunk_count(t):
-    """Allocations under the tensor (the chunks vmmipc moves one by one)."""
-    rng = vmmipc.cuda_query_range(t.data_ptr(), t.untyped_storage().nbytes())
-    ticket = vmmipc.share(rng.base, rng.size, uses=1)
-    try:
-        return ticket.info().chunk_count
-    finally:
-        vmmipc.unregister(ticket)
-
-
 class Child:
     def __init__(self):
         ctx = mp.get_context("spawn")
@@ -212,7 +202,7 @@ def main():
                 seed = 10 + rep
                 t = make_tensor(way, nbytes, seed, vt)
                 if way != "legacy":
-                    chunks[way] = chunk_count(t)
+                    chunks[way] = chunk_count(t.data_ptr(), t.untyped_storage().nbytes())
                 try:
                     for send in SENDS:
                         if send == "again":

@@ -520,8 +520,7 @@ func TestReceiverHandshakeTimesOut(t *testing.T) {
 				f, err := c.recv()
 				if err == nil && tc.challenge {
 					hello, _ := parseHello(f.Body)
-					tr := transcript{RegID: hello.RegID, ServerPid: tk.Pid, ReceiverPid: tk.Pid, ReceiverNonce: hello.Nonce}
-					tr.TicketDigest, _ = tk.Digest()
+					tr := serverTranscript(t, uc, tk, hello)
 					tr.ServerNonce, _ = newNonce()
 					_ = c.send(challengeMsg{Nonce: tr.ServerNonce, Proof: tr.proof(tk.Secret, roleServer)}.encode(), -1)
 				}

@@ -64,6 +64,7 @@ type entry struct {
 type CacheInfo struct {
 	LimitBytes, Entries, ReferencedBytes, UnreferencedBytes uint64
 	Hits, Misses, Evictions, Invalidations                  uint64
+	ConfirmsPending, ConfirmsFailed                         uint64 // confirm.go
 }
 
 type importCache struct {
@@ -143,8 +144,9 @@ func ParseBytes(s string) (uint64, error) {
 }
 
 // hit returns another reference to the cached mapping for key, after the
-// exporter confirmed t; hit is false when there is none (then import anew).
-func (c *importCache) hit(key cacheKey, t *Ticket, timeout time.Duration) (Ref, bool, error) {
+// exporter confirmed t, or at once with the confirmation queued (later:
+// confirm.go); hit is false when there is none (then import anew).
+func (c *importCache) hit(key cacheKey, t *Ticket, timeout time.Duration, later bool) (Ref, bool, error) {
 	c.mu.Lock()
 	e := c.byKey[key]
 	if e == nil {
@@ -152,6 +154,13 @@ func (c *importCache) hit(key cacheKey, t *Ticket, timeout time.Duration) (Ref, 
 		return Ref{}, false, nil
 	}
 	c.pin(e) // no eviction while we confirm
+	if later {
+		c.stats.Hits++
+		ref := c.newRef(e) // the pin becomes the caller's reference
+		c.mu.Unlock()
+		confirms.add(t, timeout)
+		return ref, true, nil
+	}
 	c.mu.Unlock()
 
 	lives, err := confirm(t, timeout)
@@ -352,6 +361,7 @@ func GetCacheInfo() CacheInfo {
 	info.LimitBytes = c.limit
 	info.Entries = uint64(len(c.all))
 	info.UnreferencedBytes = c.unrefBytes
+	info.ConfirmsPending, info.ConfirmsFailed = confirms.counts()
 	for e := range c.all {
 		if e.refs > 0 {
 			info.ReferencedBytes += e.size

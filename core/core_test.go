@@ -2,6 +2,7 @@ package core
 
 import (
 	"bytes"
+	"encoding/hex"
 	"fmt"
 	"os"
 	"strings"
@@ -180,32 +181,88 @@ func TestUseSpentWhenAllSent(t *testing.T) {
 // TestSecretNeverCrossesTheSocket relays a whole import through a proxy
 // that records every byte in both directions: the import succeeds, and the
 // secret appears nowhere in what crossed (protocol 1 sent it in the hello).
+// The handshake binds the connection's sockets, so a relay fails it
+// (TestRelayRefused): the helper that records runs with that binding off.
 func TestSecretNeverCrossesTheSocket(t *testing.T) {
-	s := newTestServer(t)
-	proxy := newRecordingProxy(t, s.Addr())
-	s.reg.mu.Lock()
-	s.reg.addr = proxy.addr // tickets now send receivers to the proxy
-	s.reg.mu.Unlock()
+	h := startHelper(t, partRelayRecord, helperOpts{})
+	f := strings.Fields(h.expect("recorded ", faultTimeout))
+	if len(f) != 3 {
+		t.Fatalf("the recording helper said %q", f)
+	}
+	var b [3][]byte
+	for i := range b {
+		var err error
+		if b[i], err = hex.DecodeString(f[i]); err != nil {
+			t.Fatal(err)
+		}
+	}
+	toServer, toReceiver, secret := b[0], b[1], Secret(b[2])
+	msgs, err := splitMessages(toServer)
+	if err != nil || len(msgs) < 3 || msgs[0].Type != msgHello || msgs[1].Type != msgProof {
+		t.Fatalf("the receiver's side of the session: %d messages, %v", len(msgs), err)
+	}
+	if m, err := splitMessages(toReceiver); err != nil || len(m) < 3 || m[len(m)-1].Type != msgDoneAck {
+		t.Fatalf("the exporter's side of the session: %d messages, %v", len(m), err)
+	}
+	if containsSecret(toServer, secret) || containsSecret(toReceiver, secret) {
+		t.Fatal("the ticket's secret crossed the socket")
+	}
+	t.Logf("%d bytes to the server, %d to the receiver, no 8 bytes of the secret among them", len(toServer), len(toReceiver))
+}
+
+// helperRelayRecord imports a registration of its own server through a
+// recording proxy, with the handshake's socket binding off (set before any
+// goroutine of the library runs), and reports "recorded <hex to the
+// server> <hex to the receiver> <hex secret>".
+func helperRelayRecord(t *testing.T, out *lineWriter) error {
+	exporterSocketOf = func(int, byte) (uint64, error) { return 0, nil }
+	s, err := NewServer("")
+	if err != nil {
+		return err
+	}
+	proxy := proxyInFront(t, s)
 	const chunks = 16
 	fd := newMemfd(t, chunks*int(pageSize), pattern(chunks*int(pageSize), 8))
 	defer unix.Close(fd)
 	tk := registerFile(t, s, fd, chunks*pageSize, pageSize, RegisterOptions{Uses: 1})
 	if tk.Address != proxy.addr {
-		t.Fatalf("the ticket names %s, not the proxy %s", tk.Address, proxy.addr)
+		return fmt.Errorf("the ticket names %s, not the proxy %s", tk.Address, proxy.addr)
 	}
-	r := importHost(t, tk, ImportOptions{})
-	if err := verifyAndUnmap(r, 8); err != nil {
-		t.Fatal(err)
+	if err := importVerified(tk, ImportOptions{}, 8); err != nil {
+		return err
 	}
 	toServer, toReceiver := proxy.recorded(t)
-	msgs, err := splitMessages(toServer)
-	if err != nil || len(msgs) < 3 || msgs[0].Type != msgHello || msgs[1].Type != msgProof {
-		t.Fatalf("the receiver's side of the session: %d messages, %v", len(msgs), err)
+	out.printf("recorded %s %s %s", hex.EncodeToString(toServer), hex.EncodeToString(toReceiver), hex.EncodeToString(tk.Secret[:]))
+	return nil
+}
+
+// TestRelayRefused: a process between the receiver and the exporter that
+// relays bytes and descriptors both ways. Each side binds the sockets of
+// its own connection, so the receiver refuses the exporter's proof (EAUTH)
+// and sends no proof of its own: the relay passes a hello and a challenge,
+// and no descriptor. The registration's use is not spent.
+func TestRelayRefused(t *testing.T) {
+	s := newTestServer(t)
+	proxy := proxyInFront(t, s)
+	fd := newMemfd(t, 4*int(pageSize), pattern(4*int(pageSize), 9))
+	defer unix.Close(fd)
+	tk := registerFile(t, s, fd, 4*pageSize, pageSize, RegisterOptions{Uses: 1})
+	o := tryImport(t, tk)
+	expectCode(t, o, "could not prove", EAUTH)
+	toServer, toReceiver := proxy.recorded(t)
+	if m, err := splitMessages(toServer); err != nil || len(m) != 1 || m[0].Type != msgHello {
+		t.Fatalf("the receiver sent %d messages (%v) through the relay, want its hello only", len(m), err)
 	}
-	if containsSecret(toServer, tk.Secret) || containsSecret(toReceiver, tk.Secret) {
-		t.Fatal("the ticket's secret crossed the socket")
+	if m, err := splitMessages(toReceiver); err != nil || len(m) != 1 || m[0].Type != msgChallenge {
+		t.Fatalf("the exporter sent %d messages (%v) through the relay, want its challenge only", len(m), err)
 	}
-	t.Logf("%d bytes to the server, %d to the receiver, no 8 bytes of the secret among them", len(toServer), len(toReceiver))
+	if n := proxy.descriptors(); n != 0 {
+		t.Fatalf("%d descriptors crossed the relay", n)
+	}
+	if n := s.Live(); n != 1 {
+		t.Fatalf("%d live registrations after the relay, want the one, its use not spent", n)
+	}
+	t.Logf("refused after %v: %v", o.took, o.err)
 }
 
 // TestUnregisterWhileExiting: registrations ended once the host said it is

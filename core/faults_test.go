@@ -282,6 +282,6 @@ func ticketOf(t testing.TB, pid int, addr string) *Ticket {
 	if err != nil {
 		t.Fatal(err)
 	}
-	tk.Address, tk.Pid, tk.StartTime = addr, uint32(pid), st
+	tk.Address, tk.Pid, tk.StartTime, tk.NS = addr, uint32(pid), st, selfNamespaces()
 	return tk
 }

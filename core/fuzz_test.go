@@ -2,6 +2,7 @@ package core
 
 import (
 	"bytes"
+	"encoding/binary"
 	"net"
 	"runtime"
 	"testing"
@@ -42,6 +43,11 @@ func FuzzDecodeTicket(f *testing.F) {
 	f.Add(b[:])
 	f.Add(good[:100])
 	f.Add(make([]byte, TicketSize))
+	for _, pos := range []int{offNSDev, offPidNS, offReserved, offReserved2 + 7} {
+		bad := good
+		bad[pos] ^= 0xff // no device, another namespace, reserved bytes
+		f.Add(bad[:])
+	}
 	f.Fuzz(func(t *testing.T, data []byte) {
 		tk, err := DecodeTicket(data)
 		if refused(t, "decode", err) {
@@ -61,14 +67,21 @@ func FuzzDecodeTicket(f *testing.F) {
 // DecodeTicket reads back as the same ticket.
 func FuzzTicketMarshal(f *testing.F) {
 	s := sampleTicket()
-	f.Add(s.Kind, s.Address, s.Pid, s.StartTime, s.RegID, s.BufferID, s.Count, s.Total, s.Secret[:], []byte{})
-	f.Add(MemoryCUDA, "/run/x.sock", uint32(1), uint64(0), uint64(1), uint64(1), uint64(1), uint64(1), []byte{1}, []byte{9})
-	f.Add(MemoryHost, "relative.sock", uint32(1), uint64(1), uint64(1), uint64(1), uint64(1), uint64(1), []byte{}, []byte{})
-	f.Add(MemoryHost, "@x", uint32(1), uint64(1), uint64(1), uint64(1), uint64(1), uint64(1), []byte{}, []byte{1})
-	f.Fuzz(func(t *testing.T, kind uint8, addr string, pid uint32, start, regID, bufID, count, total uint64, secret, uuid []byte) {
+	var ns [32]byte
+	binary.LittleEndian.PutUint64(ns[0:], s.NS.Dev)
+	binary.LittleEndian.PutUint64(ns[8:], s.NS.PID)
+	f.Add(s.Kind, s.Address, s.Pid, s.StartTime, s.RegID, s.BufferID, s.Count, s.Total, s.Secret[:], []byte{}, ns[:])
+	f.Add(MemoryCUDA, "/run/x.sock", uint32(1), uint64(0), uint64(1), uint64(1), uint64(1), uint64(1), []byte{1}, []byte{9}, []byte{})
+	f.Add(MemoryHost, "relative.sock", uint32(1), uint64(1), uint64(1), uint64(1), uint64(1), uint64(1), []byte{}, []byte{}, []byte{})
+	f.Add(MemoryHost, "@x", uint32(1), uint64(1), uint64(1), uint64(1), uint64(1), uint64(1), []byte{}, []byte{1}, []byte{})
+	f.Add(MemoryHost, "@x", uint32(1), uint64(1), uint64(1), uint64(1), uint64(1), uint64(1), []byte{}, []byte{}, ns[8:])
+	f.Fuzz(func(t *testing.T, kind uint8, addr string, pid uint32, start, regID, bufID, count, total uint64, secret, uuid, nsBytes []byte) {
 		in := &Ticket{Kind: kind, Address: addr, Pid: pid, StartTime: start, RegID: regID, BufferID: bufID, Count: count, Total: total}
 		copy(in.Secret[:], secret)
 		copy(in.DeviceUUID[:], uuid)
+		var ns [32]byte
+		copy(ns[:], nsBytes)
+		in.NS = Namespaces{binary.LittleEndian.Uint64(ns[0:]), binary.LittleEndian.Uint64(ns[8:]), binary.LittleEndian.Uint64(ns[16:]), binary.LittleEndian.Uint64(ns[24:])}
 		b, err := in.Marshal()
 		if refused(t, "marshal", err) {
 			return
@@ -82,6 +95,30 @@ func FuzzTicketMarshal(f *testing.F) {
 		}
 		if *out != *in {
 			t.Fatalf("round trip changed the ticket:\n in  %+v\n out %+v", in, out)
+		}
+	})
+}
+
+// FuzzParseSockDiag: whatever sock_diag answers, parsing it neither
+// panics nor reads past it, and a socket is named only by an answer about
+// the socket asked for.
+func FuzzParseSockDiag(f *testing.F) {
+	reply := binary.LittleEndian.AppendUint32(nil, 48)
+	reply = binary.LittleEndian.AppendUint16(reply, unix.SOCK_DIAG_BY_FAMILY)
+	reply = append(reply, make([]byte, 10)...)
+	reply = append(reply, unix.AF_UNIX, unix.SOCK_STREAM, 1, 0)
+	reply = binary.LittleEndian.AppendUint32(reply, 13850)                 // inode
+	reply = binary.LittleEndian.AppendUint64(reply, 0x0000_0001_0000_2f52) // cookie
+	reply = append(reply, 8, 0, unixDiagPeerAtt, 0)
+	reply = binary.LittleEndian.AppendUint32(reply, 13851)
+	reply = append(reply, 5, 0, 6, 0, 0, 0, 0, 0) // another attribute, padded
+	f.Add(reply, uint32(13850))
+	f.Add(reply, uint32(13851))
+	f.Add(reply[:30], uint32(13850))
+	f.Fuzz(func(t *testing.T, b []byte, ino uint32) {
+		d, err := parseSockDiag(b, uint64(ino))
+		if err == nil && (len(b) < unix.SizeofNlMsghdr+unixDiagMsgSize || uint64(binary.LittleEndian.Uint32(b[unix.SizeofNlMsghdr+4:])) != uint64(ino)) {
+			t.Fatalf("parsed %+v from an answer about another socket or too short", d)
 		}
 	})
 }
@@ -594,7 +631,7 @@ const nearMisses = 9
 
 // nearMissProof is a real HMAC that is not the proof for role in tr, as
 // how[0] picks: of the other role (a reflected proof), under another
-// secret, with either pid, the flags, the registration, the ticket digest
+// secret, with another exporter socket or none, the flags, the registration, the ticket digest
 // or the server's nonce changed, or the right proof with one bit flipped
 // (how[1] picks the bit).
 func nearMissProof(tr transcript, secret Secret, role byte, how []byte) [proofSize]byte {
@@ -611,9 +648,9 @@ func nearMissProof(tr transcript, secret Secret, role byte, how []byte) [proofSi
 	case 1:
 		secret[bit%32] ^= 1 << (bit % 8)
 	case 2:
-		tr.ReceiverPid++
+		tr.Socket++
 	case 3:
-		tr.ServerPid++
+		tr.Socket = 0
 	case 4:
 		tr.Flags ^= helloConfirm
 	case 5:
@@ -690,8 +727,7 @@ func FuzzReceiverHandshake(f *testing.F) {
 				t.Errorf("the receiver's hello %+v, %v", hello, err)
 				return
 			}
-			tr := transcript{RegID: hello.RegID, ServerPid: tk.Pid, ReceiverPid: tk.Pid, ReceiverNonce: hello.Nonce}
-			tr.TicketDigest, _ = tk.Digest()
+			tr := serverTranscript(t, uc, tk, hello)
 			raw, _ := uc.SyscallConn()
 			var sendErr error
 			send := func(b []byte, plan []fdAttach) {

@@ -19,7 +19,8 @@ import (
 
 // sampleTicket is a well-formed ticket used as a seed.
 func sampleTicket() *Ticket {
-	t := &Ticket{Kind: MemoryHost, Address: "@vmmipc-1234-00112233", Pid: 1234, StartTime: 5678, RegID: 7, BufferID: 3, Count: 4, Total: 4 * 4096}
+	t := &Ticket{Kind: MemoryHost, Address: "@vmmipc-1234-00112233", Pid: 1234, StartTime: 5678, RegID: 7, BufferID: 3, Count: 4, Total: 4 * 4096,
+		NS: Namespaces{Dev: 4, PID: 4026531836, Net: 4026531840, Time: 4026531834}}
 	for i := range t.Secret {
 		t.Secret[i] = byte(i * 7)
 	}
@@ -244,7 +245,7 @@ func newFakeExporter(t testing.TB, count int, total uint64, serve func(uc *net.U
 	t.Helper()
 	tk := sampleTicket()
 	tk.Address = "@vmmipc-fuzz-fake-" + itoa(os.Getpid()) + "-" + itoa(randIndex(1<<30))
-	tk.Pid, tk.StartTime = uint32(os.Getpid()), selfStartTime()
+	tk.Pid, tk.StartTime, tk.NS = uint32(os.Getpid()), selfStartTime(), selfNamespaces()
 	tk.Count, tk.Total = uint64(count), total
 	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: tk.Address, Net: "unix"})
 	if err != nil {
@@ -272,4 +273,26 @@ func newFakeExporter(t testing.TB, count int, total uint64, serve func(uc *net.U
 func (f *fakeExporter) close() {
 	f.ln.Close()
 	<-f.done
+}
+
+// serverTranscript is what an exporter's proofs cover for a receiver's
+// hello on uc (the server nonce still to be drawn).
+func serverTranscript(t testing.TB, uc *net.UnixConn, tk *Ticket, hello helloMsg) transcript {
+	t.Helper()
+	tr := transcript{RegID: hello.RegID, Flags: hello.Flags, ReceiverNonce: hello.Nonce}
+	var err error
+	if tr.TicketDigest, err = tk.Digest(); err != nil {
+		t.Error(err)
+	}
+	raw, err := uc.SyscallConn()
+	if err == nil {
+		tr.Socket, err = exporterSocket(raw, roleServer)
+	}
+	if err != nil {
+		t.Error(err)
+	}
+	if hello.Flags&helloPidBound != 0 {
+		tr.Socket = uint64(os.Getpid()) // the receiver is this process
+	}
+	return tr
 }

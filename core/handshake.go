@@ -16,11 +16,13 @@ import (
 //	receiver → server: proof(HMAC(secret, "R" || T))
 //
 // T binds everything either side could be fooled about: the protocol
-// version, the registration id, the hello flags, the server's pid, the
-// receiver's pid (each side takes the peer's from SO_PEERCRED, so a process
-// that relays the session between the two gets proofs bound to its own pid),
-// the SHA-256 of the whole ticket (so a ticket changed in any byte fails),
-// and both fresh nonces (so no proof can be replayed). The receiver accepts
+// version, the registration id, the hello flags, this very connection (the
+// kernel's cookie of the exporter's socket of it, sockends.go: a process
+// that relays the session between the two, in any namespace, holds two
+// connections and gets proofs bound to neither; a receiver without
+// sock_diag binds its pid instead), the SHA-256 of the whole
+// ticket (so a ticket changed in any byte fails), and both fresh nonces (so
+// no proof can be replayed). The receiver accepts
 // no descriptor before the server's proof checks out; the server answers
 // nothing but the challenge before the receiver's does. The role byte keeps a
 // server's proof from ever passing for a receiver's.
@@ -47,8 +49,7 @@ func random32(what string) ([32]byte, error) {
 type transcript struct {
 	RegID         uint64
 	Flags         uint64
-	ServerPid     uint32
-	ReceiverPid   uint32
+	Socket        uint64 // the cookie of the exporter's socket of the connection
 	TicketDigest  [32]byte
 	ReceiverNonce nonce
 	ServerNonce   nonce
@@ -62,13 +63,12 @@ const (
 // proof is HMAC-SHA256 under the secret of the role byte and the transcript.
 func (t *transcript) proof(secret Secret, role byte) [proofSize]byte {
 	mac := hmac.New(sha256.New, secret[:])
-	var b [1 + 1 + 8 + 8 + 4 + 4 + 32 + 2*nonceSize]byte
+	var b [1 + 1 + 8 + 8 + 8 + 32 + 2*nonceSize]byte
 	b[0] = role
 	b[1] = ProtocolVersion
 	binary.LittleEndian.PutUint64(b[2:], t.RegID)
 	binary.LittleEndian.PutUint64(b[10:], t.Flags)
-	binary.LittleEndian.PutUint32(b[18:], t.ServerPid)
-	binary.LittleEndian.PutUint32(b[22:], t.ReceiverPid)
+	binary.LittleEndian.PutUint64(b[18:], t.Socket)
 	copy(b[26:], t.TicketDigest[:])
 	copy(b[58:], t.ReceiverNonce[:])
 	copy(b[58+nonceSize:], t.ServerNonce[:])

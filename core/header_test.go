@@ -18,9 +18,9 @@ func TestHeaderMatchesCore(t *testing.T) {
 		t.Fatal(err)
 	}
 	defs := map[string]int64{}
-	re := regexp.MustCompile(`(?m)^#define (VMMIPC_[A-Z_]+) \(?(-?[0-9]+)(ull|u)?(?: << ([0-9]+))?\)?`)
+	re := regexp.MustCompile(`(?m)^#define (VMMIPC_[A-Z_]+) \(?(-?(?:0x[0-9a-fA-F]+|[0-9]+))(ull|u)?(?: << ([0-9]+))?\)?`)
 	for _, m := range re.FindAllStringSubmatch(string(h), -1) {
-		v, err := strconv.ParseInt(m[2], 10, 64)
+		v, err := strconv.ParseInt(m[2], 0, 64)
 		if err != nil {
 			t.Fatalf("%s: %v", m[1], err)
 		}
@@ -52,7 +52,8 @@ func TestHeaderMatchesCore(t *testing.T) {
 		"VMMIPC_MAX_TTL_MS": int64(MaxTTL / time.Millisecond), "VMMIPC_MAX_CHUNKS": MaxChunks,
 		"VMMIPC_TICKET_SIZE": TicketSize, "VMMIPC_DEVICE_HOST": int64(DeviceHost),
 		"VMMIPC_DEVICE_SAME": int64(DeviceSame), "VMMIPC_MEMORY_HOST": int64(MemoryHost),
-		"VMMIPC_MEMORY_CUDA": int64(MemoryCUDA),
+		"VMMIPC_MEMORY_CUDA": int64(MemoryCUDA), "VMMIPC_IMPORT_NO_CACHE": int64(ImportNoCache),
+		"VMMIPC_IMPORT_CONFIRM_LATER": int64(ImportConfirmLater),
 	}
 	for name, v := range want {
 		if got, ok := defs[name]; !ok || got != v {

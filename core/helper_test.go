@@ -12,6 +12,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -28,24 +29,30 @@ const helperPartEnv = "VMMIPC_TEST_HELPER"
 
 // Helper parts (the roles they play).
 const (
-	partSender    = "sender"    // a server; registers on request ("register ...")
-	partReceiver  = "receiver"  // pulls a ticket's chunks, can stop and wait to be killed
-	partImpostor  = "impostor"  // a plain socket at an address, not a vmmipc server
-	partOpener    = "opener"    // tries a ticket once and reports what it got
-	partCacheEnv  = "cacheenv"  // imports with VMMIPC_CACHE_BYTES as the test set it
-	partAddrSpace = "addrspace" // imports under a tight RLIMIT_AS
-	partPidNS     = "pidns"     // runs the pid-reuse attack inside a new pid namespace
+	partSender      = "sender"      // a server; registers on request ("register ...")
+	partReceiver    = "receiver"    // pulls a ticket's chunks, can stop and wait to be killed
+	partImpostor    = "impostor"    // a plain socket at an address, not a vmmipc server
+	partOpener      = "opener"      // tries a ticket once and reports what it got
+	partCacheEnv    = "cacheenv"    // imports with VMMIPC_CACHE_BYTES as the test set it
+	partAddrSpace   = "addrspace"   // imports under a tight RLIMIT_AS
+	partPidNS       = "pidns"       // runs the pid-reuse attack inside a new pid namespace
+	partRelayRecord = "relayrecord" // imports through a recording proxy (TestSecretNeverCrossesTheSocket)
+	partImporter    = "importer"    // imports a ticket once, verifies it, reports leaks
 )
 
 // Environment of the helpers.
 const (
-	envTicket     = "VMMIPC_TEST_TICKET"      // hex ticket for receivers and openers
-	envStopAt     = "VMMIPC_TEST_STOP_AT"     // receiver: chunks to pull before waiting to be killed
-	envAddr       = "VMMIPC_TEST_ADDR"        // impostor: the address to bind
-	envListenFD   = "VMMIPC_TEST_LISTEN_FD"   // impostor: an inherited listening descriptor instead
-	envListenMode = "VMMIPC_TEST_LISTEN_MODE" // impostor: how to answer (see helperImpostor)
-	envReplay     = "VMMIPC_TEST_REPLAY"      // impostor "replay": the hex message to answer with
-	envNoFile     = "VMMIPC_TEST_NOFILE"      // sender: its soft RLIMIT_NOFILE
+	envTicket     = "VMMIPC_TEST_TICKET"       // hex ticket for receivers and openers
+	envStopAt     = "VMMIPC_TEST_STOP_AT"      // receiver: chunks to pull before waiting to be killed
+	envAddr       = "VMMIPC_TEST_ADDR"         // impostor: the address to bind
+	envListenFD   = "VMMIPC_TEST_LISTEN_FD"    // impostor: an inherited listening descriptor instead
+	envListenMode = "VMMIPC_TEST_LISTEN_MODE"  // impostor: how to answer (see helperImpostor)
+	envReplay     = "VMMIPC_TEST_REPLAY"       // impostor "replay": the hex message to answer with
+	envNoFile     = "VMMIPC_TEST_NOFILE"       // sender: its soft RLIMIT_NOFILE
+	envSeed       = "VMMIPC_TEST_SEED"         // importer: the pattern the bytes must follow
+	envImports    = "VMMIPC_TEST_IMPORTS"      // importer: how many times to import
+	envTake       = "VMMIPC_TEST_TAKE"         // impostor at a socket path: "swap", "lock" (see impostorListen)
+	envNoSockDiag = "VMMIPC_TEST_NO_SOCK_DIAG" // any part: act as if sock_diag were refused (nodiag_test.go)
 )
 
 func TestHelperProcess(t *testing.T) {
@@ -54,6 +61,9 @@ func TestHelperProcess(t *testing.T) {
 		t.Skip("not a test: the process that fault, hostile-peer and attack tests start as their peer")
 	}
 	out := &lineWriter{w: bufio.NewWriter(os.Stdout)}
+	if os.Getenv(envNoSockDiag) != "" { // before any goroutine of the library runs
+		probeSockDiag = func() error { return fmt.Errorf("refused for this test: %w", unix.EPROTONOSUPPORT) }
+	}
 	var err error
 	switch part {
 	case partSender:
@@ -70,6 +80,10 @@ func TestHelperProcess(t *testing.T) {
 		err = helperAddrSpace(t, out)
 	case partPidNS:
 		err = helperPidNS(t, out)
+	case partRelayRecord:
+		err = helperRelayRecord(t, out)
+	case partImporter:
+		err = helperImporter(t, out)
 	default:
 		err = fmt.Errorf("unknown part %q", part)
 	}
@@ -103,6 +117,8 @@ func (l *lineWriter) printf(format string, args ...any) {
 //	      "blocked <id> <index>" and blocks forever at that chunk.
 //	live → "live <n>"
 //	goroutines → "goroutines <n>"
+//	fds → "fds <n>", its open descriptors once they settle
+//	close → closes the server (removing its files), "closed"
 //	exec impostor <mode> [<hex>] → the process execs itself (same pid,
 //	    same start time) as an impostor in <mode> at the server's address,
 //	    with <hex> as its VMMIPC_TEST_REPLAY
@@ -112,6 +128,9 @@ func (l *lineWriter) printf(format string, args ...any) {
 //	    listening socket and answers as an impostor in <mode> ("forked
 //	    <pid>"), hands it stdin, then closes its own server and lives on
 //	    ("closed") or exits
+//
+// Its server listens in VMMIPC_SOCKET_DIR if set, else in the abstract
+// namespace; it closes the server when stdin ends.
 func helperSender(t *testing.T, out *lineWriter) error {
 	if v := os.Getenv(envNoFile); v != "" {
 		n, err := strconv.ParseUint(v, 10, 64)
@@ -127,10 +146,11 @@ func helperSender(t *testing.T, out *lineWriter) error {
 			return err
 		}
 	}
-	s, err := NewServer("")
+	s, err := NewServer(os.Getenv(SocketDirEnv))
 	if err != nil {
 		return err
 	}
+	defer s.Close()
 	out.printf("serving %s", s.Addr())
 	in := bufio.NewScanner(os.Stdin)
 	for in.Scan() {
@@ -171,6 +191,11 @@ func helperSender(t *testing.T, out *lineWriter) error {
 			out.printf("live %d", s.Live())
 		case len(f) == 1 && f[0] == "goroutines":
 			out.printf("goroutines %d", runtime.NumGoroutine())
+		case len(f) == 1 && f[0] == "fds":
+			out.printf("fds %d", ourFDs().settled(t))
+		case len(f) == 1 && f[0] == "close":
+			s.Close()
+			out.printf("closed")
 		case len(f) >= 2 && f[0] == "exec":
 			return execAs(s, f[1], f[2:])
 		case len(f) == 3 && f[0] == "fork-listener":
@@ -213,8 +238,9 @@ func execAs(s *Server, part string, args []string) error {
 
 // forkListener starts a child holding a duplicate of the server's listening
 // socket (as fd 3), the way a forked child of the exporter would, and gives
-// it stdin. Then the exporter closes its own server and lives on without
-// reading stdin ("close"), or exits ("exit").
+// it stdin. Then the exporter stops listening (leaving its socket file and
+// lock in place) and lives on without reading stdin ("close"), or exits
+// ("exit").
 func forkListener(s *Server, out *lineWriter, mode, then string) error {
 	f, err := s.ln.File()
 	if err != nil {
@@ -235,7 +261,9 @@ func forkListener(s *Server, out *lineWriter, mode, then string) error {
 	out.printf("forked %d", cmd.Process.Pid)
 	switch then {
 	case "close":
-		s.Close()
+		s.adm.close()
+		s.ln.SetUnlinkOnClose(false)
+		s.ln.Close()
 		out.printf("closed")
 		select {} // alive, but no longer serving
 	case "exit":
@@ -286,10 +314,14 @@ func helperReceiver(out *lineWriter) error {
 //	          does not know the secret)
 //	replay    answers a hello with the message in VMMIPC_TEST_REPLAY (a
 //	          challenge the real exporter gave someone else)
+//	relay     relays each connection, bytes and descriptors both ways, to
+//	          the exporter's socket it swapped away (VMMIPC_TEST_TAKE=swap)
 //
 // It records every byte it receives. "report" on stdin waits (up to 5 s)
 // until every peer has closed and answers "report <connections> <hex of
-// all bytes received, or ->".
+// all bytes received, or ->"; "relayed" answers "relayed <descriptors
+// that crossed the relay>"; "restore" puts a swapped socket back
+// ("restored").
 func helperImpostor(t *testing.T, out *lineWriter) error {
 	var ln net.Listener
 	var err error
@@ -297,7 +329,7 @@ func helperImpostor(t *testing.T, out *lineWriter) error {
 		fd, _ := strconv.Atoi(v)
 		ln, err = net.FileListener(os.NewFile(uintptr(fd), "inherited listener"))
 	} else {
-		ln, err = net.Listen("unix", os.Getenv(envAddr))
+		ln, err = impostorListen(os.Getenv(envAddr))
 	}
 	if err != nil {
 		return err
@@ -308,15 +340,33 @@ func helperImpostor(t *testing.T, out *lineWriter) error {
 		return err
 	}
 	var (
-		mu       sync.Mutex
-		conns    int    // accepted so far
-		open     int    // of which not yet closed by the peer
-		received []byte // every byte, in order of the peers' closing
+		mu        sync.Mutex
+		conns     int    // accepted so far
+		open      int    // of which not yet closed by the peer
+		received  []byte // every byte, in order of the peers' closing
+		relayed   int    // descriptors relayed
+		restoring atomic.Bool
 	)
 	go func() {
 		in := bufio.NewScanner(os.Stdin)
 		for in.Scan() {
-			if in.Text() != "report" {
+			switch in.Text() {
+			case "relayed":
+				mu.Lock()
+				out.printf("relayed %d", relayed)
+				mu.Unlock()
+				continue
+			case "restore":
+				restoring.Store(true)
+				ln.Close()
+				if err := restoreSwapped(os.Getenv(envAddr)); err != nil {
+					out.printf("error %v", err)
+				} else {
+					out.printf("restored")
+				}
+				continue
+			case "report":
+			default:
 				out.printf("error bad command %q", in.Text())
 				continue
 			}
@@ -336,6 +386,9 @@ func helperImpostor(t *testing.T, out *lineWriter) error {
 	out.printf("listening %d", os.Getpid())
 	for {
 		c, err := ln.Accept()
+		if err != nil && restoring.Load() {
+			select {} // the test ends us
+		}
 		if err != nil {
 			return err
 		}
@@ -351,7 +404,13 @@ func helperImpostor(t *testing.T, out *lineWriter) error {
 			}
 			var got []byte
 			var hdr [headerSize]byte
-			if _, err := io.ReadFull(uc, hdr[:]); err == nil {
+			if mode == "relay" {
+				var fds int
+				got, fds = relaySwapped(uc, os.Getenv(envAddr))
+				mu.Lock()
+				relayed += fds
+				mu.Unlock()
+			} else if _, err := io.ReadFull(uc, hdr[:]); err == nil {
 				got = append(got, hdr[:]...)
 				h, err := parseHeader(hdr[:])
 				body := make([]byte, h.Len)

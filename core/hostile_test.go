@@ -214,7 +214,7 @@ func TestHostileMalformedMessages(t *testing.T) {
 		{"oversized body", hdr(helloMsg{}.encode(), func(b []byte) { b[8], b[9] = 0, 0x40 }), "hello message body of 16384 bytes"},
 		{"4 GiB body", hdr(helloMsg{}.encode(), func(b []byte) { b[8], b[9], b[10], b[11] = 0xff, 0xff, 0xff, 0xff }), "body of 4294967295 bytes"},
 		{"short hello", hdr(helloMsg{}.encode()[:headerSize+helloSize-1], func(b []byte) { b[8] = helloSize - 1 }), fmt.Sprintf("hello message body of %d bytes", helloSize-1)},
-		{"hello flags", helloMsg{Flags: 1 << 1}.encode(), "flags"},
+		{"hello flags", helloMsg{Flags: 1 << 63}.encode(), "flags"},
 		{"pull first", pullMsg{0, 1}.encode(), "expected hello, got pull"},
 		{"proof first", proofMsg{}.encode(), "expected hello, got proof"},
 		{"unknown type", hdr(encodeMsg(msgDone, nil), func(b []byte) { b[5] = 42 }), "unknown message type 42"},

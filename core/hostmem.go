@@ -82,8 +82,5 @@ func (h *HostImporter) Unmap() error {
 // Device is DeviceHost.
 func (h *HostImporter) Device() int32 { return DeviceHost }
 
-// Placement names host memory in the import cache's key.
-func (h *HostImporter) Placement() string { return "host" }
-
 // pageSize is the host page size; host chunks must be multiples of it.
 var pageSize = uint64(unix.Getpagesize())

@@ -18,15 +18,19 @@ type Importer interface {
 	Unmap() error
 	// Device is DeviceHost or the CUDA ordinal the mapping lives on.
 	Device() int32
-	// Placement names where and how the memory is mapped (device and
-	// access devices): part of the import cache's key.
-	Placement() string
 }
 
-// NewGPUImporter prepares an import onto a CUDA device (an ordinal, or
-// DeviceSame for the GPU whose UUID is uuid) with read-write access for the
-// access devices too. Package cuda provides one; it reserves nothing yet.
-type NewGPUImporter func(device int32, uuid [16]byte, access []int32) (Importer, error)
+// GPU is the CUDA backend Import uses (package cuda provides it).
+type GPU interface {
+	// Placement resolves device (an ordinal, or DeviceSame for the GPU whose
+	// UUID is uuid) and the access devices into the import cache's placement
+	// key, the same string the importer's Placement gives. After the first
+	// call in a process it makes no driver call, so a cache hit makes none.
+	Placement(device int32, uuid [16]byte, access []int32) (string, error)
+	// NewImporter prepares an import onto that placement (driver calls:
+	// peer checks, granularity, primary context); it reserves nothing yet.
+	NewImporter(device int32, uuid [16]byte, access []int32) (Importer, error)
+}
 
 // Ref is one reference to an imported mapping, as handed to the caller.
 type Ref struct {
@@ -39,15 +43,17 @@ type Ref struct {
 
 // Import maps the buffer named by t into this process and returns one
 // reference to the mapping: a cached one after an authenticated
-// confirmation (cache.go), or a new one, reserved whole and then received,
+// confirmation (cache.go; with opts.ConfirmLater the confirmation is queued
+// instead, confirm.go), or a new one, reserved whole and then received,
 // mapped and closed one chunk at a time. On any failure everything is undone
-// and the error names the chunk. gpu may be nil where CUDA is not built in.
-func Import(t *Ticket, device int32, opts ImportOptions, gpu NewGPUImporter) (Ref, error) {
+// and the error names the chunk. A hit makes no driver call: the backend is
+// built only on a miss. gpu may be nil where CUDA is not built in.
+func Import(t *Ticket, device int32, opts ImportOptions, gpu GPU) (Ref, error) {
 	if err := opts.Validate(); err != nil {
 		return Ref{}, err
 	}
 	opts.OpenOptions = opts.OpenOptions.withDefaults()
-	imp, err := importerFor(t, device, opts.Access, gpu)
+	placement, err := placementOf(t, device, opts.Access, gpu)
 	if err != nil {
 		return Ref{}, err
 	}
@@ -59,11 +65,15 @@ func Import(t *Ticket, device int32, opts ImportOptions, gpu NewGPUImporter) (Re
 		}
 		useCache = on
 	}
-	key := cacheKey{exporter: t.exporterKey(), buffer: t.BufferID, placement: imp.Placement()}
+	key := cacheKey{exporter: t.exporterKey(), buffer: t.BufferID, placement: placement}
 	if useCache {
-		if ref, hit, err := imports.hit(key, t, opts.Timeout); hit || err != nil {
+		if ref, hit, err := imports.hit(key, t, opts.Timeout, opts.ConfirmLater); hit || err != nil {
 			return ref, err
 		}
+	}
+	imp, err := newImporter(t, device, opts.Access, gpu)
+	if err != nil {
+		return Ref{}, err
 	}
 	base, lives, err := importNew(t, imp, opts.OpenOptions)
 	if err != nil {
@@ -73,24 +83,36 @@ func Import(t *Ticket, device int32, opts ImportOptions, gpu NewGPUImporter) (Re
 	return imports.add(e, useCache), nil
 }
 
-// importerFor picks the backend the ticket's memory and the device call for.
-func importerFor(t *Ticket, device int32, access []int32, gpu NewGPUImporter) (Importer, error) {
+// hostPlacement is the placement key of host mappings.
+const hostPlacement = "host"
+
+// placementOf checks that the ticket's memory and the device fit together
+// and names the placement, for the cache key.
+func placementOf(t *Ticket, device int32, access []int32, gpu GPU) (string, error) {
 	switch {
 	case t.Kind == MemoryHost && device == DeviceHost:
 		if len(access) > 0 {
-			return nil, Errorf(EINVAL, "import: access devices apply to CUDA memory only; this ticket holds host memory")
+			return "", Errorf(EINVAL, "import: access devices apply to CUDA memory only; this ticket holds host memory")
 		}
-		return &HostImporter{}, nil
+		return hostPlacement, nil
 	case t.Kind == MemoryHost:
-		return nil, Errorf(EINVAL, "import: the ticket holds host memory; pass VMMIPC_DEVICE_HOST, not device %d", device)
+		return "", Errorf(EINVAL, "import: the ticket holds host memory; pass VMMIPC_DEVICE_HOST, not device %d", device)
 	case device == DeviceHost:
-		return nil, Errorf(EINVAL, "import: the ticket holds CUDA memory; pass a device ordinal or VMMIPC_DEVICE_SAME, not VMMIPC_DEVICE_HOST")
+		return "", Errorf(EINVAL, "import: the ticket holds CUDA memory; pass a device ordinal or VMMIPC_DEVICE_SAME, not VMMIPC_DEVICE_HOST")
 	case device < DeviceSame:
-		return nil, Errorf(EINVAL, "import: device %d is neither an ordinal nor VMMIPC_DEVICE_SAME", device)
+		return "", Errorf(EINVAL, "import: device %d is neither an ordinal nor VMMIPC_DEVICE_SAME", device)
 	case gpu == nil:
-		return nil, Errorf(ECUDA, "import: this build of libvmmipc has no CUDA support")
+		return "", Errorf(ECUDA, "import: this build of libvmmipc has no CUDA support")
 	}
-	return gpu(device, t.DeviceUUID, access)
+	return gpu.Placement(device, t.DeviceUUID, access)
+}
+
+// newImporter builds the backend for a placement placementOf accepted.
+func newImporter(t *Ticket, device int32, access []int32, gpu GPU) (Importer, error) {
+	if t.Kind == MemoryHost {
+		return &HostImporter{}, nil
+	}
+	return gpu.NewImporter(device, t.DeviceUUID, access)
 }
 
 // importNew authenticates with the exporter and claims a use, then

@@ -7,17 +7,42 @@ import (
 	"io/fs"
 	"os"
 	"strconv"
+	"strings"
 )
 
-// A pid names a process only until it exits: the kernel hands the number out
-// again. A ticket therefore also records the exporter's start time (field 22
-// of /proc/<pid>/stat, clock ticks after boot), and a receiver that finds the
-// pid gone, or started at another time, knows at once that the exporter has
-// exited, instead of waiting on whatever now holds the address.
+// Before dialing, a receiver asks two things of a ticket: can its exporter
+// be reached from here at all, and is it still the process that issued it?
+// A pid names a process only until it exits (the kernel hands the number
+// out again), and only inside its PID namespace; a ticket therefore also
+// records the exporter's start time (field 22 of /proc/<pid>/stat, clock
+// ticks after boot) and namespaces (namespaces.go), and an exporter with a
+// socket directory holds a lock there for as long as it lives
+// (socketdir.go). A receiver that finds the exporter gone knows at once,
+// instead of waiting on whatever now holds the address.
+
+// checkReachable refuses tickets whose abstract address cannot reach the
+// exporter from here, saying what to set instead.
+func checkReachable(t *Ticket) error {
+	if !strings.HasPrefix(t.Address, "@") {
+		return nil
+	}
+	switch {
+	case t.NS.netNS() == nsOther:
+		return Errorf(EIO, "open: nothing listens at %s for us: the exporter is in another network namespace, and abstract sockets do not cross network namespaces; set %s for the exporter to a directory both sides mount at the same path", t.Address, SocketDirEnv)
+	case t.NS.pidNS() == nsOther:
+		return Errorf(EIO, "open: the exporter (pid %d in its own namespace) is in another PID namespace and no shared socket directory is set: its pid means nothing here, so neither its liveness nor its socket's owner can be checked; set %s for the exporter to a directory both sides mount at the same path", t.Pid, SocketDirEnv)
+	}
+	return nil
+}
 
 // processStartTime reads pid's start time from /proc.
 func processStartTime(pid int) (uint64, error) {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	return startTimeIn(fmt.Sprintf("/proc/%d/stat", pid))
+}
+
+// startTimeIn reads the start time from a /proc/<pid>/stat file.
+func startTimeIn(path string) (uint64, error) {
+	b, err := os.ReadFile(path)
 	if err != nil {
 		return 0, err
 	}
@@ -25,20 +50,21 @@ func processStartTime(pid int) (uint64, error) {
 	// parentheses itself: fields 3.. start after the last ')'.
 	i := bytes.LastIndexByte(b, ')')
 	if i < 0 {
-		return 0, fmt.Errorf("/proc/%d/stat: no ')' in %q", pid, b)
+		return 0, fmt.Errorf("%s: no ')' in %q", path, b)
 	}
 	fields := bytes.Fields(b[i+1:])
 	const startTimeField = 22 - 3 // field 22 overall, counted from field 3
 	if len(fields) <= startTimeField {
-		return 0, fmt.Errorf("/proc/%d/stat: %d fields after the name, want more than %d", pid, len(fields), startTimeField)
+		return 0, fmt.Errorf("%s: %d fields after the name, want more than %d", path, len(fields), startTimeField)
 	}
 	return strconv.ParseUint(string(fields[startTimeField]), 10, 64)
 }
 
 // selfStartTime is this process's start time, or 0 if /proc cannot tell
-// (then receivers skip the check).
+// (then receivers skip the check). /proc/self is this process whichever
+// PID namespace the mounted /proc belongs to.
 func selfStartTime() uint64 {
-	st, err := processStartTime(os.Getpid())
+	st, err := startTimeIn("/proc/self/stat")
 	if err != nil {
 		return 0
 	}
@@ -46,17 +72,54 @@ func selfStartTime() uint64 {
 }
 
 // checkExporterAlive fails at once when the ticket's exporter has exited.
-// Where /proc cannot answer (not mounted, hidden), it says nothing: the
-// handshake still refuses any other process.
+// Where nothing can answer (another PID namespace and no lock, /proc not
+// ours), it says nothing: the handshake still refuses any other process.
 func checkExporterAlive(t *Ticket) error {
+	if err := checkPidAlive(t); err != nil {
+		return err
+	}
+	return checkLockHeld(t)
+}
+
+// checkPidAlive checks the ticket's pid and start time in /proc, where the
+// pid means the exporter: in its PID namespace, with a /proc of it.
+func checkPidAlive(t *Ticket) error {
+	if t.NS.pidNS() != nsSame || !procShowsOurPIDs() {
+		return nil
+	}
 	st, err := processStartTime(int(t.Pid))
 	switch {
 	case errors.Is(err, fs.ErrNotExist):
 		return Errorf(EIO, "open: the exporter (pid %d) has exited: no process has that pid any more", t.Pid)
-	case err != nil || t.StartTime == 0:
+	case err != nil || t.StartTime == 0 || !sameClock(t):
 		return nil
 	case st != t.StartTime:
 		return Errorf(EIO, "open: the exporter (pid %d, started at tick %d) has exited: pid %d now belongs to another process, started at tick %d", t.Pid, t.StartTime, t.Pid, st)
+	}
+	return nil
+}
+
+// sameClock reports whether start times read here compare with the
+// ticket's: the same time namespace, or none on either side (a kernel
+// without time namespaces).
+func sameClock(t *Ticket) bool {
+	return t.NS.timeNS() == nsSame || (t.NS.Time == 0 && selfNamespaces().Time == 0)
+}
+
+// checkLockHeld checks that the exporter of a filesystem socket still
+// holds its lock next to it. The lock is a POSIX record lock: the kernel
+// drops it when the process exits or execs, and a forked child never
+// inherits it, so it answers in every namespace that sees the directory.
+func checkLockHeld(t *Ticket) error {
+	path, ok := lockPathFor(t.Address)
+	if !ok {
+		return nil
+	}
+	switch held, holder := probeLock(path); {
+	case held == lockFree:
+		return Errorf(EIO, "open: the exporter (pid %d in its own namespace) has exited: nothing holds its lock %s any more (its socket file may be left behind)", t.Pid, path)
+	case held == lockHeld && holder > 0 && t.NS.pidNS() == nsSame && uint32(holder) != t.Pid:
+		return Errorf(EIO, "open: the exporter (pid %d) has exited: its lock %s is held by pid %d", t.Pid, path, holder)
 	}
 	return nil
 }

@@ -84,11 +84,30 @@ func (o OpenOptions) withDefaults() OpenOptions {
 	return o
 }
 
+// Import flags: the bits of vmmipc_options.import_flags.
+const (
+	ImportNoCache      uint32 = 1 << 0 // neither reuse nor keep a cached mapping
+	ImportConfirmLater uint32 = 1 << 1 // a cache hit returns at once; confirm.go confirms it
+	importKnownFlags          = ImportNoCache | ImportConfirmLater
+)
+
 // ImportOptions are the options of Import.
 type ImportOptions struct {
 	OpenOptions
-	Access  []int32 // CUDA: extra devices given read-write access
-	NoCache bool    // neither reuse nor keep a cached mapping
+	Access       []int32 // CUDA: extra devices given read-write access
+	NoCache      bool    // neither reuse nor keep a cached mapping
+	ConfirmLater bool    // on a hit, confirm in the background (confirm.go)
+}
+
+// SetFlags sets the fields the import_flags bits stand for,
+// refusing unknown bits.
+func (o *ImportOptions) SetFlags(flags uint32) error {
+	if flags&^importKnownFlags != 0 {
+		return Errorf(EINVAL, "options: import_flags %#x has unknown bits (known: %#x)", flags, importKnownFlags)
+	}
+	o.NoCache = flags&ImportNoCache != 0
+	o.ConfirmLater = flags&ImportConfirmLater != 0
+	return nil
 }
 
 // Validate checks the bounds of o.

@@ -258,7 +258,7 @@ func rawHello(t testing.TB, tk *Ticket, flags uint64) (*rawSession, rawMsg) {
 	if s.tr.TicketDigest, err = tk.Digest(); err != nil {
 		t.Fatal(err)
 	}
-	s.tr.RegID, s.tr.Flags, s.tr.ServerPid, s.tr.ReceiverPid = tk.RegID, flags, tk.Pid, uint32(os.Getpid())
+	s.tr.RegID, s.tr.Flags = tk.RegID, flags
 	if err := rawWrite(fd, helloMsg{RegID: tk.RegID, Flags: flags, Nonce: s.tr.ReceiverNonce}.encode()); err != nil {
 		t.Fatalf("sending hello: %v", err)
 	}
@@ -275,6 +275,12 @@ func rawHello(t testing.TB, tk *Ticket, flags uint64) (*rawSession, rawMsg) {
 			t.Fatal(err)
 		}
 		s.tr.ServerNonce = ch.Nonce
+		s.tr.Socket = uint64(os.Getpid())
+		if flags&helloPidBound == 0 {
+			if s.tr.Socket, err = exporterSocketOf(fd, roleReceiver); err != nil {
+				t.Fatal(err)
+			}
+		}
 		if !s.tr.verify(tk.Secret, roleServer, ch.Proof) {
 			t.Fatal("the server's proof does not check out for a ticket it issued")
 		}
@@ -335,6 +341,7 @@ type recordingProxy struct {
 
 	mu                   sync.Mutex
 	toServer, toReceiver []byte
+	fds                  int // descriptors relayed, both ways
 }
 
 func newRecordingProxy(t testing.TB, target string) *recordingProxy {
@@ -375,6 +382,17 @@ func newRecordingProxy(t testing.TB, target string) *recordingProxy {
 	return p
 }
 
+// proxyInFront puts a recording proxy in front of s: the tickets s issues
+// from now on name the proxy's address, so receivers connect to it.
+func proxyInFront(t testing.TB, s *Server) *recordingProxy {
+	t.Helper()
+	p := newRecordingProxy(t, s.Addr())
+	s.reg.mu.Lock()
+	s.reg.addr = p.addr
+	s.reg.mu.Unlock()
+	return p
+}
+
 // relay copies from one connection to the other until end of stream,
 // descriptors included, then half-closes the other.
 func (p *recordingProxy) relay(from, to *net.UnixConn, record *[]byte) {
@@ -394,6 +412,7 @@ func (p *recordingProxy) relay(from, to *net.UnixConn, record *[]byte) {
 		if n > 0 {
 			p.mu.Lock()
 			*record = append(*record, buf[:n]...)
+			p.fds += len(fds)
 			p.mu.Unlock()
 			var rights []byte
 			if len(fds) > 0 {
@@ -428,4 +447,11 @@ func (p *recordingProxy) recorded(t testing.TB) (toServer, toReceiver []byte) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return p.toServer, p.toReceiver
+}
+
+// descriptors is how many descriptors crossed the proxy.
+func (p *recordingProxy) descriptors() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.fds
 }

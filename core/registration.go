@@ -269,6 +269,19 @@ func (g *registration) spend(c *claim) (usedUp bool) {
 	return g.uses != 0 && g.consumed >= g.uses
 }
 
+// unspend gives back c's use, spent for a last chunk that could not be sent.
+func (g *registration) unspend(c *claim) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if !c.spent {
+		return
+	}
+	c.spent = false
+	g.consumed--
+	g.claimed++
+	g.notifySettled()
+}
+
 // drop ends c's session: an unspent use is given back for a retry.
 func (g *registration) drop(c *claim) {
 	g.mu.Lock()

@@ -540,3 +540,37 @@ func TestDoneAckSaysWhetherTheBufferLives(t *testing.T) {
 		t.Fatal("A's done-ack says the buffer lives on, but its only registration has ended")
 	}
 }
+
+// TestLocalCallsRefuseAlteredTickets: unregister, wait and register_again
+// take only the very ticket issued: a copy with any single byte changed is
+// refused (or does not parse), and the registration is untouched.
+func TestLocalCallsRefuseAlteredTickets(t *testing.T) {
+	s, tk := registerPage(t, RegisterOptions{Uses: 0})
+	raw, err := tk.Marshal()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range raw {
+		b := raw
+		b[i] ^= 0x01
+		bad, err := DecodeTicket(b[:])
+		if err != nil {
+			continue // refused already by parsing
+		}
+		if err := s.Unregister(bad); err == nil {
+			t.Fatalf("byte %d changed: unregister succeeded", i)
+		}
+		if err := s.Wait(bad, 0); err == nil || CodeOf(err) == ETIMEDOUT {
+			t.Fatalf("byte %d changed: wait answered %v", i, err)
+		}
+		if _, err := s.RegisterAgain(bad, RegisterOptions{}); err == nil {
+			t.Fatalf("byte %d changed: register_again succeeded", i)
+		}
+	}
+	if s.Live() != 1 {
+		t.Fatalf("%d registrations live after the refusals, want 1", s.Live())
+	}
+	if err := s.Unregister(tk); err != nil {
+		t.Fatalf("the real ticket: %v", err)
+	}
+}

@@ -13,6 +13,7 @@ type Registry struct {
 	addr  string // where receivers connect, for tickets
 	pid   uint32
 	start uint64
+	ns    Namespaces
 
 	mu        sync.Mutex
 	nextReg   uint64
@@ -27,9 +28,9 @@ type Registry struct {
 
 const rememberEnded = 4096
 
-func newRegistry(addr string, pid uint32, start uint64) *Registry {
+func newRegistry(addr string, pid uint32, start uint64, ns Namespaces) *Registry {
 	return &Registry{
-		addr: addr, pid: pid, start: start, nextReg: 1, nextBuf: 1,
+		addr: addr, pid: pid, start: start, ns: ns, nextReg: 1, nextBuf: 1,
 		live: map[uint64]*registration{}, releasing: map[uint64]*registration{},
 		ended: map[uint64]string{}, buffers: map[uint64]*buffer{}, byKey: map[string]*buffer{},
 	}
@@ -102,7 +103,7 @@ func (r *Registry) newRegistration(b *buffer, opts RegisterOptions) (*registrati
 		releasedCh: make(chan struct{}),
 	}
 	g.ticket = &Ticket{
-		Kind: b.kind, Address: r.addr, Pid: r.pid, StartTime: r.start, RegID: g.id,
+		Kind: b.kind, Address: r.addr, Pid: r.pid, StartTime: r.start, NS: r.ns, RegID: g.id,
 		BufferID: b.id, Secret: secret, Count: uint64(len(b.sizes)), Total: b.total,
 		DeviceUUID: b.uuid,
 	}

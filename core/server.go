@@ -2,6 +2,7 @@ package core
 
 import (
 	"crypto/rand"
+	"crypto/subtle"
 	"encoding/hex"
 	"fmt"
 	"net"
@@ -17,8 +18,9 @@ import (
 
 // SocketDirEnv names the environment variable that, when set, makes the
 // server listen on a filesystem socket in that directory (mode 0600) instead
-// of the abstract namespace: for processes that share a filesystem but not a
-// network namespace.
+// of the abstract namespace: for receivers in other network or PID
+// namespaces (containers) that mount the same directory at the same path.
+// socketdir.go has the directory's rules.
 const SocketDirEnv = "VMMIPC_SOCKET_DIR"
 
 // Server serves the chunks of its registrations to receivers, exporting each
@@ -28,7 +30,8 @@ const SocketDirEnv = "VMMIPC_SOCKET_DIR"
 type Server struct {
 	reg  *Registry
 	ln   *net.UnixListener
-	addr string // "@name" or a filesystem path
+	addr string      // "@name" or a filesystem path
+	lock *serverLock // held next to a filesystem socket; nil for abstract ones
 	pid  uint32
 	uid  int
 	adm  *admission
@@ -62,33 +65,42 @@ func StartedServer() *Server {
 }
 
 // NewServer starts a server: on a filesystem socket in dir when dir is not
-// empty, else in the abstract namespace.
+// empty (after checking the directory and removing what crashed exporters
+// left there), else in the abstract namespace. The name holds the PID
+// namespace, the pid and 64 random bits: pids repeat across namespaces.
 func NewServer(dir string) (*Server, error) {
 	var tag [8]byte
 	if _, err := rand.Read(tag[:]); err != nil {
 		return nil, Errorf(EINTERNAL, "server: random name: %w", err)
 	}
-	name := fmt.Sprintf("vmmipc-%d-%s", os.Getpid(), hex.EncodeToString(tag[:]))
-	var addr string
+	ns := selfNamespaces()
+	name := fmt.Sprintf("%s%d-%d-%s", fileNamePrefix, ns.PID, os.Getpid(), hex.EncodeToString(tag[:]))
+	addr := "@" + name
+	var lock *serverLock
 	if dir != "" {
-		abs, err := filepath.Abs(dir)
+		abs, err := checkSocketDir(dir)
 		if err != nil {
-			return nil, Errorf(EINVAL, "server: %s=%q: %w", SocketDirEnv, dir, err)
+			return nil, err
 		}
-		addr = filepath.Join(abs, name+".sock")
-		if len(addr) > maxAddrLen {
-			return nil, Errorf(EINVAL, "server: socket path %q is longer than %d bytes; use a shorter %s", addr, maxAddrLen, SocketDirEnv)
+		base := filepath.Join(abs, name)
+		if addr = base + socketSuffix; len(addr) > maxAddrLen {
+			return nil, Errorf(EIO, "server: socket path %q is longer than %d bytes; use a shorter %s", addr, maxAddrLen, SocketDirEnv)
 		}
-	} else {
-		addr = "@" + name
+		removeStale(abs)
+		if lock, err = createLock(base); err != nil {
+			return nil, err
+		}
 	}
 	ln, err := listenPrivate(addr)
 	if err != nil {
+		if lock != nil {
+			lock.release()
+		}
 		return nil, err
 	}
 	pid := uint32(os.Getpid())
 	s := &Server{
-		reg: newRegistry(addr, pid, selfStartTime()), ln: ln, addr: addr,
+		reg: newRegistry(addr, pid, selfStartTime(), ns), ln: ln, addr: addr, lock: lock,
 		pid: pid, uid: os.Getuid(), adm: newAdmission(),
 	}
 	go s.acceptLoop()
@@ -152,11 +164,25 @@ func listenBacklog() int {
 // Addr returns the address receivers connect to.
 func (s *Server) Addr() string { return s.addr }
 
-// Close stops accepting receivers and removes a filesystem socket. Tests use
-// it; the default server lives as long as the process.
+// Files lists the files the server made in its socket directory (socket
+// first, then lock), which the process should remove when it exits; none
+// for an abstract socket.
+func (s *Server) Files() []string {
+	if s.lock == nil {
+		return nil
+	}
+	return []string{s.addr, s.lock.path}
+}
+
+// Close stops accepting receivers and removes a filesystem socket and its
+// lock. Tests use it; the default server lives as long as the process.
 func (s *Server) Close() error {
 	s.adm.close()
-	return s.ln.Close()
+	err := s.ln.Close()
+	if s.lock != nil {
+		s.lock.release()
+	}
+	return err
 }
 
 // Register records a buffer and returns its ticket. It opens no descriptor.
@@ -238,6 +264,15 @@ func (s *Server) own(t *Ticket, releasing bool, op string) (*registration, error
 	g, err := s.reg.lookupOwn(t.RegID, t.Secret, releasing)
 	if err != nil {
 		return nil, wrapErr(CodeOf(err), err, "%s", op)
+	}
+	// Id and secret found it; the rest of the ticket must be the very one
+	// issued too, as the handshake's digest demands of receivers.
+	d, err := t.Digest()
+	if err != nil {
+		return nil, wrapErr(CodeOf(err), err, "%s", op)
+	}
+	if subtle.ConstantTimeCompare(d[:], g.digest[:]) != 1 {
+		return nil, Errorf(EINVAL, "%s: the ticket names registration %d with its secret, but other bytes of it differ from the ticket issued (a corrupted copy?)", op, t.RegID)
 	}
 	return g, nil
 }

@@ -14,7 +14,6 @@ type session struct {
 	srv     *Server
 	c       *conn
 	p       *pendingConn
-	peerPid uint32
 	authed  bool // the peer proved the secret
 	refused bool // the peer was told why it gets nothing
 }
@@ -32,9 +31,6 @@ func (s *Server) serve(p *pendingConn) {
 	defer func() { _ = recover() }() // a bug here must not take the host down
 	c.deadline = p.since.Add(handshakeTimeout)
 	ss := &session{srv: s, c: c, p: p}
-	if cred, err := peerCred(p.uc); err == nil {
-		ss.peerPid = uint32(cred.Pid)
-	}
 	ss.run()
 	// A peer dropped before it authenticated, evicted or out of time (a
 	// receiver starved of CPU, say), is told "busy": a libvmmipc receiver
@@ -84,15 +80,22 @@ func (ss *session) run() {
 	if err := ss.c.send(welcomeMsg{Count: uint64(len(b.sizes)), Total: b.total, Kind: b.kind, BufferID: b.id}.encode(), -1); err != nil {
 		return
 	}
-	// The use is spent once every chunk is on its way (or a cached mapping
-	// is confirmed), whether or not the receiver says done: counting only
+	// The use is spent as the last chunk goes out (or a cached mapping is
+	// confirmed), whether or not the receiver says done: counting only
 	// "done" would let a receiver pull everything, hang up and pull again.
-	// A used-up registration ends after the receiver has its answer (or has
-	// gone): its release (dropping CUDA references, say) may take a while.
+	// It is spent just before that chunk is sent, so that a receiver never
+	// holds every chunk of a use the exporter has not counted yet; it is
+	// given back if the chunk cannot be sent. A used-up registration ends
+	// after the receiver has its answer (or has gone): its release
+	// (dropping CUDA references, say) may take a while.
 	var spent, usedUp bool
-	spend := func() {
-		if !spent {
+	spend := func(spendIt bool) {
+		switch {
+		case spendIt && !spent:
 			spent, usedUp = true, g.spend(cl)
+		case !spendIt && spent:
+			g.unspend(cl)
+			spent, usedUp = false, false
 		}
 	}
 	defer func() {
@@ -101,7 +104,7 @@ func (ss *session) run() {
 		}
 	}()
 	if hello.Flags&helloConfirm != 0 {
-		spend()
+		spend(true)
 	} else if !ss.stream(g, spend) {
 		return
 	}
@@ -122,8 +125,13 @@ func (ss *session) authenticate(g *registration, hello helloMsg) bool {
 		ss.refuse(err)
 		return false
 	}
+	sock, err := ss.binding(hello.Flags)
+	if err != nil {
+		ss.refuse(err)
+		return false
+	}
 	tr := transcript{
-		RegID: hello.RegID, Flags: hello.Flags, ServerPid: ss.srv.pid, ReceiverPid: ss.peerPid,
+		RegID: hello.RegID, Flags: hello.Flags, Socket: sock,
 		TicketDigest: g.digest, ReceiverNonce: hello.Nonce, ServerNonce: ns,
 	}
 	if err := ss.c.send(challengeMsg{Nonce: ns, Proof: tr.proof(g.secret, roleServer)}.encode(), -1); err != nil {
@@ -148,6 +156,23 @@ func (ss *session) authenticate(g *registration, hello helloMsg) bool {
 	}
 	ss.authed = ss.srv.adm.authenticated(ss.p)
 	return ss.authed
+}
+
+// binding is what this session's proofs bind the connection by
+// (sockends.go): our socket's cookie, or the receiver's pid where it asked
+// for that (it has no sock_diag), which must be one of our PID namespace.
+func (ss *session) binding(flags uint64) (uint64, error) {
+	if flags&helloPidBound == 0 {
+		return exporterSocket(ss.c.raw, roleServer)
+	}
+	cred, err := peerCred(ss.p.uc)
+	if err != nil {
+		return 0, Errorf(EAUTH, "cannot read the receiver's credentials (SO_PEERCRED): %v", err)
+	}
+	if cred.Pid == 0 {
+		return 0, Errorf(EAUTH, "the receiver, which cannot use sock_diag, binds the handshake to its pid, but it is not in the exporter's PID namespace (its pid here is 0): it needs unix_diag in the kernel (modprobe unix_diag) and netlink sockets allowed by its seccomp profile")
+	}
+	return uint64(cred.Pid), nil
 }
 
 // recv reads one message from the receiver; on failure it says why when
@@ -192,9 +217,11 @@ func (ss *session) answerStatus(f frame) {
 	}
 }
 
-// stream answers pull requests until done (true) or failure (false); it
-// calls spend once the last chunk has been sent.
-func (ss *session) stream(g *registration, spend func()) bool {
+// stream answers pulls and pull-runs until done (true) or failure (false);
+// sendChunks calls spend(true) right before the last chunk is sent,
+// spend(false) if that send fails. The run that completes the buffer ends
+// the stream at once: its done-ack follows unasked (wire.go).
+func (ss *session) stream(g *registration, spend func(bool)) bool {
 	b := g.buf
 	count := uint64(len(b.sizes))
 	next := uint64(0) // the next index we expect to be asked for
@@ -215,26 +242,22 @@ func (ss *session) stream(g *registration, spend func()) bool {
 			}
 			if f.Type == msgPullRun {
 				// One message answers it, however many chunks it covers.
-				n, err := ss.sendChunks(g, p.First, p.Count, true)
+				n, err := ss.sendChunks(g, p.First, p.Count, true, spend)
 				if err != nil {
 					ss.refuse(err)
 					return false
 				}
 				if next += n; next == count {
-					spend()
-					return true // the done-ack follows the last run at once (wire.go)
+					return true
 				}
 			} else {
 				for i := p.First; i < p.First+p.Count; i++ {
-					if _, err := ss.sendChunks(g, i, 1, false); err != nil {
+					if _, err := ss.sendChunks(g, i, 1, false, spend); err != nil {
 						ss.refuse(err)
 						return false
 					}
 				}
 				next += p.Count
-			}
-			if next == count {
-				spend()
 			}
 		case msgDone:
 			if next != count {
@@ -249,11 +272,14 @@ func (ss *session) stream(g *registration, spend func()) bool {
 	}
 }
 
-// sendChunks exports chunks [first, first+max), as many of them as the exporter
-// puts in one descriptor, sends that descriptor with the header in one
-// message (a run message when run, else a chunk message: max is then 1),
-// and closes it whatever happens. It returns how many chunks it sent.
-func (ss *session) sendChunks(g *registration, first, max uint64, run bool) (uint64, error) {
+// sendChunks exports chunks [first, first+max), as many of them as the
+// exporter puts in one descriptor, sends that descriptor with the header in
+// one message (a run message when run, else a chunk message: max is then 1),
+// and closes it whatever happens. It returns how many chunks it sent. When
+// they include the last chunk, the use is spent right before the send and
+// given back if the send fails, so that a receiver never holds every chunk
+// of a use the exporter has not counted.
+func (ss *session) sendChunks(g *registration, first, max uint64, run bool, spend func(bool)) (uint64, error) {
 	b := g.buf
 	if !g.live() {
 		return 0, Errorf(ENOENT, "%s while streaming", g.why())
@@ -280,7 +306,17 @@ func (ss *session) sendChunks(g *registration, first, max uint64, run bool) (uin
 	} else {
 		msg = runMsg{Index: first, Count: n, Offset: b.offsets[first], Size: size, FileOffset: fileOff}.encode()
 	}
-	return n, ss.c.send(msg, fd)
+	final := last == uint64(len(b.sizes))-1
+	if final {
+		spend(true)
+	}
+	if err := ss.c.send(msg, fd); err != nil {
+		if final {
+			spend(false)
+		}
+		return 0, err
+	}
+	return n, nil
 }
 
 // refuse tells the receiver why it gets nothing (best effort) and lets the

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"net"
 	"os"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -53,13 +54,22 @@ func Open(t *Ticket, opts OpenOptions) (*Stream, error) {
 // errBusy is the server's "too many unauthenticated peers, retry".
 var errBusy = Errorf(EIO, "the exporter is busy with other connections (its bound of connections not yet authenticated is full)")
 
-// connect runs the start of a session: liveness, dial, peer check and
-// handshake, retrying a full listen backlog and "busy" answers until
-// timeout. It returns the authenticated connection, welcome checked.
+// connect runs the start of a session: reachability and liveness, dial,
+// peer check and handshake, retrying a full listen backlog and "busy"
+// answers until timeout. It returns the authenticated connection, welcome
+// checked.
 func connect(t *Ticket, timeout time.Duration, flags uint64) (*conn, error) {
+	if err := checkReachable(t); err != nil {
+		return nil, err
+	}
 	if err := checkExporterAlive(t); err != nil {
 		return nil, err
 	}
+	bound, err := bindingFlag(t)
+	if err != nil {
+		return nil, err
+	}
+	flags |= bound
 	digest, err := t.Digest()
 	if err != nil {
 		return nil, err
@@ -87,7 +97,7 @@ func connect(t *Ticket, timeout time.Duration, flags uint64) (*conn, error) {
 
 // dialExporter connects to the ticket's address, retrying while the listen
 // backlog is full (EAGAIN from a Unix connect), and checks with SO_PEERCRED
-// that the socket belongs to the ticket's pid and to our uid or root.
+// who holds the socket (checkExporter).
 func dialExporter(t *Ticket, deadline time.Time) (*net.UnixConn, error) {
 	for backoff := 100 * time.Microsecond; ; backoff = min(2*backoff, 20*time.Millisecond) {
 		d := net.Dialer{Deadline: deadline}
@@ -108,7 +118,7 @@ func dialExporter(t *Ticket, deadline time.Time) (*net.UnixConn, error) {
 		case full:
 			return nil, &Error{Code: EIO, Msg: "open: the exporter's listen backlog stayed full until the timeout: it is serving its maximum of receivers at once and many more are waiting; raise timeout_ms", Err: err}
 		case errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ENOENT):
-			return nil, &Error{Code: EIO, Msg: "open: nothing listens at " + t.Address + ": the exporter closed its server or exited", Err: err}
+			return nil, &Error{Code: EIO, Msg: "open: nothing listens at " + t.Address + ": " + nobodyListens(t, err), Err: err}
 		default:
 			return nil, &Error{Code: ioCode(err), Msg: "open: cannot connect to the exporter at " + t.Address, Err: err}
 		}
@@ -129,19 +139,51 @@ func dialConn(t *Ticket, deadline time.Time, timeout time.Duration) (*conn, erro
 	return c, nil
 }
 
-// checkExporter is the first filter before the handshake proves anything.
+// nobodyListens says why a connect found no listener at t's address.
+func nobodyListens(t *Ticket, err error) string {
+	switch {
+	case strings.HasPrefix(t.Address, "@") && t.NS.netNS() == nsSame:
+		return "the exporter closed its server or exited"
+	case strings.HasPrefix(t.Address, "@"):
+		return "the exporter closed its server or exited, or it is in another network namespace: abstract sockets do not cross network namespaces; set " + SocketDirEnv + " to a directory both sides mount"
+	case errors.Is(err, syscall.ENOENT):
+		return "no such socket file: the exporter closed its server, or this process does not see its socket directory (mount the same directory at the same path on both sides)"
+	}
+	return "the exporter exited or closed its server, leaving its socket file behind"
+}
+
+// checkExporter is the first filter before the handshake proves anything:
+// the socket's owner must be our uid or root, and, where the ticket's pid
+// means something here (the exporter's PID namespace), that pid. Across
+// PID namespaces the kernel reports a pid of ours for the exporter, or 0
+// when it cannot see it: no evidence either way, so only the uid, the
+// exporter's lock (liveness.go) and the handshake decide.
 func checkExporter(uc *net.UnixConn, t *Ticket) error {
 	cred, err := peerCred(uc)
 	if err != nil {
 		return Errorf(EAUTH, "open: cannot read the exporter's credentials (SO_PEERCRED): %v", err)
 	}
 	if me := uint32(os.Getuid()); cred.Uid != me && cred.Uid != 0 && me != 0 {
-		return Errorf(EAUTH, "open: the socket %s belongs to uid %d; only our own uid or root may export to us", t.Address, cred.Uid)
+		return Errorf(EAUTH, "open: the socket %s belongs to uid %d; only our own uid or root may export to us%s", t.Address, cred.Uid, overflowUIDNote(cred.Uid))
 	}
-	if uint32(cred.Pid) != t.Pid {
+	if t.NS.pidNS() == nsSame && uint32(cred.Pid) != t.Pid {
 		return Errorf(EAUTH, "open: the socket %s belongs to pid %d, but the ticket was issued by pid %d; refusing to trust it (the exporter exited and another process took its address, or the ticket is forged)", t.Address, cred.Pid, t.Pid)
 	}
 	return nil
+}
+
+// bindingFlag says what this receiver's handshakes bind the connection by:
+// the exporter's socket (no flag), or, without sock_diag, its own pid, which
+// only the exporter's PID namespace can check (sockends.go).
+func bindingFlag(t *Ticket) (uint64, error) {
+	err := sockDiagWorks()
+	switch {
+	case err == nil:
+		return 0, nil
+	case t.NS.pidNS() == nsOther:
+		return 0, Errorf(EIO, "open: this process cannot ask the kernel which socket is its peer (NETLINK_SOCK_DIAG for unix sockets: %v), which the handshake needs across PID namespaces, and the exporter (pid %d in its own) is in another one; the kernel needs unix_diag (CONFIG_UNIX_DIAG; modprobe unix_diag), and a seccomp profile must allow netlink sockets", err, t.Pid)
+	}
+	return helloPidBound, nil
 }
 
 // handshake runs the receiver's half of handshake.go and checks the welcome.
@@ -166,12 +208,24 @@ func handshake(c *conn, t *Ticket, digest [32]byte, flags uint64) error {
 	if err != nil {
 		return err
 	}
+	// The exporter has accepted the connection (it answered): its socket
+	// is a socket now, with its inode and cookie.
+	sock := uint64(os.Getpid())
+	if flags&helloPidBound == 0 {
+		sock, err = exporterSocket(c.raw, roleReceiver)
+	}
+	if errors.Is(err, errNoPeer) {
+		return pendingError(c, err) // evicted after the challenge: "busy"
+	}
+	if err != nil {
+		return wrapErr(EIO, err, "open")
+	}
 	tr := transcript{
-		RegID: t.RegID, Flags: flags, ServerPid: t.Pid, ReceiverPid: uint32(os.Getpid()),
+		RegID: t.RegID, Flags: flags, Socket: sock,
 		TicketDigest: digest, ReceiverNonce: nr, ServerNonce: ch.Nonce,
 	}
 	if !tr.verify(t.Secret, roleServer, ch.Proof) {
-		return Errorf(EAUTH, "open: the process at %s (pid %d) could not prove that it knows this ticket's secret: the ticket is corrupted or forged, or another process is impersonating the exporter; nothing was accepted from it", t.Address, t.Pid)
+		return Errorf(EAUTH, "open: the process at %s could not prove that it knows this ticket's secret for this connection: the ticket is corrupted or forged, or another process is impersonating the exporter or relaying to it; nothing was accepted from it", t.Address)
 	}
 	if err := c.send(proofMsg{Proof: tr.proof(t.Secret, roleReceiver)}.encode(), -1); err != nil {
 		return pendingError(c, err)
@@ -394,6 +448,9 @@ func confirm(t *Ticket, timeout time.Duration) (bool, error) {
 // The answer is unauthenticated: it only decides when to drop cached
 // mappings early, never whether to use one.
 func bufferStatus(t *Ticket, ids []uint64, timeout time.Duration) (map[uint64]bool, error) {
+	if err := checkReachable(t); err != nil {
+		return nil, err
+	}
 	if err := checkExporterAlive(t); err != nil {
 		return nil, err
 	}

@@ -144,7 +144,13 @@ func hookedFile(t testing.TB, fd int, size, chunk uint64, before func(i uint64) 
 // descriptors they hold (memfd duplicates) do not outlive the test.
 func newTestServer(t testing.TB) *Server {
 	t.Helper()
-	s, err := NewServer("")
+	return newTestServerIn(t, "")
+}
+
+// newTestServerIn is newTestServer with its socket in dir ("": abstract).
+func newTestServerIn(t testing.TB, dir string) *Server {
+	t.Helper()
+	s, err := NewServer(dir)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -12,8 +12,10 @@ const TicketSize = 256
 
 // TicketFormat is the ticket layout version this library writes and reads.
 // Version 2 added the exporter's start time and the buffer id; the whole
-// ticket is bound into the handshake (see handshake.go).
-const TicketFormat = 2
+// ticket is bound into the handshake (see handshake.go). Version 3 added
+// the exporter's namespaces (namespaces.go), and its handshake binds the
+// connection's sockets instead of pids (sockends.go).
+const TicketFormat = 3
 
 // Memory kinds, as VMMIPC_MEMORY_* in vmmipc.h.
 const (
@@ -45,7 +47,12 @@ var ticketMagic = [8]byte{'V', 'M', 'M', 'I', 'P', 'C', 'T', 'K'}
 //	88  [16] device UUID (CUDA) or zeros
 //	104 u16  address length
 //	106 [107] address bytes (abstract names without the leading NUL)
-//	213 ...  reserved, must be zero
+//	213 [3]  reserved, must be zero
+//	216 u64  namespace device (st_dev of /proc/self/ns/*; 0 = unknown)
+//	224 u64  exporter's PID namespace (inode; 0 = unknown)
+//	232 u64  exporter's network namespace (inode; 0 = unknown)
+//	240 u64  exporter's time namespace (inode; 0 = unknown or none)
+//	248 [8]  reserved, must be zero
 const (
 	offMagic     = 0
 	offFormat    = 8
@@ -62,6 +69,11 @@ const (
 	offAddrLen   = 104
 	offAddr      = 106
 	offReserved  = offAddr + maxAddrLen
+	offNSDev     = 216
+	offPidNS     = 224
+	offNetNS     = 232
+	offTimeNS    = 240
+	offReserved2 = 248
 )
 
 // Secret is the 256-bit random value that only the exporter and holders of
@@ -84,6 +96,7 @@ type Ticket struct {
 	Count      uint64
 	Total      uint64
 	DeviceUUID [16]byte
+	NS         Namespaces // the exporter's; what its pid and address mean
 }
 
 // Marshal encodes t into exactly TicketSize bytes.
@@ -112,6 +125,10 @@ func (t *Ticket) Marshal() ([TicketSize]byte, error) {
 	copy(b[offUUID:], t.DeviceUUID[:])
 	binary.LittleEndian.PutUint16(b[offAddrLen:], uint16(len(addr)))
 	copy(b[offAddr:], addr)
+	binary.LittleEndian.PutUint64(b[offNSDev:], t.NS.Dev)
+	binary.LittleEndian.PutUint64(b[offPidNS:], t.NS.PID)
+	binary.LittleEndian.PutUint64(b[offNetNS:], t.NS.Net)
+	binary.LittleEndian.PutUint64(b[offTimeNS:], t.NS.Time)
 	return b, nil
 }
 
@@ -131,6 +148,8 @@ func (t *Ticket) validate() error {
 		return Errorf(EINVAL, "ticket: registration id %d or buffer id %d is 0", t.RegID, t.BufferID)
 	case t.Kind == MemoryHost && t.DeviceUUID != [16]byte{}:
 		return Errorf(EINVAL, "ticket: a host-memory ticket carries a device UUID (corrupted ticket?)")
+	case t.NS.Dev == 0 && t.NS != Namespaces{}:
+		return Errorf(EINVAL, "ticket: namespaces without their device (corrupted ticket?)")
 	}
 	addr := strings.TrimPrefix(t.Address, "@")
 	if addr == "" || len(addr) > maxAddrLen || strings.IndexByte(addr, 0) >= 0 {
@@ -156,8 +175,8 @@ func DecodeTicket(b []byte) (*Ticket, error) {
 	if f := binary.LittleEndian.Uint16(b[offFormat:]); f != TicketFormat {
 		return nil, Errorf(EINVAL, "ticket: format version %d, this libvmmipc reads version %d (sender and receiver must use libvmmipc versions with the same ticket format)", f, TicketFormat)
 	}
-	for i := offReserved; i < TicketSize; i++ {
-		if b[i] != 0 {
+	for i := range TicketSize {
+		if b[i] != 0 && (i >= offReserved && i < offNSDev || i >= offReserved2) {
 			return nil, Errorf(EINVAL, "ticket: reserved byte %d is not zero (corrupted ticket?)", i)
 		}
 	}
@@ -169,6 +188,12 @@ func DecodeTicket(b []byte) (*Ticket, error) {
 		BufferID:  binary.LittleEndian.Uint64(b[offBufferID:]),
 		Count:     binary.LittleEndian.Uint64(b[offCount:]),
 		Total:     binary.LittleEndian.Uint64(b[offTotal:]),
+		NS: Namespaces{
+			Dev:  binary.LittleEndian.Uint64(b[offNSDev:]),
+			PID:  binary.LittleEndian.Uint64(b[offPidNS:]),
+			Net:  binary.LittleEndian.Uint64(b[offNetNS:]),
+			Time: binary.LittleEndian.Uint64(b[offTimeNS:]),
+		},
 	}
 	copy(t.Secret[:], b[offSecret:])
 	copy(t.DeviceUUID[:], b[offUUID:])
@@ -209,10 +234,11 @@ func (t *Ticket) Digest() ([32]byte, error) {
 	return sha256.Sum256(b[:]), nil
 }
 
-// exporterKey names the process that issued t: its address, pid and start
-// time (a pid alone can be reused).
+// exporterKey names the process that issued t: its address, PID
+// namespace, pid and start time (a pid alone can be reused, and repeats
+// across namespaces).
 func (t *Ticket) exporterKey() string {
-	return fmt.Sprintf("%s|%d|%d", t.Address, t.Pid, t.StartTime)
+	return fmt.Sprintf("%s|%d|%d|%d", t.Address, t.NS.PID, t.Pid, t.StartTime)
 }
 
 // String describes the ticket without its secret.

@@ -75,8 +75,9 @@ const (
 
 // Hello flags.
 const (
-	helloConfirm uint64 = 1 << 0 // the receiver has the buffer; spend a use, send nothing
-	helloKnown          = helloConfirm
+	helloConfirm  uint64 = 1 << 0 // the receiver has the buffer; spend a use, send nothing
+	helloPidBound uint64 = 1 << 1 // bind the receiver's pid, not the socket (sockends.go)
+	helloKnown           = helloConfirm | helloPidBound
 )
 
 // Done-ack flags.

@@ -38,6 +38,40 @@ func deviceCount() (int32, error) {
 	return int32(n), nil
 }
 
+// The devices this process sees, by ordinal: their UUIDs, read once. The
+// set cannot change while the process runs (CUDA_VISIBLE_DEVICES is read
+// when the driver initializes), so imports resolve devices without a
+// driver call after the first.
+var devices struct {
+	mu    sync.Mutex
+	uuids [][16]byte // nil until read
+}
+
+// visibleDevices returns the UUID of every device this process sees.
+func visibleDevices() ([][16]byte, error) {
+	devices.mu.Lock()
+	defer devices.mu.Unlock()
+	if devices.uuids != nil {
+		return devices.uuids, nil
+	}
+	n, err := deviceCount()
+	if err != nil {
+		return nil, err
+	}
+	uuids := make([][16]byte, n)
+	for i := range uuids {
+		var dev C.CUdevice
+		if err := check("cuDeviceGet", C.vcu_device_get(&dev, C.int(i))); err != nil {
+			return nil, err
+		}
+		if uuids[i], err = deviceUUID(dev); err != nil {
+			return nil, err
+		}
+	}
+	devices.uuids = uuids
+	return uuids, nil
+}
+
 // gpuOf returns device ordinal's handle and retained primary context.
 func gpuOf(ordinal int32) (*gpu, error) {
 	primaries.mu.Lock()
@@ -67,10 +101,13 @@ func gpuOf(ordinal int32) (*gpu, error) {
 }
 
 // uuid returns the device's UUID.
-func (g *gpu) uuid() ([16]byte, error) {
+func (g *gpu) uuid() ([16]byte, error) { return deviceUUID(g.dev) }
+
+// deviceUUID is cuDeviceGetUuid.
+func deviceUUID(dev C.CUdevice) ([16]byte, error) {
 	var u C.CUuuid
 	var out [16]byte
-	if err := check("cuDeviceGetUuid", C.vcu_device_get_uuid(&u, g.dev)); err != nil {
+	if err := check("cuDeviceGetUuid", C.vcu_device_get_uuid(&u, dev)); err != nil {
 		return out, err
 	}
 	for i := range out {

@@ -23,11 +23,13 @@ func driverPresent(t *testing.T) bool {
 func everyEntry() map[string]error {
 	_, errRange := RegisterRange(0x7f0000000000, 2<<20)
 	_, errHandles := RegisterHandles([]uint64{1}, []uint64{2 << 20})
-	_, errImport := NewImporter(0, [16]byte{1}, nil)
-	_, errSame := NewImporter(core.DeviceSame, [16]byte{1}, []int32{1})
+	_, errImport := GPU{}.NewImporter(0, [16]byte{1}, nil)
+	_, errSame := GPU{}.NewImporter(core.DeviceSame, [16]byte{1}, []int32{1})
+	_, errPlacement := GPU{}.Placement(core.DeviceSame, [16]byte{1}, nil)
 	_, _, _, _, errQuery := QueryRange(0x7f0000000000, 2<<20)
 	return map[string]error{"RegisterRange": errRange, "RegisterHandles": errHandles,
-		"NewImporter": errImport, "NewImporter(DeviceSame)": errSame, "QueryRange": errQuery}
+		"NewImporter": errImport, "NewImporter(DeviceSame)": errSame, "Placement": errPlacement,
+		"QueryRange": errQuery}
 }
 
 func TestNoDriverAtOverridePath(t *testing.T) {
@@ -67,7 +69,7 @@ func TestLibraryWithoutCUDAEntryPoints(t *testing.T) {
 	// library be closed again), not crash.
 	t.Setenv(LibraryEnv, "libc.so.6")
 	for i := 0; i < 3; i++ {
-		_, err := NewImporter(0, [16]byte{}, nil)
+		_, err := GPU{}.NewImporter(0, [16]byte{}, nil)
 		if core.CodeOf(err) != core.ECUDA || !strings.Contains(err.Error(), "libc.so.6 is not a usable CUDA driver: entry point cuInit not found") {
 			t.Fatalf("got %v (%v)", core.CodeOf(err), err)
 		}
@@ -230,6 +232,26 @@ func TestQueryRangeArguments(t *testing.T) {
 		_, _, _, _, err := QueryRange(c.dptr, c.size)
 		if core.CodeOf(err) != core.EINVAL || !strings.Contains(err.Error(), c.says) {
 			t.Errorf("QueryRange(%#x, %d): %v (%v), want EINVAL saying %q", c.dptr, c.size, core.CodeOf(err), err, c.says)
+		}
+	}
+}
+
+// TestArgumentsBeforeDriver: a caller's mistake is EINVAL whether or not a
+// driver can be loaded (here none can: the override names no file).
+func TestArgumentsBeforeDriver(t *testing.T) {
+	t.Setenv(LibraryEnv, "/nonexistent/libcuda.so.1")
+	_, zero := RegisterRange(0, 0)
+	_, null := RegisterRange(0, 2<<20)
+	_, empty := RegisterRange(0x7f0000000000, 0)
+	_, wraps := RegisterRange(^uint64(0)-4095, 8192)
+	_, noHandles := RegisterHandles(nil, nil)
+	_, uneven := RegisterHandles([]uint64{1}, []uint64{1, 2})
+	_, _, _, _, noSize := QueryRange(0x7f0000000000, 0)
+	for name, err := range map[string]error{"RegisterRange(0, 0)": zero, "RegisterRange(NULL)": null,
+		"RegisterRange(size 0)": empty, "RegisterRange(wraps)": wraps, "RegisterHandles(none)": noHandles,
+		"RegisterHandles(uneven)": uneven, "QueryRange(size 0)": noSize} {
+		if core.CodeOf(err) != core.EINVAL {
+			t.Errorf("%s: %v (%v), want EINVAL before any driver is loaded", name, core.CodeOf(err), err)
 		}
 	}
 }

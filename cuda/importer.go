@@ -26,59 +26,33 @@ type gpuImporter struct {
 	mapped   []span // offsets and sizes mapped so far, in order
 }
 
+// GPU is the core.GPU this package provides.
+type GPU struct{}
+
+// Placement is core.GPU's: the access list of the resolved placement.
+func (GPU) Placement(device int32, uuid [16]byte, access []int32) (string, error) {
+	p, err := resolve(device, uuid, access)
+	if err != nil {
+		return "", err
+	}
+	return placementKey(p.devices), nil
+}
+
 // NewImporter prepares an import onto device (an ordinal, or DeviceSame for
 // the GPU whose UUID is uuid), granting read-write access to it and to the
 // access devices. Checks peer access up front so nothing is reserved for an
 // import that cannot finish.
-// It is a core.NewGPUImporter.
-func NewImporter(device int32, uuid [16]byte, access []int32) (core.Importer, error) {
-	if err := load(); err != nil {
-		return nil, err
-	}
-	count, err := deviceCount()
+func (GPU) NewImporter(device int32, uuid [16]byte, access []int32) (core.Importer, error) {
+	p, err := resolve(device, uuid, access)
 	if err != nil {
 		return nil, err
 	}
-	owner := -1 // ordinal of the exporter's GPU here, if this process sees it
-	if uuid != ([16]byte{}) {
-		uuids := make([][16]byte, count)
-		for i := range uuids {
-			var dev C.CUdevice
-			if err := check("cuDeviceGet", C.vcu_device_get(&dev, C.int(i))); err != nil {
-				return nil, err
-			}
-			var u C.CUuuid
-			if err := check("cuDeviceGetUuid", C.vcu_device_get_uuid(&u, dev)); err != nil {
-				return nil, err
-			}
-			for j := range u.bytes {
-				uuids[i][j] = byte(u.bytes[j])
-			}
-		}
-		owner = findUUID(uuids, uuid)
-	}
-	if device == core.DeviceSame {
-		if uuid == ([16]byte{}) {
-			return nil, core.Errorf(core.EINVAL, "import: this ticket names no GPU (it was made with vmmipc_register, not vmmipc_register_cuda*): pass a device ordinal instead of VMMIPC_DEVICE_SAME")
-		}
-		if owner < 0 {
-			return nil, core.Errorf(core.ECUDA, "import: the exporter's GPU %s is not among the %d CUDA device(s) this process sees (check CUDA_VISIBLE_DEVICES), or pass a device ordinal instead of VMMIPC_DEVICE_SAME", formatUUID(uuid), count)
-		}
-		device = int32(owner)
-	}
-	if device < 0 || device >= count {
-		return nil, core.Errorf(core.EINVAL, "import: CUDA device %d does not exist: this process sees %d device(s)", device, count)
-	}
-	devices, err := accessList(device, access, count)
-	if err != nil {
-		return nil, prefix(err, "import")
-	}
-	if owner >= 0 {
-		if err := checkPeers(devices, int32(owner), uuid); err != nil {
+	if p.owner >= 0 {
+		if err := checkPeers(p.devices, p.owner, uuid); err != nil {
 			return nil, err
 		}
 	}
-	g, err := gpuOf(device)
+	g, err := gpuOf(p.devices[0])
 	if err != nil {
 		return nil, err
 	}
@@ -86,7 +60,52 @@ func NewImporter(device int32, uuid [16]byte, access []int32) (core.Importer, er
 	if err != nil {
 		return nil, err
 	}
-	return &gpuImporter{gpu: g, access: devices, gran: gran}, nil
+	return &gpuImporter{gpu: g, access: p.devices, gran: gran}, nil
+}
+
+// placement is where an import maps: the devices given access (the
+// importing device first) and the exporter's GPU here (-1: not seen).
+type placement struct {
+	devices []int32
+	owner   int32
+}
+
+// placementKey names a placement in the import cache's key: the same buffer
+// mapped with other access is another mapping.
+func placementKey(devices []int32) string { return fmt.Sprintf("cuda:%v", devices) }
+
+// resolve finds the importing device (DeviceSame: the GPU whose UUID is
+// uuid) and the access list, from the device table alone.
+func resolve(device int32, uuid [16]byte, access []int32) (placement, error) {
+	if err := load(); err != nil {
+		return placement{}, err
+	}
+	uuids, err := visibleDevices()
+	if err != nil {
+		return placement{}, err
+	}
+	count := int32(len(uuids))
+	owner := int32(-1) // ordinal of the exporter's GPU here, if this process sees it
+	if uuid != ([16]byte{}) {
+		owner = int32(findUUID(uuids, uuid))
+	}
+	if device == core.DeviceSame {
+		if uuid == ([16]byte{}) {
+			return placement{}, core.Errorf(core.EINVAL, "import: this ticket names no GPU (it was made with vmmipc_register, not vmmipc_register_cuda*): pass a device ordinal instead of VMMIPC_DEVICE_SAME")
+		}
+		if owner < 0 {
+			return placement{}, core.Errorf(core.ECUDA, "import: the exporter's GPU %s is not among the %d CUDA device(s) this process sees (check CUDA_VISIBLE_DEVICES), or pass a device ordinal instead of VMMIPC_DEVICE_SAME", formatUUID(uuid), count)
+		}
+		device = owner
+	}
+	if device < 0 || device >= count {
+		return placement{}, core.Errorf(core.EINVAL, "import: CUDA device %d does not exist: this process sees %d device(s)", device, count)
+	}
+	devices, err := accessList(device, access, count)
+	if err != nil {
+		return placement{}, prefix(err, "import")
+	}
+	return placement{devices: devices, owner: owner}, nil
 }
 
 // checkPeers makes sure every device can reach memory on owner.
@@ -116,11 +135,6 @@ func checkPeers(devices []int32, owner int32, uuid [16]byte) error {
 
 // Device is the ordinal the mapping lives on.
 func (m *gpuImporter) Device() int32 { return m.gpu.ordinal }
-
-// Placement names the device and the access devices (in order) for the
-// import cache's key: the same buffer mapped with other access is another
-// mapping.
-func (m *gpuImporter) Placement() string { return fmt.Sprintf("cuda:%v", m.access) }
 
 // Reserve reserves total bytes (rounded up to the allocation granularity),
 // aligned to the granularity.

@@ -51,11 +51,18 @@ func (a allocation) check(what string) error {
 // can have their handles. Opens no descriptor. Needs no current context and
 // leaves the caller's as it was.
 func RegisterRange(dptr, size uint64) (core.BufferSpec, error) {
+	// Arguments before the environment: a caller's mistake is EINVAL with or
+	// without a driver.
+	switch {
+	case size == 0:
+		return core.BufferSpec{}, core.Errorf(core.EINVAL, "register: size is 0")
+	case dptr == 0:
+		return core.BufferSpec{}, core.Errorf(core.EINVAL, "register: dptr is 0 (NULL)")
+	case dptr+size < dptr:
+		return core.BufferSpec{}, core.Errorf(core.EINVAL, "register: range %#x + %d overflows 64 bits", dptr, size)
+	}
 	if err := load(); err != nil {
 		return core.BufferSpec{}, err
-	}
-	if size == 0 {
-		return core.BufferSpec{}, core.Errorf(core.EINVAL, "register: size is 0")
 	}
 	// Find the GPU from the first allocation: these two calls need no context.
 	var first C.CUmemGenericAllocationHandle

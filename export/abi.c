@@ -119,6 +119,32 @@ __attribute__((constructor)) static void vmmipc_abi_after_go(void) {
   restore_signals();
 }
 
+/* ---- files removed at exit ----
+ * A server in VMMIPC_SOCKET_DIR leaves a socket and a lock file there. At
+ * exit() they are removed here, in C: no Go code runs while the process
+ * exits. _exit, a fatal signal or a crash leave them; the next exporter in
+ * the directory removes those (core/socketdir.go). A forked child's exit
+ * removes nothing: the files are its parent's. */
+
+static char *exit_files[2];
+static pthread_mutex_t exit_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static void remove_files_at_exit(void) {
+  if (getpid() != load_pid) return;
+  for (int i = 0; i < 2; i++)
+    if (exit_files[i]) unlink(exit_files[i]);
+}
+
+void vmmipc_abi_remove_at_exit(const char *socket_path, const char *lock_path) {
+  pthread_mutex_lock(&exit_mu);
+  if (!exit_files[0]) {
+    exit_files[0] = strdup(socket_path);
+    exit_files[1] = strdup(lock_path);
+    atexit(remove_files_at_exit);
+  }
+  pthread_mutex_unlock(&exit_mu);
+}
+
 /* ---- errors ----
  * The last-error detail is per thread. It lives in a heap buffer found
  * through a pthread key, not in a __thread array: Go marks this library
@@ -255,6 +281,11 @@ int vmmipc_live_registrations(uint64_t *count_out) {
 int vmmipc_ticket_decode(const vmmipc_ticket *ticket, vmmipc_ticket_info *info_out) {
   FORK_GUARD("vmmipc_ticket_decode");
   return vmmipcgo_ticket_decode((vmmipc_ticket *)ticket, info_out);
+}
+
+int vmmipc_confirm(const vmmipc_ticket *ticket, const vmmipc_options *opts) {
+  FORK_GUARD("vmmipc_confirm");
+  return vmmipcgo_confirm((vmmipc_ticket *)ticket, (vmmipc_options *)opts);
 }
 
 int vmmipc_open(const vmmipc_ticket *ticket, const vmmipc_options *opts,

@@ -21,4 +21,8 @@ VMMIPC_INTERNAL void vmmipc_abi_saved_nofile(unsigned long long *cur, unsigned l
 /* Called last in Go's package init: puts the signals back and lets the
  * loading constructor return. */
 VMMIPC_INTERNAL void vmmipc_abi_go_init_done(void);
+
+/* Records the files of the server in VMMIPC_SOCKET_DIR (copied) for
+ * removal when the process calls exit(); the first call counts. */
+VMMIPC_INTERNAL void vmmipc_abi_remove_at_exit(const char *socket_path, const char *lock_path);
 #endif

@@ -17,12 +17,12 @@ import (
 // caller's struct_size are read; the rest keep their defaults. Bounds are
 // checked by core's Validate methods, not here.
 type options struct {
-	uses    uint32
-	ttl     time.Duration
-	kind    uint8
-	open    core.OpenOptions
-	access  []int32
-	noCache bool
+	uses   uint32
+	ttl    time.Duration
+	kind   uint8
+	open   core.OpenOptions
+	access []int32
+	flags  uint32 // import_flags, checked by core
 }
 
 func readOptions(p *C.vmmipc_options) (options, error) {
@@ -68,11 +68,7 @@ func readOptions(p *C.vmmipc_options) (options, error) {
 		o.access = append(o.access, unsafe.Slice((*int32)(unsafe.Pointer(p.access_devices)), int(p.access_device_count))...)
 	}
 	if has(unsafe.Offsetof(p.import_flags), 4) {
-		flags := uint32(p.import_flags)
-		if flags&^C.VMMIPC_IMPORT_NO_CACHE != 0 {
-			return o, core.Errorf(core.EINVAL, "options: import_flags %#x has unknown bits", flags)
-		}
-		o.noCache = flags&C.VMMIPC_IMPORT_NO_CACHE != 0
+		o.flags = uint32(p.import_flags)
 	}
 	return o, nil
 }
@@ -81,8 +77,9 @@ func (o options) register() core.RegisterOptions {
 	return core.RegisterOptions{Uses: o.uses, TTL: o.ttl}
 }
 
-func (o options) importOptions() core.ImportOptions {
-	return core.ImportOptions{OpenOptions: o.open, Access: o.access, NoCache: o.noCache}
+func (o options) importOptions() (core.ImportOptions, error) {
+	io := core.ImportOptions{OpenOptions: o.open, Access: o.access}
+	return io, io.SetFlags(o.flags)
 }
 
 func readTicket(p *C.vmmipc_ticket) (*core.Ticket, error) {

@@ -10,11 +10,13 @@
 package main
 
 /*
+#include <stdlib.h>
 #include "abi.h"
 */
 import "C"
 
 import (
+	"sync"
 	"syscall"
 	"time"
 	"unsafe"
@@ -24,6 +26,9 @@ import (
 )
 
 func main() {}
+
+// removeAtExit hands the default server's files to abi.c once.
+var removeAtExit sync.Once
 
 // init runs after the syscall package's init, which raised the host's soft
 // RLIMIT_NOFILE; it puts the limit back (through syscall.Setrlimit, which
@@ -101,6 +106,14 @@ func register(spec core.BufferSpec, o core.RegisterOptions, out *C.vmmipc_ticket
 	if err != nil {
 		return err
 	}
+	removeAtExit.Do(func() {
+		if f := srv.Files(); len(f) == 2 {
+			sock, lock := C.CString(f[0]), C.CString(f[1])
+			C.vmmipc_abi_remove_at_exit(sock, lock)
+			C.free(unsafe.Pointer(sock))
+			C.free(unsafe.Pointer(lock))
+		}
+	})
 	t, err := srv.Register(spec, o)
 	if err != nil {
 		return err
@@ -388,7 +401,11 @@ func vmmipcgo_import_stream(ticket *C.vmmipc_ticket, device C.int, opts *C.vmmip
 		if err != nil {
 			return err
 		}
-		r, err := core.Import(t, int32(device), o.importOptions(), cuda.NewImporter)
+		io, err := o.importOptions()
+		if err != nil {
+			return err
+		}
+		r, err := core.Import(t, int32(device), io, cuda.GPU{})
 		if err != nil {
 			return err
 		}
@@ -396,6 +413,21 @@ func vmmipcgo_import_stream(ticket *C.vmmipc_ticket, device C.int, opts *C.vmmip
 			device: C.int32_t(r.Device), memory_kind: C.uint32_t(r.Kind)}
 		out.private_[0] = C.uint64_t(r.ID)
 		return nil
+	})
+}
+
+//export vmmipcgo_confirm
+func vmmipcgo_confirm(ticket *C.vmmipc_ticket, opts *C.vmmipc_options) C.int {
+	return call("vmmipc_confirm", func() error {
+		t, o, err := receiveArgs("", ticket, opts, false)
+		if err != nil {
+			return err
+		}
+		io, err := o.importOptions()
+		if err != nil {
+			return err
+		}
+		return core.Confirm(t, io)
 	})
 }
 
@@ -430,6 +462,7 @@ func vmmipcgo_cache_get_info(out *C.vmmipc_cache_info, size C.size_t) C.int {
 			referenced_bytes: C.uint64_t(i.ReferencedBytes), unreferenced_bytes: C.uint64_t(i.UnreferencedBytes),
 			hits: C.uint64_t(i.Hits), misses: C.uint64_t(i.Misses),
 			evictions: C.uint64_t(i.Evictions), invalidations: C.uint64_t(i.Invalidations),
+			confirms_pending: C.uint64_t(i.ConfirmsPending), confirms_failed: C.uint64_t(i.ConfirmsFailed),
 		}
 		n := min(uintptr(size), unsafe.Sizeof(full))
 		copy(unsafe.Slice((*byte)(unsafe.Pointer(out)), n), unsafe.Slice((*byte)(unsafe.Pointer(&full)), n))

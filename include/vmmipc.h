@@ -56,15 +56,54 @@
  *   Tickets hold a 256-bit secret: whoever holds a ticket can map the memory,
  *   so treat it like a password. A receiver accepts a descriptor only from a
  *   server that proved, over fresh random nonces from both sides, that it
- *   knows the ticket's secret (HMAC-SHA256, bound to the registration, both
- *   pids and a digest of the whole ticket); a server exports nothing before
- *   the receiver proved the same. A process that takes the exporter's
- *   address after it exited or exec'd, that reuses its pid, or that
- *   inherited its listening socket, learns nothing and is refused
- *   (VMMIPC_EAUTH). Before that, both sides filter peers by uid
- *   (SO_PEERCRED): only the same uid, or root, is served. Any single-byte
- *   change of a ticket is refused. The exporter's pid check assumes sender
- *   and receiver share one PID namespace.
+ *   knows the ticket's secret (HMAC-SHA256, bound to the registration, to
+ *   this very connection, by the kernel's cookie of the exporter's socket of
+ *   it, and to a digest of the whole ticket); a server exports nothing
+ *   before the receiver proved the same. A process that takes the
+ *   exporter's address after it exited or exec'd, that reuses its pid, that
+ *   inherited its listening socket, or that relays between the two (in any
+ *   namespace), learns nothing and is refused (VMMIPC_EAUTH, or VMMIPC_EIO
+ *   "has exited" at once where the exporter is known to be gone). Before
+ *   that, both sides filter peers by uid (SO_PEERCRED): only the same uid,
+ *   or root, is served. Any single-byte change of a ticket is refused.
+ *   Receivers name the exporter's socket through the kernel's sock_diag for
+ *   unix sockets (CONFIG_UNIX_DIAG, the unix_diag module, loaded on demand;
+ *   a seccomp profile must allow netlink sockets, as container runtimes'
+ *   default ones do). A receiver without it binds the proofs to its own pid
+ *   instead, as SO_PEERCRED shows it to the exporter, which works in the
+ *   exporter's PID namespace only; in another, vmmipc_open fails with
+ *   VMMIPC_EIO saying what is missing.
+ *
+ * Across containers (other namespaces on the same host)
+ *   A receiver in another PID, network, IPC, mount or user namespace than
+ *   the exporter (another container, another pod on the node) imports
+ *   through a filesystem socket: set VMMIPC_SOCKET_DIR, for the exporter, to
+ *   a directory that both sides mount at the same path. Both sides need the
+ *   same kernel (host), that directory, uids that are the same user on both
+ *   sides (or root), and for CUDA memory the same GPU's device nodes.
+ *   The directory: the exporter's first register call fails (VMMIPC_EIO,
+ *   saying why) if the directory is missing, belongs to another uid (but
+ *   root), or it or a directory above it is writable by others without the
+ *   sticky bit. The exporter creates its socket there with mode 0600 under
+ *   a name that cannot collide across namespaces (vmmipc-<PID namespace>-
+ *   <pid>-<64 random bits>.sock), holds a POSIX lock on the .lock file next
+ *   to it for its whole life, removes both at exit(), and at start removes
+ *   those of its uid whose lock is free (left by a crashed exporter).
+ *   Promised in every namespace: all of "Trust"; a receiver is told at once
+ *   (VMMIPC_EIO "has exited") that the exporter of a socket in the
+ *   directory is gone when its lock is free (it exited, crashed or exec'd;
+ *   also while a forked child still holds its socket, or when only a stale
+ *   file is left); the ticket's pid and start time are checked (/proc,
+ *   SO_PEERCRED) only in the exporter's PID (and time) namespace, where
+ *   they mean something. A ticket naming an abstract socket is refused at
+ *   once (VMMIPC_EIO, saying to set VMMIPC_SOCKET_DIR) by a receiver in
+ *   another network or PID namespace.
+ *   Not promised: a process of the same uid that can write the directory
+ *   can deny service (remove or replace the socket file; or take a dead
+ *   exporter's lock and address and answer nothing, so that receivers wait
+ *   timeout_ms); the path must be the same on both sides; _exit() and fatal
+ *   signals leave the socket and lock files (the next exporter removes
+ *   them).
  *
  * Limits of a sender
  *   A sender serves at most C receivers at once, C = its soft RLIMIT_NOFILE
@@ -94,9 +133,9 @@ extern "C" {
 #define VMMIPC_VERSION_MINOR 2
 #define VMMIPC_VERSION_PATCH 0
 
-/* Size of a ticket in bytes. The layout carries a format version (2 since
- * libvmmipc 0.2); a ticket of another version is refused with VMMIPC_EINVAL
- * naming both versions. */
+/* Size of a ticket in bytes. The layout carries a format version (3: it
+ * records the exporter's namespaces); a ticket of another version is
+ * refused with VMMIPC_EINVAL naming both versions. */
 #define VMMIPC_TICKET_SIZE 256
 
 /* Device arguments of vmmipc_import_stream. Values >= 0 are CUDA device
@@ -136,11 +175,14 @@ extern "C" {
 #define VMMIPC_MAX_CHUNKS (1ull << 26)      /* chunks in one registration */
 
 /* vmmipc_options.import_flags */
-#define VMMIPC_IMPORT_NO_CACHE 0x1u /* neither reuse nor keep a cached mapping */
+#define VMMIPC_IMPORT_NO_CACHE 0x1u      /* neither reuse nor keep a cached mapping */
+#define VMMIPC_IMPORT_CONFIRM_LATER 0x2u /* a cache hit returns at once and its
+                                            use is spent in the background
+                                            (vmmipc_import_stream) */
 
 /* A ticket: plain data naming one registration. Copy it freely. It holds the
- * server's socket address, the exporter's pid and process start time, the
- * registration id, the buffer id (the identity of the memory, shared by
+ * server's socket address, the exporter's pid and process start time and
+ * the identity of its PID, network and time namespaces, the registration id, the buffer id (the identity of the memory, shared by
  * registrations of the same memory), a 256-bit secret, the chunk count, the
  * total size, the memory kind and (CUDA) the exporting GPU's UUID. Whoever
  * holds a ticket can map the memory: treat it like a password. */
@@ -249,7 +291,9 @@ int vmmipc_options_init(vmmipc_options *opts, size_t size);
  *                  VMMIPC_MAX_CHUNKS, a zero size, sizes that overflow, host
  *                  sizes not page aligned, an unknown memory_kind or an
  *                  option out of bounds (release_fn is not called)
- *   VMMIPC_EIO     the server could not start (socket, bind, listen)
+ *   VMMIPC_EIO     the server could not start: socket, bind or listen
+ *                  failed, or VMMIPC_SOCKET_DIR is missing, too long or
+ *                  unsafe (see "Across containers"; the message says why)
  *   VMMIPC_ENFILE  no descriptor free to start the server
  *   VMMIPC_EFORK   called after fork() */
 int vmmipc_register(const uint64_t *sizes, uint64_t count,
@@ -281,7 +325,7 @@ int vmmipc_register(const uint64_t *sizes, uint64_t count,
  *                  aligned, more than VMMIPC_MAX_CHUNKS chunks, a file that
  *                  is not sealed against shrinking or cannot be sealed, or an
  *                  option out of bounds (release_fn is not called)
- *   VMMIPC_EIO     the server could not start
+ *   VMMIPC_EIO     the server could not start (as vmmipc_register)
  *   VMMIPC_ENFILE  no descriptor free for the duplicate or the server
  *   VMMIPC_EFORK   called after fork() */
 int vmmipc_register_host_file(int fd, uint64_t size, uint64_t chunk_size,
@@ -310,7 +354,7 @@ int vmmipc_register_host_file(int fd, uint64_t size, uint64_t chunk_size,
  *                  bounds
  *   VMMIPC_ECUDA   libcuda.so.1 not found, dptr is not VMM memory, or a
  *                  driver call failed
- *   VMMIPC_EIO     the server could not start
+ *   VMMIPC_EIO     the server could not start (as vmmipc_register)
  *   VMMIPC_ENFILE  no descriptor free to start the server
  *   VMMIPC_EFORK   called after fork() */
 int vmmipc_register_cuda(uint64_t dptr, uint64_t size,
@@ -343,7 +387,8 @@ int vmmipc_register_cuda_handles(const uint64_t *handles,
  * exported for as long as any registration made from it lives.
  * Returns:
  *   VMMIPC_OK      *ticket_out is filled; release_fn will run exactly once
- *   VMMIPC_EINVAL  NULL ticket or ticket_out, malformed ticket, or an option
+ *   VMMIPC_EINVAL  NULL ticket or ticket_out, malformed ticket, a ticket
+ *                  that is not byte for byte the one issued, or an option
  *                  out of bounds (release_fn is not called)
  *   VMMIPC_EAUTH   the ticket's secret does not match (forged or corrupted)
  *   VMMIPC_ENOENT  not a registration of this process, or it has ended
@@ -361,7 +406,8 @@ int vmmipc_register_again(const vmmipc_ticket *ticket,
  * otherwise shortly after, on a library thread (vmmipc_wait tells when).
  * Returns:
  *   VMMIPC_OK
- *   VMMIPC_EINVAL  NULL or malformed ticket
+ *   VMMIPC_EINVAL  NULL or malformed ticket, or one that is not byte for
+ *                  byte the one issued
  *   VMMIPC_EAUTH   the ticket's secret does not match (forged or corrupted)
  *   VMMIPC_ENOENT  not registered in this process, or already ended
  *   VMMIPC_EFORK   called after fork() */
@@ -383,7 +429,8 @@ int vmmipc_exiting(void);
  * Returns:
  *   VMMIPC_OK        it has ended (now or earlier) and been released
  *   VMMIPC_ETIMEDOUT it is still live (or its release_fn still running)
- *   VMMIPC_EINVAL    NULL or malformed ticket
+ *   VMMIPC_EINVAL    NULL or malformed ticket, or a live registration's
+ *                    ticket with other bytes changed
  *   VMMIPC_EAUTH     the ticket's secret does not match a live registration
  *   VMMIPC_ENOENT    the ticket was not issued by this process
  *   VMMIPC_EFORK     called after fork() */
@@ -429,7 +476,8 @@ int vmmipc_cuda_query_range(uint64_t dptr, uint64_t size,
 
 typedef struct vmmipc_ticket_info {
   uint32_t memory_kind;  /* VMMIPC_MEMORY_HOST or VMMIPC_MEMORY_CUDA */
-  uint32_t exporter_pid; /* pid of the registering process */
+  uint32_t exporter_pid; /* pid of the registering process, in its own PID
+                            namespace */
   uint64_t chunk_count;
   uint64_t total_size;   /* bytes, the sum of all chunk sizes */
   unsigned char device_uuid[16]; /* CUDA: exporting GPU; host: zeros */
@@ -459,12 +507,14 @@ typedef struct vmmipc_chunk {
                            0 for CUDA handles) */
 } vmmipc_chunk;
 
-/* vmmipc_open checks that the ticket's exporter is still the process that
- * issued it (its pid exists and started at the ticket's time), connects to
- * its server (retrying a full listen backlog within timeout_ms), checks
- * that the socket belongs to that pid and to our uid or root
- * (SO_PEERCRED), runs the mutual proof of the secret described under
- * "Trust", and claims one use of the registration. The use is spent once
+/* vmmipc_open checks that the exporter can be reached from here (see
+ * "Across containers") and is still the process that issued the ticket (in
+ * its PID namespace: its pid exists and started at the ticket's time; with
+ * a socket directory: it still holds its lock there), connects to its
+ * server (retrying a full listen backlog within timeout_ms), checks that
+ * the socket belongs to our uid or root and, in the exporter's PID
+ * namespace, to its pid (SO_PEERCRED), runs the mutual proof of the secret
+ * described under "Trust", and claims one use of the registration. The use is spent once
  * the exporter has sent every chunk to this stream; a stream that is
  * closed, or whose process dies, before that gives it back.
  * *stream_out belongs to the caller: release it with vmmipc_close.
@@ -477,8 +527,12 @@ typedef struct vmmipc_chunk {
  *                  ticket), our proof was refused, our uid was refused, or
  *                  the socket belongs to another pid or uid
  *   VMMIPC_ENOENT  unknown, unregistered, used-up or expired registration
- *   VMMIPC_EIO     the exporter has exited (its pid is gone or was reused:
- *                  at once), cannot connect, or timed out (the message says
+ *   VMMIPC_EIO     the exporter has exited (its pid is gone or was reused,
+ *                  or its lock is free: at once), cannot be reached from
+ *                  here (an abstract socket of another network or PID
+ *                  namespace: at once, saying what to set), cannot connect,
+ *                  sock_diag is unavailable and the exporter is in another
+ *                  PID namespace, or timed out (the message says
  *                  whether the exporter never answered, e.g. at its
  *                  connection cap, or went silent)
  *   VMMIPC_ENFILE  out of descriptors
@@ -547,14 +601,15 @@ typedef struct vmmipc_mapping {
  *   was.
  *
  * The import cache. A process keeps the mappings it imported, keyed by the
- * exporter (address, pid, start time), the buffer identity, the device and
+ * exporter (address, PID namespace, pid, start time), the buffer identity, the device and
  * the access devices, while the exporter says the buffer lives on after
  * this use. Importing a ticket of a buffer that is mapped here already (a
  * hit: the same ticket again, vmmipc_register_again, or the sender
  * registering the same memory again) still connects, proves the secret both
  * ways, spends one use and has the exporter confirm that the registration
  * lives; then it returns another reference to the same mapping, at the same
- * address, with no descriptor and no driver call. A stale hit cannot
+ * address, with no descriptor and no driver call (the device is resolved
+ * from a table read once per process). A stale hit cannot
  * happen: a buffer id names one set of allocations (or one memfd) that the
  * exporter holds references to for as long as any registration of it
  * lives, ids are never reused within the exporter's life, the exporter's
@@ -567,6 +622,22 @@ typedef struct vmmipc_mapping {
  * default 32 GiB; 0 turns the cache off) and are unmapped when the exporter
  * says the buffer ended (checked every 250 ms while any exist) or the
  * exporter exits. opts->import_flags VMMIPC_IMPORT_NO_CACHE bypasses it.
+ *
+ * opts->import_flags VMMIPC_IMPORT_CONFIRM_LATER takes the confirmation off
+ * the caller's path: a hit returns at once (no connection, no system call,
+ * no driver call) and the use is spent by a library thread, one
+ * authenticated session per ticket, in order per exporter
+ * (vmmipc_cache_info counts those pending and failed). The reference is
+ * valid whatever that answer is, since the mapping holds its own references
+ * to the memory; but until it comes, the hit has trusted the ticket's
+ * exporter and buffer fields without proof, so use the flag only for
+ * tickets from the channel you trust for the data itself (a ticket whose
+ * secret is wrong gets the mapping this process already has of that buffer,
+ * and a failed confirmation). A miss streams as without the flag. Whoever
+ * waits on the sender (vmmipc_wait) sees the registration end only once the
+ * confirmation ran, usually within a millisecond; confirmations still
+ * queued when this process exits are lost (the sender's registration then
+ * lives until its ttl or its process's end).
  *
  * *mapping_out belongs to the caller; drop the reference with vmmipc_unmap.
  * Returns:
@@ -586,6 +657,22 @@ typedef struct vmmipc_mapping {
 int vmmipc_import_stream(const vmmipc_ticket *ticket, int device,
                          const vmmipc_options *opts,
                          vmmipc_mapping *mapping_out);
+
+/* vmmipc_confirm spends one use of the ticket and receives nothing: for a
+ * receiver that has the memory mapped already, through another ticket of
+ * the same buffer (as vmmipc_register_again makes them), and must still let
+ * the sender know it has it, so that the registration ends (and its
+ * release_fn runs). It connects, proves the secret both ways and has the
+ * exporter spend the use, as a cache hit of vmmipc_import_stream does; with
+ * VMMIPC_IMPORT_CONFIRM_LATER in opts->import_flags it returns at once and a
+ * library thread does that (vmmipc_cache_info counts it; see
+ * vmmipc_import_stream). Opens no descriptor, makes no driver call.
+ * Returns:
+ *   VMMIPC_OK      the use is spent (or, with the flag, queued)
+ *   VMMIPC_EINVAL  NULL ticket, malformed ticket, option out of bounds
+ *   VMMIPC_EAUTH, VMMIPC_ENOENT, VMMIPC_EIO, VMMIPC_ENFILE  as vmmipc_open
+ *   VMMIPC_EFORK   called after fork() */
+int vmmipc_confirm(const vmmipc_ticket *ticket, const vmmipc_options *opts);
 
 /* vmmipc_unmap drops the reference *mapping holds and zeroes *mapping. When
  * it was the last reference, the mapping is kept in the import cache (if
@@ -614,6 +701,10 @@ typedef struct vmmipc_cache_info {
                                   when the cache was turned off */
   uint64_t invalidations;      /* mappings undone because the buffer ended
                                   or the exporter exited */
+  uint64_t confirms_pending;   /* VMMIPC_IMPORT_CONFIRM_LATER confirmations
+                                  queued or in flight */
+  uint64_t confirms_failed;    /* ...that failed (the exporter refused the
+                                  ticket, or could not be reached) */
 } vmmipc_cache_info;
 
 /* vmmipc_cache_set_limit sets this process's bound on the bytes of

@@ -26,56 +26,20 @@ import copyreg
 import ctypes
 import errno
 import fcntl
-import itertools
 import mmap
 import os
 import sys
-import threading
 import time
 import weakref
 
 from . import _args, _errors, _exported, _lib
+from ._anchor import Anchor
 from ._mapping import import_stream
-from ._register import register_again, register_host_file, unregister
+from ._register import register_host_file, unregister
 from ._ticket import Ticket
 
 PAGE_SIZE = mmap.PAGESIZE
 DEFAULT_CHUNK_SIZE = 2 << 20  # 2 MiB, the CUDA granularity, for symmetry
-
-
-class _Pending:
-    """The tickets of a HostBuffer's shares that have not ended. Kept apart
-    from the HostBuffer, so that a pending registration does not keep the
-    buffer alive; release callbacks (library threads) touch only this."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._tickets: dict[int, Ticket | None] = {}
-        self._keys = itertools.count()
-
-    def register(self, make) -> Ticket:
-        """make(release) registers and returns the ticket; release() runs
-        when that registration has ended, possibly before make returns."""
-        key = next(self._keys)
-        with self._lock:
-            self._tickets[key] = None  # a release that comes first removes it
-
-        def release() -> None:
-            with self._lock:
-                self._tickets.pop(key, None)
-        try:
-            ticket = make(release)
-        except BaseException:
-            release()
-            raise
-        with self._lock:
-            if key in self._tickets:
-                self._tickets[key] = ticket
-        return ticket
-
-    def tickets(self) -> list[Ticket]:
-        with self._lock:
-            return [t for t in self._tickets.values() if t is not None]
 
 
 def _memfd(name: str, size: int) -> int:
@@ -91,14 +55,10 @@ def _memfd(name: str, size: int) -> int:
     return fd
 
 
-def _release_owner(fd: int, anchor: Ticket, pid: int) -> None:
+def _release_owner(fd: int, anchor: Anchor) -> None:
     """Finalizer of an owning HostBuffer: end the anchor, close the memfd."""
     try:
-        if os.getpid() == pid:  # a forked child must not touch the library
-            try:
-                unregister(anchor)
-            except _errors.VmmipcError:
-                pass  # already ended (unregistered by hand)
+        anchor.retire(now=True)  # only marked in a forked child
     finally:
         os.close(fd)
 
@@ -169,13 +129,13 @@ class HostBuffer(_exported.Buffer, _lib.Closeable):
         self = _exported.instance(cls, memory.addr, size)
         self._init(size, chunk_size, uses, ttl)
         self._fd = fd
-        self._anchor: Ticket | None = anchor
+        self._anchor: Anchor | None = Anchor(anchor)
         self._mmap = mm
         self._memory = memory
         self._mapping = None
         # atexit=False: at exit a Queue feeder thread may still be pickling
         # this buffer; the process's end closes the fd and the server anyway.
-        self._finalizer = weakref.finalize(self, _release_owner, fd, anchor, os.getpid())
+        self._finalizer = weakref.finalize(self, _release_owner, fd, self._anchor)
         self._finalizer.atexit = False
         return self
 
@@ -189,7 +149,6 @@ class HostBuffer(_exported.Buffer, _lib.Closeable):
         self._chunk_size = chunk_size
         self.pickle_uses = uses
         self.pickle_ttl = ttl
-        self._pending = _Pending()
 
     @classmethod
     def from_ticket(cls, ticket, chunk_size: int | None = None, *,
@@ -299,12 +258,11 @@ class HostBuffer(_exported.Buffer, _lib.Closeable):
             raise ValueError("HostBuffer is closed: it can no longer be shared or pickled")
         uses = self.pickle_uses if uses is None else uses
         ttl = self.pickle_ttl if ttl is None else ttl
-        return self._pending.register(
-            lambda release: register_again(self._anchor, uses=uses, ttl=ttl, release=release))
+        return self._anchor.grant(uses=uses, ttl=ttl)
 
     def pending_tickets(self) -> list[Ticket]:
         """Tickets of this buffer's shares and pickles that have not ended."""
-        return self._pending.tickets()
+        return [] if self._anchor is None else self._anchor.pending()
 
     def unregister_all(self) -> int:
         """End every pending share of this buffer; returns how many."""
@@ -366,8 +324,7 @@ class HostBuffer(_exported.Buffer, _lib.Closeable):
                 self._memory = None  # mm's last export (the memory's holder) goes
                 self._mmap.close()
         if self._finalizer is not None:
-            self._finalizer()
-        self._anchor = None
+            self._finalizer()  # the anchor ends; its grants stay pending_tickets()
 
     def __repr__(self) -> str:
         role = "owner" if self.is_owner else "imported"

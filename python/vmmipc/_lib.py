@@ -10,8 +10,11 @@ entering the library.
 
 Where the library is looked for, in order (candidate_paths):
   1. $VMMIPC_LIBRARY, if set: an explicit choice, and the only one tried.
-  2. Next to the package, vmmipc/libvmmipc.so: where a wheel built by
-     `pip install ./python` puts it.
+  2. Next to the package: libvmmipc.so in the package's directory, where
+     `pip install ./python` puts it, then in the other directories of its
+     __path__: an editable install (`pip install -e ./python`) imports the
+     checkout's python/vmmipc/ and puts the library in site-packages/vmmipc/,
+     which scikit-build-core adds to the package's __path__.
   3. The checkout's build/libvmmipc.so (`make lib`), only when this package
      is the python/ directory of a libvmmipc checkout.
   4. <prefix>/lib*/libvmmipc.so for sys.prefix and /usr/local (`make
@@ -52,6 +55,7 @@ MAX_ACCESS_DEVICES = 64
 MAX_TTL_MS = 1 << 40
 MAX_CHUNKS = 1 << 26
 IMPORT_NO_CACHE = 0x1
+IMPORT_CONFIRM_LATER = 0x2
 
 
 class vmmipc_ticket(Structure):
@@ -123,6 +127,8 @@ class vmmipc_cache_info(Structure):
         ("misses", c_uint64),
         ("evictions", c_uint64),
         ("invalidations", c_uint64),
+        ("confirms_pending", c_uint64),
+        ("confirms_failed", c_uint64),
     ]
 
 
@@ -157,6 +163,7 @@ SIGNATURES = {
     "vmmipc_pull_next": (c_int, [_STREAM, POINTER(vmmipc_chunk)]),
     "vmmipc_close": (c_int, [_STREAM]),
     "vmmipc_import_stream": (c_int, [_T, c_int, _O, POINTER(vmmipc_mapping)]),
+    "vmmipc_confirm": (c_int, [_T, _O]),
     "vmmipc_unmap": (c_int, [POINTER(vmmipc_mapping)]),
     "vmmipc_cache_set_limit": (c_int, [c_uint64]),
     "vmmipc_cache_get_info": (c_int, [POINTER(vmmipc_cache_info), ctypes.c_size_t]),
@@ -170,9 +177,9 @@ _lib: ctypes.CDLL | None = None
 _load_pid: int | None = None
 
 _HOW_TO_FIX = (
-    "To fix: from a libvmmipc checkout, `make lib` builds build/libvmmipc.so (found "
-    "automatically when vmmipc is imported from the checkout's python/ directory) and "
-    "`pip install ./python` then installs vmmipc with the library inside; or `make install` "
+    "To fix, from a libvmmipc checkout: `pip install ./python` builds the library (it needs "
+    "Go) and installs vmmipc with it inside; or `make lib` builds build/libvmmipc.so, found "
+    "when vmmipc is imported from the checkout's python/ directory; or `make install` "
     f"(PREFIX=/usr/local by default); or set {LIBRARY_ENV} to the path of a libvmmipc.so")
 
 
@@ -189,13 +196,22 @@ def _checkout_root() -> str | None:
     return None
 
 
+def _package_dirs() -> list[str]:
+    """The package's own directory, then the rest of its __path__ (an
+    editable install's tree, where its build put the library)."""
+    package = sys.modules.get(__package__)
+    dirs = [os.path.dirname(os.path.abspath(__file__))]
+    dirs += [os.path.abspath(d) for d in getattr(package, "__path__", ())]
+    return list(dict.fromkeys(dirs))
+
+
 def candidate_paths() -> list[str]:
     """Where libvmmipc.so is looked for, in order (see the module docstring).
     Entries without a slash are names for the system loader."""
     env = os.environ.get(LIBRARY_ENV)
     if env:
         return [env]
-    paths = [os.path.join(os.path.dirname(os.path.abspath(__file__)), LIBRARY_NAME)]
+    paths = [os.path.join(d, LIBRARY_NAME) for d in _package_dirs()]
     root = _checkout_root()
     if root is not None:
         paths.append(os.path.join(root, "build", LIBRARY_NAME))
@@ -241,7 +257,8 @@ def _declare(handle: ctypes.CDLL, path: str) -> None:
         raise _errors.LibraryNotFoundError(
             f"{path} is {found} without {', '.join(missing)}: this vmmipc package binds the "
             f"libvmmipc {CONTRACT_VERSION} contract (include/vmmipc.h); rebuild the library "
-            f"(`make lib`) or point {LIBRARY_ENV} at a matching one")
+            f"(`make lib`; an installed one: `pip install ./python` again, with -e if it was) "
+            f"or point {LIBRARY_ENV} at a matching one")
     for name, (restype, argtypes) in SIGNATURES.items():
         fn = getattr(handle, name)
         fn.restype = restype

@@ -18,7 +18,7 @@ import weakref
 from typing import NamedTuple
 
 from . import _args, _dlpack, _errors, _exported, _lib
-from ._lib import DEVICE_HOST, DEVICE_SAME, IMPORT_NO_CACHE, MEMORY_HOST
+from ._lib import DEVICE_HOST, DEVICE_SAME, IMPORT_CONFIRM_LATER, IMPORT_NO_CACHE, MEMORY_HOST
 from ._ticket import as_ticket
 
 
@@ -216,7 +216,8 @@ class Mapping(_exported.Buffer, _lib.Closeable):
 
 
 def import_stream(ticket, device: int | None = None, *, timeout: float | None = None,
-                  window: int | None = None, access_devices=(), cache: bool = True) -> Mapping:
+                  window: int | None = None, access_devices=(), cache: bool = True,
+                  confirm_later: bool = False) -> Mapping:
     """Map the whole buffer named by the ticket (vmmipc_import_stream): reserve
     the range, then receive, map and close one chunk at a time; or, when
     this process has the buffer cached, another reference to that mapping.
@@ -227,20 +228,36 @@ def import_stream(ticket, device: int | None = None, *, timeout: float | None = 
     timeout: seconds to wait on a silent peer (None: 30). window: chunk
     requests in flight (None: the library's choice; 1 = lockstep).
     cache=False neither reuses nor keeps a cached mapping
-    (VMMIPC_IMPORT_NO_CACHE). VmmipcMemoryError if the address range cannot
-    be reserved."""
+    (VMMIPC_IMPORT_NO_CACHE). confirm_later=True: a cache hit returns at
+    once and spends its use in the background (VMMIPC_IMPORT_CONFIRM_LATER:
+    only for tickets from a channel trusted for the data itself).
+    VmmipcMemoryError if the address range cannot be reserved."""
     fn = "vmmipc_import_stream"
     t = as_ticket(ticket, fn)
     if device is not None:
         device = _args.integer(device, "device", DEVICE_SAME, _args.I32_MAX, fn,
                                "DEVICE_HOST = -1, DEVICE_SAME = -2, or a CUDA ordinal")
+    flags = (0 if cache else IMPORT_NO_CACHE) | (IMPORT_CONFIRM_LATER if confirm_later else 0)
     opts = _lib.options(fn, timeout=timeout, window=window, access_devices=access_devices,
-                        import_flags=0 if cache else IMPORT_NO_CACHE)
+                        import_flags=flags)
     if device is None:
         device = DEVICE_HOST if t.info().memory_kind == MEMORY_HOST else DEVICE_SAME
     out = _lib.vmmipc_mapping()
     _lib.call(fn, ctypes.byref(t._c()), device, ctypes.byref(opts), ctypes.byref(out))
     return Mapping(out)
+
+
+def confirm(ticket, *, later: bool = False, timeout: float | None = None) -> None:
+    """Spend one use of a ticket without importing anything
+    (vmmipc_confirm): for a receiver that has the memory mapped already,
+    through another ticket of the same buffer, so that the sender's
+    registration ends. later=True returns at once and a library thread
+    confirms (VMMIPC_IMPORT_CONFIRM_LATER; cache_info counts it)."""
+    fn = "vmmipc_confirm"
+    t = as_ticket(ticket)
+    opts = _lib.options(fn, timeout=timeout,
+                        import_flags=IMPORT_CONFIRM_LATER if later else 0)
+    _lib.call(fn, ctypes.byref(t._c()), ctypes.byref(opts))
 
 
 class CacheInfo(NamedTuple):
@@ -252,6 +269,8 @@ class CacheInfo(NamedTuple):
     misses: int              # imports that mapped anew
     evictions: int           # unreferenced mappings undone for room
     invalidations: int       # mappings undone because the buffer ended or the exporter exited
+    confirms_pending: int    # confirm_later confirmations queued or in flight
+    confirms_failed: int     # ...that failed
 
 
 def set_cache_limit(nbytes: int) -> None:

@@ -103,14 +103,20 @@ def _portable(error: Exception) -> Exception:
         return _errors.VmmipcError(f"{type(error).__name__}: {error}", None, "pickle")
 
 
-def guarded_reduce(what: str, reduce_fn):
+ASK = object()  # guarded_reduce's `where` when the caller has not asked yet
+
+
+def guarded_reduce(what: str, reduce_fn, where=ASK):
     """For reducers: refuse a pickle bound for a forked child (a Queue's
     receiver then raises VmmipcForkError in get(); a Pool or Process fails
     in the sender), else return reduce_fn(). If reduce_fn raises while a
     Queue feeder thread pickles, return a reduce tuple that raises the same
     error in the receiver's get() (and log it here); elsewhere the error
-    propagates to the caller (Pipe.send, Pool.map, pickle.dumps...)."""
-    where = fork_destination()
+    propagates to the caller (Pipe.send, Pool.map, pickle.dumps...). where:
+    fork_destination() if the caller asked it already for this pickle (on
+    this thread)."""
+    if where is ASK:
+        where = fork_destination()
     if where == "queue":
         return (refuse_fork, (where,))
     if where is not None:

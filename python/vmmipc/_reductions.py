@@ -11,7 +11,9 @@ module imports _host and _mp; they import nothing of it.
   - Frameworks' types (cuda.core Buffer, torch storages) pickle through
     vmmipc only in multiprocessing, next to their own pickling: they are
     registered with ForkingPickler by register(cls, reducer), which
-    vmmipc.cuda_core and vmmipc.torch call.
+    vmmipc.cuda_core and vmmipc.torch call. vmmipc.torch also wraps
+    ForkingPickler.dump (wrap_dump), so that one pickle's tensors are shared
+    together.
 
 Pickling a HostBuffer makes a new registration of its anchor (share());
 unpickling imports it (HostBuffer.from_ticket). A failure while a Queue's
@@ -56,3 +58,16 @@ def register(cls: type, reducer) -> None:
     reducer(obj) -> reduce tuple. For frameworks' types; a reducer should
     wrap its work in _mp.guarded_reduce. Registering again replaces it."""
     ForkingPickler.register(cls, reducer)
+
+
+def wrap_dump(wrapper) -> None:
+    """Replace ForkingPickler.dump by wrapper(the current dump) (once per
+    wrapper; idempotent): every multiprocessing pickle (Queue, Pipe, Pool,
+    Process arguments, ForkingPickler.dumps) and every ForkingPickler(f).dump
+    then runs through it. vmmipc.torch groups one pickle's tensors this way."""
+    with _lock:
+        if getattr(ForkingPickler.dump, "_vmmipc_wrapper", None) is wrapper:
+            return
+        dump = wrapper(ForkingPickler.dump)
+        dump._vmmipc_wrapper = wrapper
+        ForkingPickler.dump = dump

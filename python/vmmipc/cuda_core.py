@@ -30,9 +30,10 @@ from __future__ import annotations
 import threading
 import weakref
 
-from . import _errors, _lib, _mp, _reductions
+from . import _lib, _mp, _reductions
+from ._anchor import Anchor
 from ._mapping import Mapping, import_stream
-from ._register import register_again, share, unregister
+from ._register import share
 from ._ticket import Ticket
 
 
@@ -59,11 +60,12 @@ def is_vmm_buffer(buf) -> bool:
         getattr(buf, "memory_resource", None), core.VirtualMemoryResource)
 
 
-class _Anchor:
-    __slots__ = ("ref", "ptr", "size", "ticket")
+class _Anchored:
+    """A live Buffer, where it was when anchored, and its anchor."""
+    __slots__ = ("ref", "ptr", "size", "anchor")
 
-    def __init__(self, ref, ptr: int, size: int, ticket: Ticket):
-        self.ref, self.ptr, self.size, self.ticket = ref, ptr, size, ticket
+    def __init__(self, ref, ptr: int, size: int, anchor: Anchor):
+        self.ref, self.ptr, self.size, self.anchor = ref, ptr, size, anchor
 
     def stale(self) -> bool:
         """The Buffer is gone, closed, or no longer the range anchored."""
@@ -75,7 +77,7 @@ class _Anchor:
 # id(buf) -> the anchor of that live Buffer. An entry is trusted only while
 # its weak reference still gives that object (ids are reused). Reentrant: a
 # finalizer (_drop) may run during a garbage collection inside the lock.
-_anchors: dict[int, _Anchor] = {}
+_anchors: dict[int, _Anchored] = {}
 _anchors_lock = threading.RLock()
 
 
@@ -84,46 +86,39 @@ def _is_closed(buf) -> bool:
     return bool(closed) if closed is not None else int(buf.handle) == 0
 
 
-def _end(ticket: Ticket) -> None:
-    try:
-        unregister(ticket)
-    except _errors.VmmipcError:
-        pass  # ended already (drop_anchor, exit), or a forked child
-
-
-def _drop(key: int, ticket: Ticket) -> None:
+def _drop(key: int, anchor: Anchor) -> None:
     """Finalizer of an anchored Buffer."""
     with _anchors_lock:
-        if key in _anchors and _anchors[key].ticket == ticket:
+        if key in _anchors and _anchors[key].anchor is anchor:
             del _anchors[key]
-    _end(ticket)
+    anchor.retire(now=True)
 
 
-def _anchor_of(buf) -> Ticket | None:
-    """buf's anchor registration, made on first use; None when buf cannot be
-    tracked (a cuda.core without weak references to Buffers)."""
+def _anchor_of(buf) -> Anchor | None:
+    """buf's anchor, made on first use; None when buf cannot be tracked (a
+    cuda.core without weak references to Buffers)."""
     ended = []
     try:
         with _anchors_lock:
             for key, a in list(_anchors.items()):
                 if a.stale():
-                    ended.append(_anchors.pop(key).ticket)
+                    ended.append(_anchors.pop(key).anchor)
             a = _anchors.get(id(buf))
             if a is not None and a.ref() is buf:
-                return a.ticket
+                return a.anchor
             try:
                 ref = weakref.ref(buf)
             except TypeError:
                 return None
             ptr, size = int(buf.handle), int(buf.size)
-            ticket = share(ptr, size, uses=0)
-            _anchors[id(buf)] = _Anchor(ref, ptr, size, ticket)
+            anchor = Anchor(share(ptr, size, uses=0))
+            _anchors[id(buf)] = _Anchored(ref, ptr, size, anchor)
             # atexit=False: at exit a Queue feeder may still pickle buf.
-            weakref.finalize(buf, _drop, id(buf), ticket).atexit = False
-            return ticket
+            weakref.finalize(buf, _drop, id(buf), anchor).atexit = False
+            return anchor
     finally:
-        for t in ended:
-            _end(t)
+        for a in ended:
+            a.retire(now=True)
 
 
 def share_buffer(buf, *, uses: int = 1, ttl: float | None = None) -> Ticket:
@@ -136,7 +131,7 @@ def share_buffer(buf, *, uses: int = 1, ttl: float | None = None) -> Ticket:
     anchor = _anchor_of(buf)
     if anchor is None:
         return share(int(buf.handle), int(buf.size), uses=uses, ttl=ttl)
-    return register_again(anchor, uses=uses, ttl=ttl)
+    return anchor.grant(uses=uses, ttl=ttl)
 
 
 def drop_anchor(buf) -> bool:
@@ -148,7 +143,7 @@ def drop_anchor(buf) -> bool:
         if a is None or a.ref() is not buf:
             return False
         del _anchors[id(buf)]
-    _end(a.ticket)
+    a.anchor.retire(now=True)
     return True
 
 

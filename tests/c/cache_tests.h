@@ -41,7 +41,7 @@ static int test_cache_api(void) {
   CHECK_RC(vmmipc_cache_set_limit(full.limit_bytes), VMMIPC_OK);
 
   START_SENDER(s, t, "file", 4, 4096, 1, -1, 0);
-  const uint32_t bad_flags[] = {0x2, 0x3, 0x80000000u};
+  const uint32_t bad_flags[] = {0x4, 0x7, 0x80000000u};
   for (size_t k = 0; k < sizeof bad_flags / sizeof bad_flags[0]; k++) {
     vmmipc_options o = default_options();
     o.import_flags = bad_flags[k];
@@ -53,6 +53,58 @@ static int test_cache_api(void) {
   vmmipc_mapping m;
   if (import_verify(&t, 1, &m)) return 1; /* the refusals spent nothing */
   CHECK_RC(vmmipc_unmap(&m), VMMIPC_OK);
+  child_end(&s);
+  return 0;
+}
+
+/* vmmipc_confirm spends one use and receives nothing: the sender's
+ * registration made from a mapped buffer ends (its release_fn runs) with
+ * no export and no descriptor here; a used-up ticket is ENOENT, a forged
+ * one EAUTH (spending nothing). VMMIPC_IMPORT_CONFIRM_LATER: a hit returns
+ * at once with no descriptor opened, and the use is spent by a library
+ * thread (confirms_pending drops to 0; the sender's registration ends). */
+static int test_confirm(void) {
+  enum { N = 8, CS = 4096 };
+  START_SENDER(s, t0, "callback", N, CS, 0, -1, 0);
+  uint64_t addr, size;
+  if (import_and_unmap(&t0, &addr, &size)) return 1;
+  char err[700];
+  vmmipc_ticket t1, t2;
+  CHECK(sender_ask_ticket(&s, &t1, err, sizeof err, "again 0 1 0") == 0, "register_again: %s", err);
+  vmmipc_ticket forged = t1;
+  forged.bytes[VMMIPC_TICKET_SIZE - 1] ^= 1;
+  int rc = vmmipc_confirm(&forged, NULL);
+  CHECK(rc == VMMIPC_EAUTH || rc == VMMIPC_EINVAL, "confirm of a forged ticket: %d %s", rc, vmmipc_last_error());
+  CHECK_SENDER_RC(&s, VMMIPC_ETIMEDOUT, "still live", "wait 1 0");
+  int base = count_fds(0);
+  CHECK_RC(vmmipc_confirm(&t1, NULL), VMMIPC_OK);
+  CHECK(count_fds(0) == base, "confirm left %d descriptors", count_fds(0) - base);
+  CHECK_SENDER_RC(&s, VMMIPC_OK, NULL, "wait 1 2000");
+  CHECK(sender_ask_int(&s, NULL, 0, "released 1") == 1, "release_fn of the confirmed registration did not run once");
+  rc = vmmipc_confirm(&t1, NULL);
+  CHECK(rc == VMMIPC_ENOENT, "confirm of a used-up ticket: %d %s", rc, vmmipc_last_error());
+  CHECK_RC(vmmipc_confirm(NULL, NULL), VMMIPC_EINVAL);
+
+  CHECK(sender_ask_ticket(&s, &t2, err, sizeof err, "again 0 1 0") == 0, "register_again: %s", err);
+  vmmipc_options o = default_options();
+  o.import_flags = VMMIPC_IMPORT_CONFIRM_LATER;
+  vmmipc_cache_info c0 = cache_info();
+  vmmipc_mapping m;
+  fd_sampler fs;
+  fd_sampler_start(&fs, 0);
+  CHECK_RC(vmmipc_import_stream(&t2, VMMIPC_DEVICE_HOST, &o, &m), VMMIPC_OK);
+  int peak = fd_sampler_stop(&fs);
+  CHECK(m.addr == addr && cache_info().hits == c0.hits + 1, "a deferred hit is at %#llx (cached at %#llx)",
+        (unsigned long long)m.addr, (unsigned long long)addr);
+  CHECK(peak - base <= 2, "the deferred hit and its confirmation took %d descriptors", peak - base);
+  CHECK_SENDER_RC(&s, VMMIPC_OK, NULL, "wait 2 5000");
+  vmmipc_cache_info c1 = cache_info();
+  for (int i = 0; i < 200 && c1.confirms_pending; i++, usleep(10000)) c1 = cache_info();
+  CHECK(c1.confirms_pending == 0 && c1.confirms_failed == c0.confirms_failed, "confirmations pending %llu, failed %llu",
+        (unsigned long long)c1.confirms_pending, (unsigned long long)(c1.confirms_failed - c0.confirms_failed));
+  CHECK(count_mismatches((const unsigned char *)(uintptr_t)m.addr, m.size, 0, 1) == 0, "bytes differ");
+  CHECK_RC(vmmipc_unmap(&m), VMMIPC_OK);
+  CHECK(sender_ask_int(&s, NULL, 0, "exports") == N, "confirmations exported chunks");
   child_end(&s);
   return 0;
 }

@@ -346,7 +346,7 @@ static inline uint64_t vm_size(void) {
   return pages * (uint64_t)sysconf(_SC_PAGESIZE);
 }
 
-/* Ticket layout, format 2 (core/ticket.go). The header promises no layout:
+/* Ticket layout, format 3 (core/ticket.go). The header promises no layout:
  * only tests that attack the wire (raw sockets, corrupted fields) use it. */
 enum {
   TICKET_OFF_ADDR_KIND = 11, /* u8: 1 = abstract socket, 2 = path */

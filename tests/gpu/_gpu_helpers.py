@@ -1,14 +1,20 @@
-"""What the Python GPU scripts share (test_python_cuda.py and test_torch.py
-here; bench/torch_bench.py takes set_expandable): the checkout's vmmipc and
-build/libvmmipc.so on the path, one PASS/FAIL line per check and the
-closing "N passed, M failed", the guard every child answers through, and
-the check that children made by fork() are refused.
+"""What the Python GPU scripts share (test_python_cuda.py, test_torch.py and
+test_torch_model.py here; bench/torch_bench.py and bench/torch_model_bench.py):
+the checkout's vmmipc and build/libvmmipc.so on the path, one PASS/FAIL line
+per check and the closing "N passed, M failed", the guard every child
+answers through, the check that children made by fork() are refused, and
+for the torch scripts: the worker child that runs the functions it is sent,
+the exact value pattern, and the probes (VMM or not, chunk counts, live
+registrations, whether pidfd_getfd is refused).
 
 Import it before vmmipc: it sets the paths up. It also puts tests/python on
 the path, for the descriptor tools of _mp_helpers (fd_count, FdSampler,
 limit_fds). Nothing here needs CUDA or torch until it is called.
 """
 
+import ctypes
+import errno
+import gc
 import os
 import sys
 import time
@@ -48,6 +54,22 @@ def summary():
     failed = len(results) - passed
     print(f"{passed} passed, {failed} failed")
     return 1 if failed else 0
+
+
+def run_problems(name, fn):
+    """One check: fn() returns (problems, detail); it passes when problems
+    is empty, and the line says them all when it is not."""
+    def verdict():
+        problems, detail = fn()
+        return not problems, "; ".join(problems) if problems else detail
+    run_case(name, verdict)
+
+
+def problems_of(r):
+    """The problems a child reported in r (what guard() sent back)."""
+    if "error" in r:
+        return ["child failed:\n" + r["error"]]
+    return r.get("problems", [])
 
 
 def skip_all(reason):
@@ -112,6 +134,29 @@ def fork_pool_task(buf):
 
 # ------------------------------------------------------------------- torch
 
+def import_torch_expandable():
+    """(torch, None), or (None, why) without torch, with expandable segments
+    on for this process and its children (they inherit the environment):
+    PyTorch reads the setting when CUDA starts, so this comes first."""
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    try:
+        import torch
+    except ImportError as e:  # the script says SKIP
+        return None, str(e)
+    return torch, None
+
+
+def no_torch_gpu(torch, torch_missing):
+    """Why a torch GPU script cannot run here (say it with skip_all), or
+    None: import_torch_expandable()'s result and a usable GPU."""
+    if torch is None:
+        return f"PyTorch is not installed ({torch_missing})"
+    if not torch.cuda.is_available():
+        return "no usable GPU (torch.cuda.is_available() is False)"
+    return None
+
+
 def set_expandable(on):
     """Switch PyTorch's caching allocator to expandable segments (VMM memory)
     or back to cudaMalloc, for the tensors allocated from now on."""
@@ -122,3 +167,182 @@ def set_expandable(on):
         setter(setting)
     else:
         torch.cuda.memory._set_allocator_settings(setting)
+
+
+def pattern(numel, dtype, seed, device="cuda"):
+    """Values in [-125, 125], exact in float32, bfloat16 and int8, different
+    for every seed and (mod 251) every index."""
+    import torch
+    i = torch.arange(numel, device=device, dtype=torch.int64)
+    v = (i * 2654435761 + seed * 40503) % 251 - 125
+    return v.to(torch.float32).to(dtype) if dtype.is_floating_point else v.to(dtype)
+
+
+def require_vmm(*tensors):
+    """Raise unless every tensor lies in CUDA VMM memory (expandable
+    segments): a check that ran over cudaMalloc memory tested nothing."""
+    import vmmipc.torch as vt
+    for t in tensors:
+        if not vt.is_vmm_tensor(t):
+            raise RuntimeError(f"a {t.dtype} tensor of {t.untyped_storage().nbytes()} bytes is not "
+                               "in VMM memory: are expandable segments on?")
+
+
+def chunk_count(ptr, nbytes):
+    """Allocations (chunks) under the covering range of [ptr, ptr + nbytes):
+    what vmmipc moves one by one; their size is the range's size over it."""
+    import vmmipc
+    rng = vmmipc.cuda_query_range(ptr, nbytes)
+    ticket = vmmipc.share(rng.base, rng.size, uses=1)
+    try:
+        return ticket.info().chunk_count
+    finally:
+        vmmipc.unregister(ticket)
+
+
+def driver_range(ptr):
+    """cuMemGetAddressRange(ptr): (base, size), or the error's name
+    (CUDA_ERROR_NOT_FOUND once nothing is mapped there)."""
+    from cuda.bindings import driver
+    err, base_, size = driver.cuMemGetAddressRange(ptr)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        return err.name
+    return int(base_), int(size)
+
+
+def is_vmm_memory(ptr):
+    """Whether ptr lies in CUDA VMM memory (cuMemCreate: expandable
+    segments) rather than cudaMalloc memory, asked of the driver alone
+    (cuMemRetainAllocationHandle fails on cudaMalloc memory with
+    CUDA_ERROR_INVALID_VALUE), so a process that must not load libvmmipc
+    can ask too."""
+    from cuda.bindings import driver
+    err, handle = driver.cuMemRetainAllocationHandle(ptr)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        return False
+    driver.cuMemRelease(handle)  # the retain took a reference
+    return True
+
+
+def pidfd_getfd_refused():
+    """Whether this process runs under a filter refusing pidfd_getfd
+    (tests/gpu/no_pidfd_getfd)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall(438, -1, 0, 0)  # x86-64 pidfd_getfd on a bad pidfd
+    return ctypes.get_errno() == errno.EPERM
+
+
+def pidfd_filter_state():
+    """Whether pidfd_getfd is refused here; None (with a FAIL recorded) when
+    run_torch.sh asked for a run under the filter
+    (VMMIPC_TEST_EXPECT_NO_PIDFD_GETFD=1) and it is not in force."""
+    filtered = pidfd_getfd_refused()
+    if os.environ.get("VMMIPC_TEST_EXPECT_NO_PIDFD_GETFD") == "1" and not filtered:
+        record("setup", False, "run_torch.sh asked for a run under no_pidfd_getfd, but "
+               "pidfd_getfd is allowed here: the seccomp filter is not in force")
+        return None
+    return filtered
+
+
+def settled_live():
+    """This process's live registrations once the tensors of earlier checks
+    are freed and their anchors have ended (a reaper thread ends them)."""
+    import vmmipc
+    gc.collect()
+    n, deadline = vmmipc.live_registrations(), time.monotonic() + 5
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        m = vmmipc.live_registrations()
+        if m == n:
+            return n
+        n = m
+    return n
+
+
+def wait_live(n, timeout=15.0):
+    """Wait until this process has n live registrations; the count."""
+    import vmmipc
+    deadline = time.monotonic() + timeout
+    while vmmipc.live_registrations() != n and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return vmmipc.live_registrations()
+
+
+def live_problems(live, what="after both sides dropped the tensors"):
+    """[] once this process is back to live registrations (within 15 s),
+    else the problem."""
+    after = wait_live(live)
+    return [] if after == live else [f"{after - live} registrations still live in the sender "
+                                     f"{what}"]
+
+
+# ------------------------------------------------------- the worker child
+
+WORKER_TIMEOUT = 120
+
+
+def worker(inbox, outbox, pipe):
+    """A spawned child that runs the (function, args) messages it gets and
+    answers each through guard(); tensors arrive pickled in the args. The
+    functions are sent as objects: a spawned child's __main__ is the
+    parent's script, so its functions are found there. pipe: the child's end
+    of a Pipe, for the functions that take bytes (PIPE)."""
+    global PIPE
+    PIPE = pipe
+    import torch
+    import vmmipc
+    torch.zeros(1, device="cuda")
+    vmmipc.cache_info()  # the library is loaded before the first message
+    outbox.put("ready")
+    while True:
+        try:
+            msg = inbox.get(timeout=WORKER_TIMEOUT)
+        except BaseException as e:  # noqa: BLE001 - unpickling failed
+            outbox.put({"error": "".join(traceback.format_exception(e))[-2500:]})
+            continue
+        if msg is None:
+            return
+        fn, args = msg
+        outbox.put(guard(fn, *args))
+        del msg, args
+        gc.collect()
+
+
+PIPE = None  # in a worker: its end of the Worker's pipe
+
+
+class Worker:
+    """The parent's side of worker(): call(fn, *args) runs fn(*args) in the
+    child and returns its answer; send_bytes puts bytes on the pipe."""
+
+    def __init__(self, method="spawn"):
+        import multiprocessing as mp
+        ctx = mp.get_context(method)
+        self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
+        self.pipe, child_end = ctx.Pipe()
+        self.proc = ctx.Process(target=worker, args=(self.inbox, self.outbox, child_end))
+        self.proc.start()
+        child_end.close()
+        if self.outbox.get(timeout=WORKER_TIMEOUT) != "ready":
+            raise RuntimeError("the worker did not start")
+
+    def put(self, fn, *args):
+        self.inbox.put((fn, args))
+
+    def answer(self, timeout=WORKER_TIMEOUT):
+        return self.outbox.get(timeout=timeout)
+
+    def call(self, fn, *args):
+        self.put(fn, *args)
+        return self.answer()
+
+    def send_bytes(self, blob):
+        """Bytes for a function already put() (it reads them from PIPE): a
+        blob larger than the pipe's buffer blocks until it does."""
+        self.pipe.send_bytes(blob)
+
+    def stop(self):
+        self.inbox.put(None)
+        self.proc.join(WORKER_TIMEOUT)
+        if self.proc.is_alive():
+            self.proc.kill()

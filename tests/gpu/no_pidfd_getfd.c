@@ -5,8 +5,9 @@
  * The filter is inherited by every process the command starts (spawned
  * children, forkserver), and cannot be removed by them.
  *
- *   gcc -O2 -Wall -Wextra -o build/tests/no_pidfd_getfd tests/gpu/no_pidfd_getfd.c
- *   build/tests/no_pidfd_getfd python3 tests/gpu/test_torch.py
+ *   sh tests/gpu/no_pidfd_getfd.sh python3 tests/gpu/test_torch.py
+ *
+ * (the script builds build/tests/no_pidfd_getfd from this file first).
  *
  * x86-64 only (pidfd_getfd is system call 438 there); on another
  * architecture it refuses to run rather than filter nothing.

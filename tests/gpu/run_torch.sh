@@ -1,24 +1,27 @@
 #!/bin/sh
-# Runs the vmmipc.torch GPU test (tests/gpu/test_torch.py) twice: plainly,
-# then under tests/gpu/no_pidfd_getfd, a seccomp filter that refuses
-# pidfd_getfd with EPERM as a container without CAP_SYS_PTRACE does. The
-# second run also shows torch's own expandable-segment sharing failing
-# ("pidfd_getfd: Operation not permitted"). Needs a CUDA GPU, PyTorch, gcc
-# and build/libvmmipc.so (`make lib`). Run from the repository root;
-# arguments pick scenarios (default: all). Exits non-zero if either run
-# failed.
+# Runs a vmmipc.torch GPU test twice: plainly, then under
+# tests/gpu/no_pidfd_getfd, a seccomp filter that refuses pidfd_getfd with
+# EPERM as a container without CAP_SYS_PTRACE does. The test is
+# tests/gpu/test_torch.py, or $TORCH_TEST (tests/gpu/test_torch_model.py:
+# models, the bulk API, a killed sender). For test_torch.py the second run
+# also shows torch's own expandable-segment sharing failing ("pidfd_getfd:
+# Operation not permitted"). Needs a CUDA GPU, PyTorch, gcc and
+# build/libvmmipc.so (`make lib`). Run from the repository root; arguments
+# pick scenarios (default: all). Exits non-zero if either run failed.
+#
+#   sh tests/gpu/run_torch.sh [scenario...]
+#   TORCH_TEST=tests/gpu/test_torch_model.py sh tests/gpu/run_torch.sh [scenario...]
 set -u
 PYTHON=${PYTHON:-python3}
-out=build/tests
-mkdir -p "$out"
-gcc -O2 -Wall -Wextra -o "$out/no_pidfd_getfd" tests/gpu/no_pidfd_getfd.c || exit 1
+TEST=${TORCH_TEST:-tests/gpu/test_torch.py}
+sh tests/gpu/no_pidfd_getfd.sh true || exit 1 # builds the filter; fails early without gcc
 export PYTHONUNBUFFERED=1
 
 echo "== run 1 of 2: plain"
-"$PYTHON" tests/gpu/test_torch.py "$@"
+"$PYTHON" "$TEST" "$@"
 plain=$?
 echo "== run 2 of 2: under no_pidfd_getfd (pidfd_getfd refused with EPERM)"
-VMMIPC_TEST_EXPECT_NO_PIDFD_GETFD=1 "$out/no_pidfd_getfd" "$PYTHON" tests/gpu/test_torch.py "$@"
+VMMIPC_TEST_EXPECT_NO_PIDFD_GETFD=1 sh tests/gpu/no_pidfd_getfd.sh "$PYTHON" "$TEST" "$@"
 filtered=$?
-echo "run_torch: plain exit $plain, under the filter exit $filtered"
+echo "run_torch ($TEST): plain exit $plain, under the filter exit $filtered"
 [ "$plain" -eq 0 ] && [ "$filtered" -eq 0 ]

@@ -97,7 +97,7 @@ def test_struct_layout_matches_header(tmp_path):
         "vmmipc_cuda_range_info": ["base", "size", "handle_types", "device"],
         "vmmipc_cache_info": ["limit_bytes", "entries", "referenced_bytes",
                               "unreferenced_bytes", "hits", "misses", "evictions",
-                              "invalidations"],
+                              "invalidations", "confirms_pending", "confirms_failed"],
     }
     lines = []
     for struct, names in fields.items():
@@ -125,7 +125,7 @@ def test_struct_layout_matches_header(tmp_path):
 def test_constants_match_the_header():
     for name in ("TICKET_SIZE", "DEVICE_HOST", "DEVICE_SAME", "MEMORY_HOST", "MEMORY_CUDA",
                  "MAX_WINDOW", "MAX_ACCESS_DEVICES", "MAX_TTL_MS", "MAX_CHUNKS",
-                 "IMPORT_NO_CACHE"):
+                 "IMPORT_NO_CACHE", "IMPORT_CONFIRM_LATER"):
         assert getattr(vmmipc, name) == header_define(f"VMMIPC_{name}"), name
 
 
@@ -233,7 +233,7 @@ def test_bad_tickets(hb):
         vmmipc.import_stream(tampered(t, 0, b"XXXX"))
     with pytest.raises(vmmipc.InvalidError):
         vmmipc.Ticket(bytes(256)).info()
-    secret = bytes(b ^ 0xFF for b in t[40:72])  # the 256-bit secret (ticket format 2)
+    secret = bytes(b ^ 0xFF for b in t[40:72])  # the 256-bit secret (ticket format 3)
     with pytest.raises(vmmipc.AuthError, match="secret"):
         vmmipc.open(tampered(t, 40, secret))
     wrong_pid = (os.getpid() + 1).to_bytes(4, "little")

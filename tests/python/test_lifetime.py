@@ -18,7 +18,7 @@ from vmmipc import _dlpack
 from _mp_helpers import MMAP_DUP, fd_count, settled_fd_count, wait_for
 
 PAGE = mmap.PAGESIZE
-REG_ID, BUFFER_ID, SECRET = slice(24, 32), slice(32, 40), slice(40, 72)  # ticket format 2
+REG_ID, BUFFER_ID, SECRET = slice(24, 32), slice(32, 40), slice(40, 72)  # ticket format 3
 pytestmark = pytest.mark.usefixtures("server_running")
 
 

@@ -155,6 +155,23 @@ def test_installed_package_without_library_says_what_it_tried(tmp_path):
         assert fix in message, fix
 
 
+def test_library_in_another_package_path_directory_is_found(tmp_path):
+    """An editable install (scikit-build-core) imports the source package and
+    adds the directory its build installed into to the package's __path__:
+    the library there is found (tests/install/test_editable.sh does it for
+    real)."""
+    site = installed_copy(tmp_path, with_library=False)
+    built = tmp_path / "built" / "vmmipc"
+    built.mkdir(parents=True)
+    shutil.copy(conftest.LIBRARY, built / "libvmmipc.so")
+    r, _ = run([sys.executable, "-c", f"import vmmipc; vmmipc.__path__.append({str(built)!r}); "
+                "vmmipc.version(); "
+                "print([l.split()[-1] for l in open('/proc/self/maps') if 'libvmmipc' in l][0])"],
+               30, cwd=str(tmp_path), PYTHONPATH=str(site), VMMIPC_LIBRARY=None)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == str(built / "libvmmipc.so")
+
+
 def test_checkout_package_finds_the_build():
     from vmmipc import _lib
     env = os.environ.pop("VMMIPC_LIBRARY")

@@ -25,6 +25,7 @@ import pytest
 
 import vmmipc
 import vmmipc.torch as vt
+from vmmipc import _anchor, _mp, _torch_receive, _torch_runs, _torch_send
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 needs_torch = pytest.mark.skipif(
@@ -70,10 +71,22 @@ class FakeVmmipc:
     """Records the vmmipc calls the sender makes."""
 
     def __init__(self):
+        self.queries = []        # (ptr, size)
         self.shared = []         # (base, size, uses)
         self.again = []          # (anchor ticket, uses, ttl, release)
         self.unregistered = []
         self.fail_again = 0      # register_again raises NotFoundError this many times
+        self.ranges = {}         # ptr -> Range, else the chunk-aligned 20 MiB range around it
+
+    def cuda_query_range(self, ptr, size):
+        self.queries.append((ptr, size))
+        if ptr in self.ranges:
+            return self.ranges[ptr]
+        if ptr == 0xdead:
+            raise vmmipc.NotFoundError("not VMM memory", vmmipc.ENOENT, "vmmipc_cuda_query_range")
+        lo = ptr - ptr % CHUNK
+        hi = -(-(ptr + size) // CHUNK) * CHUNK
+        return Range(lo, hi - lo, vt.POSIX_FD_HANDLE, 0)
 
     def share(self, base, size, *, uses=1, ttl=None):
         self.shared.append((base, size, uses))
@@ -89,19 +102,26 @@ class FakeVmmipc:
     def unregister(self, ticket):
         self.unregistered.append(ticket)
 
+    def release_all(self):
+        for *_, release in self.again:
+            release()
+        self.again.clear()
+
+
+CHUNK = 20 << 20
+
 
 @pytest.fixture
 def fake(monkeypatch):
     f = FakeVmmipc()
-    for name in ("share", "register_again", "unregister"):
-        # raising=False: the names exist once the new Python API is merged
-        monkeypatch.setattr(vmmipc, name, getattr(f, name), raising=False)
+    monkeypatch.setattr(_torch_runs, "cuda_query_range", f.cuda_query_range)
+    monkeypatch.setattr(_torch_runs, "share", f.share)
+    monkeypatch.setattr(_anchor, "register_again", f.register_again)
+    monkeypatch.setattr(_anchor, "unregister", f.unregister)
     yield f
     # End what the test left pending while these stand-ins are still in
     # place, so no later test hears of this one's anchors.
-    for *_, release in f.again:
-        release()
-    f.again.clear()
+    f.release_all()
     drain()
 
 
@@ -109,12 +129,17 @@ def drain():
     """Wait until the reaper has run what was queued, and what that queued."""
     for _ in range(4):
         done = threading.Event()
-        vt._reaper().submit(done.set)
+        _anchor.reaper.submit(done.set)
         assert done.wait(10), "the reaper thread did not run"
         gc.collect()
 
 
-R = Range(0x10000000, 20 << 20, vt.POSIX_FD_HANDLE, 0)
+BASE = 20 * CHUNK  # chunk-aligned, as a segment's chunks are
+R = Range(BASE, CHUNK, vt.POSIX_FD_HANDLE, 0)
+
+
+def plan(runs, *storages):
+    runs.plan([runs.pending(s) for s in storages])
 
 
 # ----------------------------------------------- the module without torch
@@ -147,166 +172,272 @@ def test_imports_without_torch_and_says_what_is_missing():
 # ------------------------------------------------------- sender bookkeeping
 
 
-def test_storages_with_one_covering_range_share_one_anchor(fake):
-    anchors = vt._Anchors()
-    a, b = Storage(R.base, 1024), Storage(R.base + 1024, 1024)
-    ticket_a, id_a = anchors.ticket_for(a, R, None)
-    ticket_b, id_b = anchors.ticket_for(b, R, None)
-    ticket_a2, id_a2 = anchors.ticket_for(a, R, 7.5)
-    assert fake.shared == [(R.base, R.size, 0)], "one anchor, registered with uses=0"
-    assert id_a == id_b == id_a2
-    assert (ticket_a, ticket_b, ticket_a2) == ("pickle-1", "pickle-2", "pickle-3")
-    assert [(t, uses, ttl) for t, uses, ttl, _ in fake.again] == [
-        ("anchor-1", 1, None), ("anchor-1", 1, None), ("anchor-1", 1, 7.5)]
-    assert anchors.live() == 1
+def test_storages_sent_together_get_one_anchor_per_run(fake):
+    """A model packed in chunks: neighbours that share or touch chunks form
+    one run, registered once; a gap of unmapped (or unsent) chunks starts
+    another; so does another device."""
+    runs = _torch_runs.Runs()
+    a = Storage(BASE, 30 << 20)                   # chunks 0-1
+    b = Storage(BASE + (30 << 20), 4 << 20)       # chunk 1 (shared with a)
+    c = Storage(BASE + (40 << 20), 20 << 20)      # chunk 2 (touches)
+    far = Storage(BASE + (100 << 20), 1 << 20)    # chunk 5: a run of its own
+    other = Storage(BASE + 1, 1 << 20, Device("cuda", 1))  # same addresses, another GPU
+    fake.ranges[other.ptr] = Range(BASE, CHUNK, vt.POSIX_FD_HANDLE, 1)
+    plan(runs, a, b, far, c)
+    plan(runs, other)
+    assert fake.shared == [(BASE, 60 << 20, 0), (BASE + (100 << 20), CHUNK, 0), (BASE, CHUNK, 0)]
+    ra, rb, rc, rf, ro = (runs.attached(s) for s in (a, b, c, far, other))
+    assert ra is rb is rc and len({id(ra), id(rf), id(ro)}) == 3
+    assert (rc.base, rc.size, ro.device) == (BASE, 60 << 20, 1)
+    assert runs.live() == 3
 
 
-def test_other_ranges_get_other_anchors(fake):
-    anchors = vt._Anchors()
-    s = Storage(R.base, 1024)
-    _, id1 = anchors.ticket_for(s, R, None)
-    t = Storage(R.base + R.size, 1024)
-    _, id2 = anchors.ticket_for(t, Range(R.base + R.size, 20 << 20, 1, 0), None)
-    _, id3 = anchors.ticket_for(Storage(R.base, 2048), Range(R.base, R.size, 1, 1), None)
-    assert len(fake.shared) == 3 and len({id1, id2, id3}) == 3, "device and range both count"
+def test_resending_attached_storages_asks_the_driver_nothing(fake):
+    runs = _torch_runs.Runs()
+    s = [Storage(BASE + i * (1 << 20), 1 << 20) for i in range(40)]
+    plan(runs, *s)
+    asked = len(fake.queries)
+    for _ in range(3):
+        assert all(runs.attached(x) is not None for x in s)
+    assert len(fake.queries) == asked and len(fake.shared) == 1
 
 
-def test_pickle_keeps_storage_alive_until_released_then_anchor_ends(fake):
-    anchors = vt._Anchors()
-    s = Storage(R.base, 4096)
-    alive = weakref.ref(s)
-    anchors.ticket_for(s, R, None)
-    release = fake.again[-1][3]
-    del s
+def test_a_storage_pinned_by_live_users_joins_their_anchor(fake):
+    runs = _torch_runs.Runs()
+    a, b = Storage(BASE, 10 << 20), Storage(BASE + (10 << 20), 10 << 20)
+    plan(runs, a, b)
+    view = Storage(BASE + (4 << 20), 8 << 20)  # another storage in the same chunk, pinned by a
+    plan(runs, view)
+    assert runs.attached(view) is runs.attached(a) and len(fake.shared) == 1
+
+
+def test_a_storage_over_unpinned_chunks_gets_a_new_anchor(fake):
+    """A segment that grew: the new storage starts in the anchor's last chunk
+    and runs into new ones; no live user pins the new chunks, so it gets an
+    anchor of its own (which overlaps the old one) and the old one stays."""
+    runs = _torch_runs.Runs()
+    a = Storage(BASE, 30 << 20)  # chunks 0-1
+    plan(runs, a)
+    across = Storage(BASE + (35 << 20), 20 << 20)  # chunks 1-2
+    plan(runs, across)
+    assert fake.shared == [(BASE, 40 << 20, 0), (BASE + CHUNK, 40 << 20, 0)]
+    assert runs.attached(across) is not runs.attached(a) and runs.live() == 2
+
+
+def test_a_dead_storage_retires_its_anchor_and_a_new_one_never_matches(fake):
+    """torch may unmap a chunk once the storages in it died and map a new one
+    at the same address: an anchor with a chunk nobody pins is retired at
+    once (and ended on the reaper), and a new storage there gets a new one."""
+    runs = _torch_runs.Runs()
+    keep, dies = Storage(BASE, 10 << 20), Storage(BASE + CHUNK, 10 << 20)
+    plan(runs, keep, dies)
+    first = runs.attached(keep)
+    del dies
     gc.collect()
     drain()
-    assert alive() is not None, "the pending registration must keep the storage alive"
-    assert fake.unregistered == []
-    release()  # what the library does once the receiver has imported
-    drain()
-    assert alive() is None, "released: the storage may die"
-    assert fake.unregistered == ["anchor-1"], "its last storage died: the anchor ends"
-    assert anchors.live() == 0
+    assert fake.unregistered == ["anchor-1"] and runs.live() == 0
+    assert runs.attached(keep) is None, "its anchor was retired: it is planned again"
+    new = Storage(BASE + CHUNK, 10 << 20)
+    plan(runs, keep, new)
+    assert runs.attached(new) is runs.attached(keep) is not first and len(fake.shared) == 2
 
 
-def test_anchor_lives_while_any_storage_using_it_lives(fake):
-    anchors = vt._Anchors()
-    a, b = Storage(R.base, 1024), Storage(R.base + 4096, 1024)
-    anchors.ticket_for(a, R, None)
-    anchors.ticket_for(b, R, None)
-    for _, _, _, release in fake.again:
-        release()
-    del a
-    drain()
-    assert fake.unregistered == [] and anchors.live() == 1
-    anchors.ticket_for(Storage(R.base + 8192, 512), R, None)  # b pins it: reused
-    assert len(fake.shared) == 1
-    fake.again[-1][3]()
-    del b
-    drain()
-    assert fake.unregistered == ["anchor-1"] and anchors.live() == 0
-
-
-def test_a_freed_and_reused_range_never_matches_the_old_anchor(fake):
-    anchors = vt._Anchors()
-    old = Storage(R.base, 1 << 20)
-    _, old_id = anchors.ticket_for(old, R, None)
-    fake.again[-1][3]()
-    # The reaper is held up, so it has not heard of the death yet when a new
-    # storage at the same place is pickled: that one must still get a new
-    # anchor (the chunks there may be new ones).
+def test_a_freed_storage_is_not_trusted_before_the_reaper_hears_of_it(fake):
+    runs = _torch_runs.Runs()
+    old = Storage(BASE, 1 << 20)
+    plan(runs, old)
     gate = threading.Event()
-    vt._reaper().submit(gate.wait, 10)
+    _anchor.reaper.submit(gate.wait, 10)  # the reaper is held up
     del old
     gc.collect()
-    new = Storage(R.base, 1 << 20)
-    _, new_id = anchors.ticket_for(new, R, None)
+    new = Storage(BASE, 1 << 20)
+    plan(runs, new)
     gate.set()
-    assert len(fake.shared) == 2 and new_id != old_id
+    assert len(fake.shared) == 2, "nothing pinned the chunk: the new storage needs a new anchor"
     drain()
-    assert fake.unregistered == ["anchor-1"]
-    assert anchors.live() == 1
+    assert fake.unregistered == ["anchor-1"] and runs.live() == 1
 
 
 def test_a_moved_storage_leaves_its_old_anchor(fake):
-    anchors = vt._Anchors()
-    s = Storage(R.base, 1 << 20)
-    _, first = anchors.ticket_for(s, R, None)
-    s.ptr, s.size = R.base + (40 << 20), 2 << 20  # what resize_ does
-    moved = Range(R.base + (40 << 20), 20 << 20, 1, 0)
-    _, second = anchors.ticket_for(s, moved, None)
-    assert first != second and len(fake.shared) == 2
+    runs = _torch_runs.Runs()
+    s = Storage(BASE, 1 << 20)
+    plan(runs, s)
+    first = runs.attached(s)
+    s.ptr, s.size = BASE + (40 << 20), 2 << 20  # what resize_ does
+    assert runs.attached(s) is None
     drain()
     assert fake.unregistered == ["anchor-1"], "nothing pins the old range any more"
-    # and the old range is not found again through the moved storage
-    _, third = anchors.ticket_for(Storage(R.base, 1 << 20), R, None)
-    assert third not in (first, second)
+    plan(runs, s)
+    assert runs.attached(s) not in (None, first)
 
 
-def test_an_anchor_that_ended_under_us_is_replaced(fake):
-    anchors = vt._Anchors()
-    s = Storage(R.base, 1024)
-    _, first = anchors.ticket_for(s, R, None)
-    fake.fail_again = 1  # e.g. someone called vmmipc.unregister on the anchor
-    ticket, second = anchors.ticket_for(s, R, None)
-    assert ticket == "pickle-2" and second != first and len(fake.shared) == 2
-    drain()
-    assert fake.unregistered == ["anchor-1"]
+def test_a_run_that_cannot_be_registered_whole_is_registered_one_by_one(fake, monkeypatch):
+    runs = _torch_runs.Runs()
+    a, b = Storage(BASE, 1 << 20), Storage(BASE + CHUNK, 1 << 20)
+
+    def share(base, size, *, uses=1, ttl=None):
+        if size > CHUNK:
+            raise vmmipc.InvalidError("mixed chunks", vmmipc.EINVAL, "vmmipc_register_cuda")
+        return fake.share(base, size, uses=uses)
+    monkeypatch.setattr(_torch_runs, "share", share)
+    plan(runs, a, b)
+    assert fake.shared == [(BASE, CHUNK, 0), (BASE + CHUNK, CHUNK, 0)]
 
 
-def test_keep_alive_hands_the_storage_to_the_reaper():
-    s = Storage(1, 1)
-    alive = weakref.ref(s)
-    keep = vt._KeepAlive(s)
-    del s
-    keep()
-    assert keep.storage is None
-    drain()
-    assert alive() is None
-
-
-# --------------------------------------------------- routing and messages
-
-
-def test_reducers_route_by_memory(monkeypatch):
-    calls = []
-
-    def query(ptr, size):
-        calls.append((ptr, size))
-        if ptr == 0xdead:
-            raise vmmipc.NotFoundError("not VMM memory", vmmipc.ENOENT, "vmmipc_cuda_query_range")
-        return R
-
-    monkeypatch.setattr(vmmipc, "cuda_query_range", query, raising=False)
-    torch_way = lambda: "torch's reducer"  # noqa: E731
-    ours = lambda rng: ("vmmipc", rng)  # noqa: E731
-    assert vt._reduce_through("x", Storage(0xdead, 64), torch_way, ours) == "torch's reducer"
-    assert vt._reduce_through("x", Storage(R.base, 64), torch_way, ours) == ("vmmipc", R)
-    assert vt._reduce_through("x", Storage(R.base, 0), torch_way, ours) == "torch's reducer"
-    cpu = Storage(R.base, 64, Device("cpu", None))
-    assert vt._reduce_through("x", cpu, torch_way, ours) == "torch's reducer"
-    assert calls == [(0xdead, 64), (R.base, 64)], "CPU and empty storages never ask the library"
-
-
-def test_reducer_errors_reach_the_caller(monkeypatch):
-    def no_library(ptr, size):
-        raise vmmipc.LibraryNotFoundError("libvmmipc.so not found")
-
-    monkeypatch.setattr(vmmipc, "cuda_query_range", no_library, raising=False)
-    with pytest.raises(vmmipc.LibraryNotFoundError, match="libvmmipc.so not found"):
-        vt._reduce_through("CUDA tensor", Storage(R.base, 64), lambda: None, lambda rng: None)
-
-
-def test_memory_without_posix_fd_export_is_refused_naming_what_it_allows():
-    fabric = Range(R.base, R.size, 0x8, 0)
+def test_memory_without_posix_fd_export_is_refused_naming_what_it_allows(fake):
+    fabric = Storage(BASE + 512, 4096)
+    fake.ranges[fabric.ptr] = Range(BASE, CHUNK, 0x8, 0)
     with pytest.raises(vmmipc.InvalidError) as e:
-        vt._require_posix_fd(fabric, Storage(R.base + 512, 4096))
+        _torch_runs.Runs().pending(fabric)
     msg = str(e.value)
     assert e.value.status == vmmipc.EINVAL
     assert "allows export as CU_MEM_HANDLE_TYPE_FABRIC only" in msg
     assert "needs CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR" in msg
-    assert "4096 bytes at 0x10000200" in msg
-    vt._require_posix_fd(Range(R.base, R.size, 0x9, 0), Storage(R.base, 1))  # POSIX among others
+    assert f"4096 bytes at {BASE + 512:#x}" in msg
+    both = Storage(BASE, 1)
+    fake.ranges[both.ptr] = Range(BASE, CHUNK, 0x9, 0)
+    assert _torch_runs.Runs().pending(both) is not None, "POSIX among others is fine"
+
+
+def test_not_vmm_memory_is_left_to_torch(fake):
+    runs = _torch_runs.Runs()
+    assert runs.pending(Storage(0xdead, 64)) is None
+    assert runs.pending(Storage(BASE, 0)) is None
+    assert runs.pending(Storage(BASE, 64, Device("cpu", None))) is None
+    assert fake.queries == [(0xdead, 64)], "CPU and empty storages never ask the library"
+
+
+def test_reducers_route_by_memory(fake):
+    torch_way = lambda: "torch's reducer"  # noqa: E731
+    ours = lambda run, b: ("vmmipc", run)  # noqa: E731
+    route = _torch_send._reduce_through
+    assert route("x", Storage(0xdead, 64), torch_way, ours) == "torch's reducer"
+    assert route("x", Storage(BASE, 0), torch_way, ours) == "torch's reducer"
+    assert route("x", Storage(BASE, 64, Device("cpu", None)), torch_way, ours) == "torch's reducer"
+    s = Storage(BASE, 64)
+    kind, run = route("x", s, torch_way, ours)
+    assert kind == "vmmipc" and run is _torch_runs.runs.attached(s)
+
+
+def test_reducer_errors_reach_the_caller(fake, monkeypatch):
+    def no_library(ptr, size):
+        raise vmmipc.LibraryNotFoundError("libvmmipc.so not found")
+
+    monkeypatch.setattr(_torch_runs, "cuda_query_range", no_library)
+    with pytest.raises(vmmipc.LibraryNotFoundError, match="libvmmipc.so not found"):
+        _torch_send._reduce_through("CUDA tensor", Storage(BASE, 64), lambda: None,
+                                    lambda run, b: None)
+
+
+@pytest.mark.parametrize("where", ["pool", "queue"])
+def test_a_pickle_for_a_forked_child_registers_nothing(fake, monkeypatch, where):
+    monkeypatch.setattr(_mp, "fork_destination", lambda: where)
+    s = Storage(BASE + (3 << 20), 64)
+    ours = lambda run, b: ("vmmipc", run)  # noqa: E731
+    with _torch_send.batch([s]):
+        if where == "pool":
+            with pytest.raises(vmmipc.VmmipcForkError, match="fork-context pool"):
+                _torch_send._reduce_through("CUDA tensor", s, lambda: None, ours)
+        else:
+            fn, args = _torch_send._reduce_through("CUDA tensor", s, lambda: None, ours)
+            assert fn is _mp.refuse_fork and args == ("queue",)
+    assert fake.shared == [] and fake.again == [], "nothing registered for a forked child"
+
+
+# -------------------------------------------------- grants and keep-alives
+
+
+def test_a_batch_makes_one_grant_per_anchor_and_keeps_its_storages(fake):
+    runs = _torch_runs.Runs()
+    s = [Storage(BASE + i * (1 << 20), 1 << 20) for i in range(5)]
+    far = Storage(BASE + (200 << 20), 1 << 20)
+    plan(runs, *s, far)
+    alive = [weakref.ref(x) for x in s]
+    b = _torch_send.Batch()
+    tickets = {b.grant(runs.attached(x), x) for x in s}
+    tickets.add(b.grant(runs.attached(far), far))
+    assert tickets == {"pickle-1", "pickle-2"}
+    assert [(t, uses) for t, uses, *_ in fake.again] == [("anchor-1", 1), ("anchor-2", 1)]
+    far_ref = weakref.ref(far)
+    del s, far, b
+    gc.collect()
+    drain()
+    assert all(r() is not None for r in alive) and far_ref() is not None, \
+        "a pending grant keeps its storages alive"
+    fake.again[0][3]()  # the receiver has the first run
+    drain()
+    assert all(r() is None for r in alive) and far_ref() is not None
+    fake.again[1][3]()
+    drain()
+    assert far_ref() is None
+    assert sorted(fake.unregistered) == ["anchor-1", "anchor-2"], "their storages died"
+
+
+def test_a_new_batch_makes_new_grants(fake):
+    runs = _torch_runs.Runs()
+    s = Storage(BASE, 1 << 20)
+    plan(runs, s)
+    run = runs.attached(s)
+    assert _torch_send.Batch().grant(run, s) != _torch_send.Batch().grant(run, s)
+    assert len(fake.again) == 2
+
+
+def test_the_pickle_ttl_reaches_the_grant(fake):
+    runs = _torch_runs.Runs()
+    s = Storage(BASE, 1 << 20)
+    plan(runs, s)
+    vt.set_pickle_ttl(7.5)
+    try:
+        _torch_send.Batch().grant(runs.attached(s), s)
+    finally:
+        vt.set_pickle_ttl(None)
+    assert fake.again[-1][:3] == ("anchor-1", 1, 7.5)
+
+
+def test_a_grant_that_fails_keeps_nothing(fake):
+    anchor = _anchor.Anchor("anchor-x")
+    obj = Storage(1, 1)
+    alive = weakref.ref(obj)
+    fake.fail_again = 1
+    with pytest.raises(vmmipc.NotFoundError):
+        anchor.grant(keep=[obj])
+    del obj
+    drain()
+    assert alive() is None and anchor.pending() == []
+
+
+def test_pending_grants_are_bounded(fake):
+    """A receiver that never comes: beyond the limit the oldest grant is
+    ended, and what it kept alive is let go."""
+    anchor = _anchor.Anchor("anchor-z")
+    kept = [Storage(i, 1) for i in range(5)]
+    alive = [weakref.ref(k) for k in kept]
+    tickets = [anchor.grant(keep=[k], limit=3) for k in kept]
+    del kept
+    drain()
+    assert fake.unregistered == tickets[:2] and anchor.pending() == tickets[2:]
+    for (_, _, _, release), ticket in zip(fake.again, tickets):
+        if ticket in fake.unregistered:
+            release()  # what the library does once an unregistered grant has ended
+    drain()
+    assert [r() is None for r in alive] == [True, True, False, False, False]
+
+
+def test_anchor_grants_are_pending_until_released(fake):
+    anchor = _anchor.Anchor("anchor-y")
+    t1 = anchor.grant(uses=2, ttl=1.5)
+    t2 = anchor.grant()
+    assert anchor.pending() == [t1, t2]
+    fake.again[0][3]()
+    assert anchor.pending() == [t2]
+    anchor.retire()
+    anchor.retire()
+    drain()
+    assert fake.unregistered == ["anchor-y"], "retired once, on the reaper"
+    assert anchor.pending() == [t2], "grants outlive their anchor"
+
+
+# --------------------------------------------------- messages and settings
 
 
 def test_handle_type_names():
@@ -330,7 +461,7 @@ def test_settings_are_checked():
     try:
         vt.set_receive_device(1)
         vt.set_pickle_ttl(2.5)
-        assert (vt._receive_device, vt._pickle_ttl) == (1, 2.5)
+        assert (_torch_receive._target(), _torch_send.Batch().ttl) == (1, 2.5)
     finally:
         vt.set_receive_device(None)
         vt.set_pickle_ttl(None)
@@ -347,30 +478,35 @@ def test_uuid_bytes_from_torch_properties():
             import uuid
             return "GPU-" + str(uuid.UUID(bytes=want))
 
-    assert vt._uuid_bytes(Signed()) == want
-    assert vt._uuid_bytes(Printed()) == want
+    assert _torch_receive._uuid_bytes(Signed()) == want
+    assert _torch_receive._uuid_bytes(Printed()) == want
 
 
-def test_sender_token_is_per_process():
-    assert vt._sender_token() == vt._sender_token()
-    assert len(vt._sender_token()) == 16
+def test_after_fork_the_child_has_fresh_state():
+    """One hook (vmmipc._anchor.after_fork) resets what a forked child
+    inherits: a new sender token, a new reaper, anchors it must not end."""
+    token = _torch_runs._token[0]
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # a forkserver child inherits the module state like this
-        os.write(w, vt._sender_token())
+        ok = _anchor.reaper is not None and _torch_runs._token[0] != token
+        done = threading.Event()
+        _anchor.reaper.submit(done.set)
+        ok = ok and done.wait(10)
+        os.write(w, _torch_runs._token[0] if ok else b"x" * 16)
         os._exit(0)
     os.waitpid(pid, 0)
     child = os.read(r, 16)
     os.close(r)
     os.close(w)
-    assert len(child) == 16 and child != vt._sender_token()
+    assert len(child) == 16 and child != token and child != b"x" * 16
 
 
 # ------------------------------------------------------ receiver bookkeeping
 
 
 def test_received_storages_are_found_while_alive_only():
-    received = vt._Received()
+    received = _torch_receive._WeakTable()
     s = Storage(1, 1)
     assert received.add("k", s) is s
     assert received.add("k", Storage(2, 2)) is s, "the first one stays"
@@ -378,6 +514,29 @@ def test_received_storages_are_found_while_alive_only():
     del s
     gc.collect()
     assert received.get("k") is None and len(received) == 0
+
+
+def test_each_grant_is_redeemed_once():
+    redeemed = _torch_receive._Redeemed()
+    assert redeemed.add(b"g1") and not redeemed.add(b"g1") and b"g1" in redeemed
+    redeemed.forget(b"g1")
+    assert b"g1" not in redeemed and redeemed.add(b"g1")
+    redeemed.LIMIT = 3
+    for g in (b"a", b"b", b"c"):
+        redeemed.add(g)
+    assert b"g1" not in redeemed and b"a" in redeemed, "bounded: the oldest go first"
+
+
+def test_blobs_name_nothing_but_tensors_and_dtypes():
+    import io
+    import pickle
+    evil = pickle.dumps(os.system)
+    with pytest.raises(pickle.UnpicklingError, match="may not name"):
+        _torch_receive._BlobUnpickler(io.BytesIO(evil)).load()
+    with pytest.raises(ValueError, match="not a vmmipc.torch blob"):
+        vt.open_tensors(b"\x80\x05junk")
+    with pytest.raises(TypeError, match="takes the bytes share_tensors returned"):
+        vt.open_tensors("text")
 
 
 # ------------------------------------------------------------- with torch
@@ -396,6 +555,8 @@ def test_install_registers_ours_after_torchs_and_is_idempotent():
     assert reducers[torch.UntypedStorage] is vt.reduce_storage
     assert reducers[torch.storage.TypedStorage] is tr.reduce_typed_storage, \
         "typed storages keep torch's reducer (it reduces them to their UntypedStorage)"
+    assert ForkingPickler.dump.__wrapped__ is not None, "each pickle is one batch"
+    assert not hasattr(ForkingPickler.dump.__wrapped__, "__wrapped__"), "wrapped once"
 
 
 @needs_torch
@@ -407,7 +568,7 @@ def test_cpu_tensors_and_storages_keep_torchs_reducer(monkeypatch):
     def never(*a):
         raise AssertionError("a CPU tensor must not reach libvmmipc")
 
-    monkeypatch.setattr(vmmipc, "cuda_query_range", never, raising=False)
+    monkeypatch.setattr(_torch_runs, "cuda_query_range", never)
     t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     assert vt.reduce_tensor(t)[0] is tr.rebuild_tensor
     assert vt.reduce_storage(t.untyped_storage())[0] in (tr.rebuild_storage_fd,
@@ -429,11 +590,9 @@ def test_tensor_metadata_round_trip(dtype):
     import torch
     dt = getattr(torch, dtype)
     base = torch.arange(60).to(dt).reshape(6, 10)
-    rng = Range(0, 1 << 21, vt.POSIX_FD_HANDLE, 0)
     for view in (base, base[2:], base[:, 3:7], base.t(), base[1::2, ::3]):
-        fn, args = vt._tensor_reduction(torch, view, view.untyped_storage(), rng)
-        assert fn is vt._rebuild_tensor and args[1] is view.untyped_storage()
-        got = vt._rebuild_tensor(*args)
+        got = _torch_receive.tensor_over(view.untyped_storage(),
+                                         *_torch_send.tensor_meta(torch, view))
         assert got.dtype == dt and got.shape == view.shape and got.stride() == view.stride()
         assert got.storage_offset() == view.storage_offset() and torch.equal(got, view)
         assert got.untyped_storage() is view.untyped_storage(), "a view, not a copy"
@@ -442,29 +601,33 @@ def test_tensor_metadata_round_trip(dtype):
 @needs_torch
 def test_parameters_and_requires_grad_are_kept():
     import torch
-    rng = Range(0, 1 << 21, vt.POSIX_FD_HANDLE, 0)
+    meta, over = _torch_send.tensor_meta, _torch_receive.tensor_over
     p = torch.nn.Parameter(torch.randn(4, 4))
-    fn, args = vt._tensor_reduction(torch, p, p.untyped_storage(), rng)
-    got = fn(*args)
+    got = over(p.untyped_storage(), *meta(torch, p))
     assert type(got) is torch.nn.Parameter and got.requires_grad and torch.equal(got, p)
     frozen = torch.nn.Parameter(torch.arange(4, dtype=torch.int8), requires_grad=False)
-    got = vt._rebuild_tensor(*vt._tensor_reduction(torch, frozen, frozen.untyped_storage(),
-                                                    rng)[1])
+    got = over(frozen.untyped_storage(), *meta(torch, frozen))
     assert type(got) is torch.nn.Parameter and not got.requires_grad
     with pytest.raises(RuntimeError, match="non-leaf tensor that requires grad"):
-        vt._tensor_reduction(torch, p * 2, p.untyped_storage(), rng)
+        meta(torch, p * 2)
     z = torch.randn(4, dtype=torch.complex64).conj()  # a lazy view: the bit is not in the data
     with pytest.raises(ValueError, match="resolve_conj"):
-        vt._tensor_reduction(torch, z, z.untyped_storage(), rng)
+        meta(torch, z)
 
 
-@needs_torch
-def test_views_of_one_storage_reduce_to_one_storage_object():
-    import torch
-    rng = Range(0, 1 << 21, vt.POSIX_FD_HANDLE, 0)
-    w = torch.randn(8, 8)
-    tied = {"embed": w, "head": w.t(), "row": w[3]}
-    storages = {name: vt._tensor_reduction(torch, t, t.untyped_storage(), rng)[1][1]
-                for name, t in tied.items()}
-    assert storages["embed"] is storages["head"] is storages["row"], \
-        "the pickler's memo then sends the storage once"
+def test_views_of_one_storage_share_one_argument_tuple(fake):
+    """Tied weights and views: one storage's rebuild arguments are one tuple
+    per batch (the pickler's memo sends it once; the receiver's table makes
+    one storage of it), with one grant and one event for the batch."""
+    runs = _torch_runs.runs
+    s = Storage(BASE, 1 << 20)
+    other = Storage(BASE + (1 << 20), 1 << 20)
+    plan(runs, s, other)
+    b = _torch_send.Batch()
+    b._events[0] = b"event"  # recorded once per device; no GPU here
+    first = _torch_send._storage_args(s, runs.attached(s), b)
+    again = _torch_send._storage_args(s, runs.attached(s), b)
+    second = _torch_send._storage_args(other, runs.attached(other), b)
+    assert first is again and first != second
+    assert first[0] is second[0] and len(fake.again) == 1, "one grant for the run"
+    assert first[2:] == (0, 1 << 20, 0, b"event") and second[2] == 1 << 20

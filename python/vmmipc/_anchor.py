@@ -1,0 +1,207 @@
+"""Anchors: the one long-lived registration a sender keeps of memory it
+shares again and again, the grants made from it, and the thread and fork
+hook they need. HostBuffer, vmmipc.cuda_core and vmmipc.torch all use it.
+
+An anchor is a registration with unlimited uses: the library holds its own
+references to the memory (a memfd's duplicate, retained CUDA allocations)
+for as long as it, or any registration made from it, lives. Each share or
+pickle is a *grant*: vmmipc.register_again of the anchor for `uses`
+receivers and `ttl` seconds, which opens no descriptor, makes no driver call
+and keeps the buffer identity, so a receiver that has the memory mapped
+imports it from its cache. A grant may keep Python objects alive until it
+ends (a torch storage until its receiver has it): they are let go on the
+reaper thread, never on the library thread that runs the release callback.
+Ending an anchor (retire) ends no grant: each lives until used, expired or
+unregistered, and receivers' mappings outlive everything.
+
+Fork: a child made by fork() inherits this module's state but cannot use
+libvmmipc (its Go runtime does not survive fork). after_fork(fn) registers
+fn to run in such a child (os.register_at_fork), so each module resets its
+state in one place; anchors inherited that way are never ended by the child.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import threading
+
+from . import _errors
+from ._register import register_again, unregister
+from ._ticket import Ticket
+
+log = logging.getLogger("vmmipc")
+
+# ----------------------------------------------------------------- fork hook
+
+_after_fork: list = []
+
+
+def after_fork(fn) -> None:
+    """Run fn() (no arguments) in every child made by fork() from now on."""
+    _after_fork.append(fn)
+
+
+def _run_after_fork() -> None:
+    for fn in _after_fork:
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - one module's reset must not stop the others
+            log.exception("vmmipc: after-fork hook %r failed", fn)
+
+
+os.register_at_fork(after_in_child=_run_after_fork)
+
+# -------------------------------------------------------------------- reaper
+
+
+class _Reaper:
+    """One daemon thread for work that must not run where it arises: a
+    release callback runs on a library thread, which must not call vmmipc,
+    and dropping the last reference to an object (a torch storage) can run
+    any finalizer."""
+
+    def __init__(self):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, fn, *args) -> None:
+        self._start()
+        self._queue.put((fn, args))
+
+    def _start(self) -> None:
+        if self._thread is not None:
+            return
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="vmmipc reaper",
+                                                daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            fn, args = self._queue.get()
+            try:
+                fn(*args)
+            except Exception:  # noqa: BLE001 - the reaper must keep running
+                log.exception("vmmipc: %s failed on the reaper", getattr(fn, "__qualname__", fn))
+            del fn, args  # whatever they held is freed here, on this thread
+
+
+reaper = _Reaper()
+
+
+def _new_reaper() -> None:
+    global reaper
+    reaper = _Reaper()  # the parent's thread does not exist in the child
+
+
+after_fork(_new_reaper)
+
+
+def _let_go(_objects) -> None:
+    """Runs on the reaper: what it was given dies when it returns."""
+
+
+def _end_quietly(ticket: Ticket) -> None:
+    try:
+        unregister(ticket)
+    except _errors.NotFoundError:
+        pass  # ended already (used up, unregistered by hand or at exit)
+
+
+# -------------------------------------------------------------------- anchor
+
+_generation = [0]  # bumped in a forked child: anchors of older ones are inherited
+
+
+def _forked() -> None:
+    _generation[0] += 1
+
+
+after_fork(_forked)
+
+
+class Anchor:
+    """One anchor registration and the grants made from it that have not
+    ended. Grants and retire() may be called from any thread."""
+
+    def __init__(self, ticket: Ticket):
+        self.ticket = ticket
+        self._generation = _generation[0]
+        self._lock = threading.Lock()
+        self._grants: dict[int, Ticket | None] = {}
+        self._keys = itertools.count()
+        self.retired = False
+
+    def grant(self, *, uses: int = 1, ttl: float | None = None, keep=None,
+              limit: int | None = None) -> Ticket:
+        """A new registration of the anchor's memory (register_again) for
+        `uses` receivers (0 = unlimited) and `ttl` seconds; `keep` (any
+        object) stays referenced until the grant ends. limit: at most this
+        many grants pending; beyond it the oldest is ended (on the reaper),
+        so a receiver that never comes cannot make the sender hold more and
+        more. NotFoundError if the anchor ended (retired, or unregistered at
+        exit)."""
+        key = next(self._keys)
+        with self._lock:
+            if limit is not None and len(self._grants) >= limit:
+                oldest = next((k for k, t in self._grants.items() if t is not None), None)
+                if oldest is not None:
+                    log.warning("vmmipc: %d grants of one anchor are still not received; ending "
+                                "the oldest (its receiver will be told it was unregistered)",
+                                len(self._grants))
+                    reaper.submit(_end_quietly, self._grants.pop(oldest))
+            self._grants[key] = None  # a release that comes first removes it
+        release = _Release(self, key, keep)
+        try:
+            ticket = register_again(self.ticket, uses=uses, ttl=ttl, release=release)
+        except BaseException:
+            release.keep = None  # never granted: nothing to let go later
+            release()
+            raise
+        with self._lock:
+            if key in self._grants:
+                self._grants[key] = ticket
+        return ticket
+
+    def _ended(self, key: int) -> None:
+        with self._lock:
+            self._grants.pop(key, None)
+
+    def pending(self) -> list[Ticket]:
+        """Tickets of grants that have not ended."""
+        with self._lock:
+            return [t for t in self._grants.values() if t is not None]
+
+    def retire(self, now: bool = False) -> None:
+        """End the anchor (once): now, or on the reaper (from a finalizer
+        or a library callback). Grants made from it live on. An anchor
+        inherited through fork() is only marked."""
+        if self.retired:
+            return
+        self.retired = True
+        if self._generation != _generation[0]:
+            return
+        if now:
+            _end_quietly(self.ticket)
+        else:
+            reaper.submit(_end_quietly, self.ticket)
+
+
+class _Release:
+    """A grant's release callback (library thread): forget the grant, and
+    hand what it kept alive to the reaper."""
+    __slots__ = ("anchor", "key", "keep")
+
+    def __init__(self, anchor: Anchor, key: int, keep):
+        self.anchor, self.key, self.keep = anchor, key, keep
+
+    def __call__(self) -> None:
+        keep, self.keep = self.keep, None
+        self.anchor._ended(self.key)
+        if keep is not None:
+            reaper.submit(_let_go, keep)

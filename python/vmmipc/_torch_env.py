@@ -1,0 +1,45 @@
+"""What vmmipc.torch's sending and receiving halves share: torch itself,
+imported lazily with an error that says what is missing, and the names of
+CUDA's handle types for messages."""
+
+from __future__ import annotations
+
+POSIX_FD_HANDLE = 0x1  # CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+_HANDLE_TYPE_NAMES = {
+    0x1: "CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR",
+    0x2: "CU_MEM_HANDLE_TYPE_WIN32",
+    0x4: "CU_MEM_HANDLE_TYPE_WIN32_KMT",
+    0x8: "CU_MEM_HANDLE_TYPE_FABRIC",
+}
+
+
+_modules: list = []  # [torch, torch.multiprocessing.reductions] once imported
+
+
+def torch_module():
+    """The torch module, or an ImportError that says what is missing."""
+    if _modules:
+        return _modules[0]
+    try:
+        import torch
+        import torch.multiprocessing.reductions as reductions
+    except ImportError as e:
+        raise ImportError("vmmipc.torch needs PyTorch (pip install torch); it could not be "
+                          f"imported: {e}") from e
+    _modules[:] = [torch, reductions]
+    return torch
+
+
+def torch_reductions():
+    torch_module()
+    return _modules[1]
+
+
+def handle_type_names(bits: int) -> str:
+    """CU_MEM_HANDLE_TYPE_* names of a handle-type bit mask, e.g.
+    "CU_MEM_HANDLE_TYPE_FABRIC" for 0x8 ("none" for 0)."""
+    names = [name for bit, name in sorted(_HANDLE_TYPE_NAMES.items()) if bits & bit]
+    unknown = bits & ~sum(_HANDLE_TYPE_NAMES)
+    if unknown:
+        names.append(f"unknown bits {unknown:#x}")
+    return " | ".join(names) or "none"
