@@ -482,3 +482,24 @@ def test_hostbuffer_memfd_outlives_owner_until_release():
     with vmmipc.import_stream(t) as m:  # and it can still be fetched
         assert bytes(m.view[:4]) == b"keep"
     assert wait_for(lambda: fd_count() == base)
+
+
+def test_version_has_one_home():
+    # include/vmmipc.h owns the version: the library reports it, __version__
+    # asks the library (when read: test_import_does_not_load_the_library
+    # holds), pyproject.toml's metadata reads the header, and no Python file
+    # writes a version of its own.
+    import ast
+    want = ".".join(str(header_define(f"VMMIPC_VERSION_{p}")) for p in ("MAJOR", "MINOR", "PATCH"))
+    assert vmmipc.version() == want
+    assert vmmipc.__version__ == want
+    with open(os.path.join(conftest.PYTHON_DIR, "pyproject.toml")) as f:
+        assert 'input = "../include/vmmipc.h"' in f.read()
+    package = os.path.join(conftest.PYTHON_DIR, "vmmipc")
+    for name in os.listdir(package):
+        if name.endswith(".py"):
+            with open(os.path.join(package, name)) as f:
+                tree = ast.parse(f.read())
+            assigned = [t.id for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                        for t in node.targets if isinstance(t, ast.Name)]
+            assert "__version__" not in assigned, f"{name} writes a version of its own"
