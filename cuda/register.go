@@ -252,18 +252,6 @@ func addressRange(p uint64) (uint64, uint64, error) {
 	return uint64(base), uint64(n), err
 }
 
-// granularity is the minimum allocation granularity of device memory on g.
-func granularity(g *gpu) (uint64, error) {
-	var n C.size_t
-	if err := check("cuMemGetAllocationGranularity", C.vcu_mem_get_granularity(&n, C.int(g.ordinal))); err != nil {
-		return 0, err
-	}
-	if n == 0 {
-		return 0, core.Errorf(core.ECUDA, "cuMemGetAllocationGranularity: returned 0 for device %d", g.ordinal)
-	}
-	return uint64(n), nil
-}
-
 // checkHandleSize checks that h's allocation is exactly size bytes by
 // mapping it on a scratch reservation. Runs with a context current.
 func checkHandleSize(h C.CUmemGenericAllocationHandle, size, gran uint64) error {
