@@ -4,7 +4,7 @@ The owner holds ONE memfd of `size` bytes, sealed against shrinking and
 growing, mapped once, and ONE anchor registration of it
 (vmmipc_register_host_file, unlimited uses) for its whole life. The library
 keeps its own duplicate of the memfd, so the owner's descriptor is only
-needed to map the memory. Each share (each pickle) is a register_again of
+needed to map the memory. Each grant (each pickle) is a register_again of
 the anchor: no descriptor, no new buffer identity, so a receiver that has
 the buffer cached imports it in one round trip. Each chunk crosses to the
 receiver as its own short-lived descriptor with its file offset; the
@@ -13,7 +13,7 @@ receiver maps the chunks one at a time into one contiguous range
 and the receiver's writes are the sender's memory.
 
 Lifetime: close() (or collection) unregisters the anchor and closes the
-owner's memfd and mapping. Registrations already made by share() or pickling
+owner's memfd and mapping. Registrations already made by grant() or pickling
 live on until used, expired or unregistered; the library keeps the memory
 exported until the last of them has ended, and receivers' mappings stay
 valid after that. wait() blocks until every such registration has ended.
@@ -60,6 +60,18 @@ def _release_owner(fd: int, anchor: Anchor) -> None:
         os.close(fd)
 
 
+def _renamed_pickle_args(pickle_uses, pickle_ttl, deprecated: dict):
+    """HostBuffer(uses=, ttl=): the deprecated names of pickle_uses= and
+    pickle_ttl= (they set per-pickle values, not the buffer's)."""
+    for old, new in (("uses", "pickle_uses"), ("ttl", "pickle_ttl")):
+        if old in deprecated:
+            _errors.renamed(f"HostBuffer({old}=)", f"HostBuffer({new}=)")
+    unknown = set(deprecated) - {"uses", "ttl"}
+    if unknown:
+        raise TypeError(f"HostBuffer() got an unexpected keyword argument {sorted(unknown)[0]!r}")
+    return deprecated.get("uses", pickle_uses), deprecated.get("ttl", pickle_ttl)
+
+
 class HostBuffer(_lib.Closeable):
     """Chunked host shared memory with a writable memoryview of the whole
     range (``view``; also indexing, len() and, on Python 3.12+,
@@ -75,8 +87,10 @@ class HostBuffer(_lib.Closeable):
     """
 
     def __init__(self, size: int, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
-                 name: str = "vmmipc-hostbuffer", uses: int = 1, ttl: float | None = None):
+                 name: str = "vmmipc-hostbuffer", pickle_uses: int = 1,
+                 pickle_ttl: float | None = None, **deprecated):
         where = "HostBuffer"
+        pickle_uses, pickle_ttl = _renamed_pickle_args(pickle_uses, pickle_ttl, deprecated)
         size = _args.integer(size, "size", 1, sys.maxsize, where)
         chunk_size = _args.integer(chunk_size, "chunk_size", PAGE_SIZE, sys.maxsize, where,
                                    f"a multiple of the page size {PAGE_SIZE}")
@@ -85,7 +99,7 @@ class HostBuffer(_lib.Closeable):
                                        f"size {PAGE_SIZE}", _errors.EINVAL, where)
         if not isinstance(name, str):
             raise TypeError(f"{where}: name must be a str, not {type(name).__name__}")
-        self._init(size, chunk_size, uses, ttl)
+        self._init(size, chunk_size, pickle_uses, pickle_ttl)
         _lib.lib(where)  # a missing library fails here, before any child starts
         fd = _memfd(name, size)
         try:
@@ -164,7 +178,7 @@ class HostBuffer(_lib.Closeable):
 
     @property
     def pickle_uses(self) -> int:
-        """Receivers each pickle (or share()) admits; 0 = unlimited."""
+        """Receivers each pickle (or grant()) admits; 0 = unlimited."""
         return self._pickle_uses
 
     @pickle_uses.setter
@@ -219,8 +233,14 @@ class HostBuffer(_lib.Closeable):
 
     # --------------------------------------------------------------- sharing
 
-    def share(self, *, uses: int | None = None, ttl: float | None = None) -> Ticket:
-        """A new registration of this buffer (what pickling does): a
+    def share(self, **kw) -> Ticket:
+        """Deprecated name of grant() (it never made a new registration of
+        the memory, as vmmipc.share does: it grants its anchor)."""
+        _errors.renamed("HostBuffer.share", "HostBuffer.grant")
+        return self.grant(**kw)
+
+    def grant(self, *, uses: int | None = None, ttl: float | None = None) -> Ticket:
+        """A grant of this buffer (what pickling does): a
         register_again of its anchor, for `uses` receivers (default
         pickle_uses) and `ttl` seconds (default pickle_ttl). Opens no
         descriptor. It lives on after close() until used, expired or
