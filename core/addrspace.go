@@ -16,6 +16,10 @@ import (
 // that would leave less is refused with ENOMEM instead.
 const runtimeHeadroom = 128 << 20
 
+// RuntimeHeadroom is runtimeHeadroom for export/abi.c, which refuses an
+// import that leaves less before entering Go (its init hands the value over).
+const RuntimeHeadroom = runtimeHeadroom
+
 // checkAddressSpace refuses a reservation of need bytes that RLIMIT_AS
 // leaves no room for. (CUDA reservations count too: the driver keeps the
 // unified address space by reserving the same range in the host.)

@@ -1,5 +1,12 @@
 package core
 
+// Chunk is one received chunk (Stream.Next gives it, Importer.Map maps
+// it). The receiver of a Chunk owns FD.
+type Chunk struct {
+	Index, Offset, Size, FileOffset uint64
+	FD                              int
+}
+
 // Importer maps the chunks of one import into a single reserved range. The
 // CUDA backend (package cuda) and the host backend (HostImporter) implement
 // it; Import drives it.

@@ -11,12 +11,6 @@ import (
 	"time"
 )
 
-// Chunk is one received chunk. The receiver of a Chunk owns FD.
-type Chunk struct {
-	Index, Offset, Size, FileOffset uint64
-	FD                              int
-}
-
 // Stream is a receiver's connection to one registration. It pulls chunks in
 // order, at most Window requests ahead. Methods are safe for concurrent use
 // but chunks come out one at a time.

@@ -140,3 +140,15 @@ func (g *gpu) run(fn func() error) error {
 	}
 	return err
 }
+
+// granularity is the minimum allocation granularity of device memory on g.
+func granularity(g *gpu) (uint64, error) {
+	var n C.size_t
+	if err := check("cuMemGetAllocationGranularity", C.vcu_mem_get_granularity(&n, C.int(g.ordinal))); err != nil {
+		return 0, err
+	}
+	if n == 0 {
+		return 0, core.Errorf(core.ECUDA, "cuMemGetAllocationGranularity: returned 0 for device %d", g.ordinal)
+	}
+	return uint64(n), nil
+}

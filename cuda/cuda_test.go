@@ -207,7 +207,7 @@ func TestAccessList(t *testing.T) {
 }
 
 func TestDriverErrorMessage(t *testing.T) {
-	err := prefix(&core.Error{Code: core.ECUDA, Msg: "cuMemImportFromShareableHandle",
+	err := core.WrapErr(core.ECUDA, &core.Error{Code: core.ECUDA, Msg: "cuMemImportFromShareableHandle",
 		Err: &DriverError{Call: "cuMemImportFromShareableHandle", Result: 2, Name: "CUDA_ERROR_OUT_OF_MEMORY"}}, "import")
 	if err.Error() != "import: cuMemImportFromShareableHandle: CUDA_ERROR_OUT_OF_MEMORY" || core.CodeOf(err) != core.ECUDA {
 		t.Fatalf("got %q (%v)", err, core.CodeOf(err))
@@ -215,6 +215,14 @@ func TestDriverErrorMessage(t *testing.T) {
 	var de *DriverError
 	if !errors.As(err, &de) || de.Result != 2 {
 		t.Fatal("DriverError not reachable with errors.As")
+	}
+	// A cause wrapped with %w inside the message stays reachable through
+	// the prefix (the old cuda-only prefix dropped it).
+	inner := core.Errorf(core.EINVAL, "walk: %w", &DriverError{Call: "cuMemGetAddressRange", Result: 1, Name: "CUDA_ERROR_INVALID_VALUE"})
+	err = core.WrapErr(core.ECUDA, inner, "register: at %#x", 0x1000)
+	if !errors.As(err, &de) || de.Result != 1 || core.CodeOf(err) != core.EINVAL ||
+		err.Error() != "register: at 0x1000: walk: CUDA_ERROR_INVALID_VALUE" {
+		t.Fatalf("got %q (%v)", err, core.CodeOf(err))
 	}
 }
 

@@ -8,7 +8,6 @@ package cuda
 import "C"
 
 import (
-	"errors"
 	"fmt"
 	"os"
 	"runtime"
@@ -101,15 +100,4 @@ func load() error {
 		return &core.Error{Code: core.ECUDA, Msg: "cuInit (CUDA driver " + path + ")",
 			Err: &DriverError{Call: "cuInit", Result: int(initResult), Name: resultName(initResult)}}
 	}
-}
-
-// prefix puts context in front of err's message and keeps its status code
-// (ECUDA when err carries none).
-func prefix(err error, format string, args ...any) error {
-	msg := fmt.Sprintf(format, args...)
-	var e *core.Error
-	if errors.As(err, &e) {
-		return &core.Error{Code: e.Code, Msg: msg + ": " + e.Msg, Err: e.Err}
-	}
-	return &core.Error{Code: core.ECUDA, Msg: msg, Err: err}
 }

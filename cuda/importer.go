@@ -103,7 +103,7 @@ func resolve(device int32, uuid [16]byte, access []int32) (placement, error) {
 	}
 	devices, err := accessList(device, access, count)
 	if err != nil {
-		return placement{}, prefix(err, "import")
+		return placement{}, core.WrapErr(core.ECUDA, err, "import")
 	}
 	return placement{devices: devices, owner: owner}, nil
 }
@@ -242,7 +242,7 @@ func (m *gpuImporter) Unmap() error {
 		for i := len(mapped) - 1; i >= 0; i-- {
 			s := mapped[i]
 			if err := check("cuMemUnmap", C.vcu_mem_unmap(C.CUdeviceptr(base+s.addr), C.size_t(s.size))); err != nil && first == nil {
-				first = prefix(err, "unmap [%#x, +%d)", base+s.addr, s.size)
+				first = core.WrapErr(core.ECUDA, err, "unmap [%#x, +%d)", base+s.addr, s.size)
 			}
 		}
 		if err := check("cuMemAddressFree", C.vcu_mem_address_free(C.CUdeviceptr(base), C.size_t(reserved))); err != nil && first == nil {

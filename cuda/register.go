@@ -67,11 +67,11 @@ func RegisterRange(dptr, size uint64) (core.BufferSpec, error) {
 	// Find the GPU from the first allocation: these two calls need no context.
 	var first C.CUmemGenericAllocationHandle
 	if err := check("cuMemRetainAllocationHandle", C.vcu_mem_retain_allocation_handle(&first, C.CUdeviceptr(dptr))); err != nil {
-		return core.BufferSpec{}, prefix(err, "register: %#x is not mapped CUDA VMM memory (cuMemCreate + cuMemMap; cudaMalloc memory cannot be registered)", dptr)
+		return core.BufferSpec{}, core.WrapErr(core.ECUDA, err, "register: %#x is not mapped CUDA VMM memory (cuMemCreate + cuMemMap; cudaMalloc memory cannot be registered)", dptr)
 	}
 	a, err := properties(first)
 	if err != nil {
-		err = prefix(err, "register: allocation at %#x", dptr)
+		err = core.WrapErr(core.ECUDA, err, "register: allocation at %#x", dptr)
 	} else {
 		err = a.check(fmt.Sprintf("the allocation at %#x", dptr))
 	}
@@ -98,13 +98,13 @@ func RegisterRange(dptr, size uint64) (core.BufferSpec, error) {
 			what := fmt.Sprintf("allocation %d at %#x", i, s.addr)
 			var h C.CUmemGenericAllocationHandle
 			if err := check("cuMemRetainAllocationHandle", C.vcu_mem_retain_allocation_handle(&h, C.CUdeviceptr(s.addr))); err != nil {
-				return prefix(err, "register: %s", what)
+				return core.WrapErr(core.ECUDA, err, "register: %s", what)
 			}
 			e.handles = append(e.handles, h)
 			e.sizes = append(e.sizes, s.size)
 			a, err := properties(h)
 			if err != nil {
-				return prefix(err, "register: %s", what)
+				return core.WrapErr(core.ECUDA, err, "register: %s", what)
 			}
 			if err := a.check(what); err != nil {
 				return err
@@ -146,7 +146,7 @@ func RegisterHandles(handles, sizes []uint64) (core.BufferSpec, error) {
 		e.handles = append(e.handles, C.CUmemGenericAllocationHandle(h))
 		a, err := properties(C.CUmemGenericAllocationHandle(h))
 		if err != nil {
-			return core.BufferSpec{}, prefix(&core.Error{Code: core.EINVAL, Msg: "not a live allocation handle", Err: err}, "register: %s", what)
+			return core.BufferSpec{}, core.WrapErr(core.ECUDA, &core.Error{Code: core.EINVAL, Msg: "not a live allocation handle", Err: err}, "register: %s", what)
 		}
 		if err := a.check(what); err != nil {
 			return core.BufferSpec{}, err
@@ -167,7 +167,7 @@ func RegisterHandles(handles, sizes []uint64) (core.BufferSpec, error) {
 		}
 		for i := range e.handles {
 			if err := checkHandleSize(e.handles[i], e.sizes[i], gran); err != nil {
-				return prefix(err, "register: handle %d (%#x)", i, handles[i])
+				return core.WrapErr(core.ECUDA, err, "register: handle %d (%#x)", i, handles[i])
 			}
 		}
 		return nil
@@ -232,7 +232,7 @@ func QueryRange(dptr, size uint64) (base, n uint64, handleTypes uint32, device i
 		}
 		hiBase, hiSize, err := addressRange(last)
 		if err != nil {
-			return prefix(err, "query: the range's end %#x", last)
+			return core.WrapErr(core.ECUDA, err, "query: the range's end %#x", last)
 		}
 		base, n = lo, hiBase+hiSize-lo
 		return nil
@@ -250,18 +250,6 @@ func addressRange(p uint64) (uint64, uint64, error) {
 	var n C.size_t
 	err := check("cuMemGetAddressRange", C.vcu_mem_get_address_range(&base, &n, C.CUdeviceptr(p)))
 	return uint64(base), uint64(n), err
-}
-
-// granularity is the minimum allocation granularity of device memory on g.
-func granularity(g *gpu) (uint64, error) {
-	var n C.size_t
-	if err := check("cuMemGetAllocationGranularity", C.vcu_mem_get_granularity(&n, C.int(g.ordinal))); err != nil {
-		return 0, err
-	}
-	if n == 0 {
-		return 0, core.Errorf(core.ECUDA, "cuMemGetAllocationGranularity: returned 0 for device %d", g.ordinal)
-	}
-	return uint64(n), nil
 }
 
 // checkHandleSize checks that h's allocation is exactly size bytes by

@@ -36,7 +36,7 @@ func walkRange(dptr, size uint64, rangeAt func(p uint64) (base, n uint64, err er
 	for p := dptr; p < end; {
 		base, n, err := rangeAt(p)
 		if err != nil {
-			return nil, prefix(err, "register: at %#x (offset %d)", p, p-dptr)
+			return nil, core.WrapErr(core.ECUDA, err, "register: at %#x (offset %d)", p, p-dptr)
 		}
 		if n == 0 || base+n < base {
 			return nil, core.Errorf(core.ECUDA, "register: cuMemGetAddressRange at %#x returned the bad range [%#x, +%d)", p, base, n)

@@ -314,9 +314,15 @@ int vmmipc_close(vmmipc_stream *stream) {
  * itself, and merely entering Go from C can need some (a cgo callback on a
  * new thread allocates). So an import is refused here, before entering Go,
  * when RLIMIT_AS leaves less than the headroom the runtime is kept
- * (runtimeHeadroom in core/addrspace.go, which then checks the import's own
- * size). Reads /proc/self/statm into a stack buffer: no allocation. */
-#define RUNTIME_HEADROOM (128ull << 20)
+ * (core.RuntimeHeadroom in core/addrspace.go, its one home, which then
+ * checks the import's own size; Go's init hands it over through
+ * vmmipc_abi_set_runtime_headroom before the loading constructor returns,
+ * so before any call). Reads /proc/self/statm into a stack buffer: no
+ * allocation. */
+static unsigned long long runtime_headroom;
+#define RUNTIME_HEADROOM runtime_headroom
+
+void vmmipc_abi_set_runtime_headroom(unsigned long long bytes) { runtime_headroom = bytes; }
 
 static int address_space_short(unsigned long long *limit, unsigned long long *used) {
   struct rlimit r;

@@ -18,6 +18,10 @@ VMMIPC_INTERNAL void vmmipc_abi_call_release(vmmipc_release_fn fn, void *user);
 /* The host's RLIMIT_NOFILE as it was before the library loaded. */
 VMMIPC_INTERNAL void vmmipc_abi_saved_nofile(unsigned long long *cur, unsigned long long *max, int *ok);
 
+/* Go's package init hands over core.RuntimeHeadroom, which
+ * vmmipc_import_stream keeps free under RLIMIT_AS before entering Go. */
+VMMIPC_INTERNAL void vmmipc_abi_set_runtime_headroom(unsigned long long bytes);
+
 /* Called last in Go's package init: puts the signals back and lets the
  * loading constructor return. */
 VMMIPC_INTERNAL void vmmipc_abi_go_init_done(void);

@@ -41,6 +41,7 @@ func init() {
 	if ok != 0 {
 		_ = syscall.Setrlimit(syscall.RLIMIT_NOFILE, &syscall.Rlimit{Cur: uint64(cur), Max: uint64(max)})
 	}
+	C.vmmipc_abi_set_runtime_headroom(C.ulonglong(core.RuntimeHeadroom))
 	C.vmmipc_abi_go_init_done()
 }
 

@@ -26,7 +26,9 @@
  *   - Every function returns an int status: VMMIPC_OK (0), VMMIPC_END (1, a
  *     stream is finished; not an error) or a negative VMMIPC_E* error.
  *   - After a negative status, vmmipc_last_error() gives this thread's detail
- *     of what failed and what to do. Successful calls leave it unchanged.
+ *     of what failed and what to do, until this thread's next failed call
+ *     replaces it: calls that return VMMIPC_OK or VMMIPC_END leave it as it
+ *     was, and other threads' calls never touch it.
  *   - Any function may also return VMMIPC_EINTERNAL: a bug inside libvmmipc,
  *     recovered (a Go panic never reaches the host). The Returns lists below
  *     do not repeat it.
@@ -729,8 +731,12 @@ const char *vmmipc_strerror(int status);
 
 /* vmmipc_last_error gives this thread's detail of its last failed call,
  * e.g. "chunk 17 of 4096: cuMemImportFromShareableHandle:
- * CUDA_ERROR_OUT_OF_MEMORY". Valid until this thread's next libvmmipc call.
- * Returns: a thread-local string, "" if nothing failed yet; never free it. */
+ * CUDA_ERROR_OUT_OF_MEMORY". When the text changes is said once, under
+ * Conventions: only this thread's next failed call replaces it. The pointer
+ * is the same for every call on a thread and stays valid until the thread
+ * exits.
+ * Returns: a thread-local string, "" if nothing failed yet on this thread;
+ * never free it. */
 const char *vmmipc_last_error(void);
 
 /* vmmipc_version returns the library version, e.g. "0.2.0".

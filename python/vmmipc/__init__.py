@@ -33,7 +33,15 @@ from ._mapping import CacheInfo, Mapping, cache_info, confirm, import_stream, se
 from ._host import DEFAULT_CHUNK_SIZE, HostBuffer
 from . import _reductions
 
-__version__ = "0.2.0"
+
+
+def __getattr__(name: str):
+    # The version's one home is include/vmmipc.h (the wheel's metadata reads
+    # it there too): __version__ asks the library, when first read, so that
+    # `import vmmipc` still loads no library.
+    if name == "__version__":
+        return version()
+    raise AttributeError(f"module 'vmmipc' has no attribute {name!r}")
 
 _reductions.init_reductions()
 

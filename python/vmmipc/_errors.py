@@ -7,6 +7,8 @@ failed and what to do (``err.message``, from vmmipc_last_error()).
 
 from __future__ import annotations
 
+import warnings
+
 # Status codes, as in include/vmmipc.h (test_api checks them against it).
 OK = 0
 END = 1
@@ -188,3 +190,10 @@ def fork_error(function: str) -> VmmipcForkError:
         "Go runtime does not survive fork(); start this process with the 'spawn' or "
         "'forkserver' multiprocessing start method (or exec a new program)",
         EFORK, function)
+
+
+def renamed(old: str, new: str) -> None:
+    """Warn (DeprecationWarning, at the caller's caller) that `old` is the
+    previous name of `new`; the old names go in the release after 0.2."""
+    warnings.warn(f"{old} is deprecated: use {new} (same behaviour); {old} goes in the next "
+                  "release", DeprecationWarning, stacklevel=3)

@@ -4,7 +4,7 @@ The owner holds ONE memfd of `size` bytes, sealed against shrinking and
 growing, mapped once, and ONE anchor registration of it
 (vmmipc_register_host_file, unlimited uses) for its whole life. The library
 keeps its own duplicate of the memfd, so the owner's descriptor is only
-needed to map the memory. Each share (each pickle) is a register_again of
+needed to map the memory. Each grant (each pickle) is a register_again of
 the anchor: no descriptor, no new buffer identity, so a receiver that has
 the buffer cached imports it in one round trip. The chunks cross to the
 receiver as one short-lived descriptor of the memfd (they lie back to back
@@ -14,7 +14,7 @@ both sides hold about one descriptor at a time, and the receiver's writes
 are the sender's memory.
 
 Lifetime: close() (or collection) unregisters the anchor and closes the
-owner's memfd and mapping. Registrations already made by share() or pickling
+owner's memfd and mapping. Registrations already made by grant() or pickling
 live on until used, expired or unregistered; the library keeps the memory
 exported until the last of them has ended, and receivers' mappings stay
 valid after that. wait() blocks until every such registration has ended.
@@ -63,6 +63,18 @@ def _release_owner(fd: int, anchor: Anchor) -> None:
         os.close(fd)
 
 
+def _renamed_pickle_args(pickle_uses, pickle_ttl, deprecated: dict):
+    """HostBuffer(uses=, ttl=): the deprecated names of pickle_uses= and
+    pickle_ttl= (they set per-pickle values, not the buffer's)."""
+    for old, new in (("uses", "pickle_uses"), ("ttl", "pickle_ttl")):
+        if old in deprecated:
+            _errors.renamed(f"HostBuffer({old}=)", f"HostBuffer({new}=)")
+    unknown = set(deprecated) - {"uses", "ttl"}
+    if unknown:
+        raise TypeError(f"HostBuffer() got an unexpected keyword argument {sorted(unknown)[0]!r}")
+    return deprecated.get("uses", pickle_uses), deprecated.get("ttl", pickle_ttl)
+
+
 def _pickle_uses(uses) -> int:
     return _args.u32(uses, "pickle_uses", "HostBuffer", "0 = unlimited")
 
@@ -93,8 +105,10 @@ class HostBuffer(_exported.Buffer, _lib.Closeable):
     """
 
     def __new__(cls, size: int, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
-                name: str = "vmmipc-hostbuffer", uses: int = 1, ttl: float | None = None):
+                name: str = "vmmipc-hostbuffer", pickle_uses: int = 1,
+                pickle_ttl: float | None = None, **deprecated):
         where = "HostBuffer"
+        pickle_uses, pickle_ttl = _renamed_pickle_args(pickle_uses, pickle_ttl, deprecated)
         size = _args.integer(size, "size", 1, sys.maxsize, where)
         chunk_size = _args.integer(chunk_size, "chunk_size", PAGE_SIZE, sys.maxsize, where,
                                    f"a multiple of the page size {PAGE_SIZE}")
@@ -103,7 +117,7 @@ class HostBuffer(_exported.Buffer, _lib.Closeable):
                                        f"size {PAGE_SIZE}", _errors.EINVAL, where)
         if not isinstance(name, str):
             raise TypeError(f"{where}: name must be a str, not {type(name).__name__}")
-        _pickle_uses(uses), _pickle_ttl(ttl)  # checked before anything is made
+        _pickle_uses(pickle_uses), _pickle_ttl(pickle_ttl)  # checked before anything is made
         _lib.lib(where)  # a missing library fails here, before any child starts
         fd = _memfd(name, size)
         try:
@@ -127,7 +141,7 @@ class HostBuffer(_exported.Buffer, _lib.Closeable):
             raise
         memory = _exported.Memory(size, buffer=mm)  # keeps mm mapped while it lives
         self = _exported.instance(cls, memory.addr, size)
-        self._init(size, chunk_size, uses, ttl)
+        self._init(size, chunk_size, pickle_uses, pickle_ttl)
         self._fd = fd
         self._anchor: Anchor | None = Anchor(anchor)
         self._mmap = mm
@@ -191,7 +205,7 @@ class HostBuffer(_exported.Buffer, _lib.Closeable):
 
     @property
     def pickle_uses(self) -> int:
-        """Receivers each pickle (or share()) admits; 0 = unlimited."""
+        """Receivers each pickle (or grant()) admits; 0 = unlimited."""
         return self._pickle_uses
 
     @pickle_uses.setter
@@ -245,8 +259,14 @@ class HostBuffer(_exported.Buffer, _lib.Closeable):
 
     # --------------------------------------------------------------- sharing
 
-    def share(self, *, uses: int | None = None, ttl: float | None = None) -> Ticket:
-        """A new registration of this buffer (what pickling does): a
+    def share(self, **kw) -> Ticket:
+        """Deprecated name of grant() (it never made a new registration of
+        the memory, as vmmipc.share does: it grants its anchor)."""
+        _errors.renamed("HostBuffer.share", "HostBuffer.grant")
+        return self.grant(**kw)
+
+    def grant(self, *, uses: int | None = None, ttl: float | None = None) -> Ticket:
+        """A grant of this buffer (what pickling does): a
         register_again of its anchor, for `uses` receivers (default
         pickle_uses) and `ttl` seconds (default pickle_ttl). Opens no
         descriptor. It lives on after close() until used, expired or

@@ -10,12 +10,12 @@ module imports _host and _mp; they import nothing of it.
     init_reductions(), which `import vmmipc` calls; it loads no library.
   - Frameworks' types (cuda.core Buffer, torch storages) pickle through
     vmmipc only in multiprocessing, next to their own pickling: they are
-    registered with ForkingPickler by register(cls, reducer), which
+    registered with ForkingPickler by register_reducer(cls, reducer), which
     vmmipc.cuda_core and vmmipc.torch call. vmmipc.torch also wraps
     ForkingPickler.dump (wrap_dump), so that one pickle's tensors are shared
     together.
 
-Pickling a HostBuffer makes a new registration of its anchor (share());
+Pickling a HostBuffer grants its anchor (grant());
 unpickling imports it (HostBuffer.from_ticket). A failure while a Queue's
 feeder thread pickles reaches the receiver's get() (_mp.guarded_reduce).
 """
@@ -35,7 +35,7 @@ _installed = False
 
 def reduce_host_buffer(hb: HostBuffer):
     def reduce():
-        return (rebuild_host_buffer, (hb.share(), hb.chunk_size))
+        return (rebuild_host_buffer, (hb.grant(), hb.chunk_size))
     return _mp.guarded_reduce("HostBuffer", reduce)
 
 
@@ -53,7 +53,7 @@ def init_reductions() -> None:
             _installed = True
 
 
-def register(cls: type, reducer) -> None:
+def register_reducer(cls: type, reducer) -> None:
     """Make multiprocessing (ForkingPickler) pickle instances of cls with
     reducer(obj) -> reduce tuple. For frameworks' types; a reducer should
     wrap its work in _mp.guarded_reduce. Registering again replaces it."""

@@ -6,14 +6,10 @@ caller's: the fd of register_host_file may be closed right after the call
 register_cuda_handles must stay valid until the registration's release
 callback has run.
 
-When release runs (include/vmmipc.h, "Lifetime"): a registration ends when
-its uses are consumed (a use is consumed once every chunk was sent to a
-receiver, or a receiver with a cached mapping was confirmed), its ttl
-expires, or it is unregistered. "Sent" is not "done": release can run before
-a receiver has finished with the memory, whose mappings hold their own
-references. wait(ticket) blocks until a registration has ended and its
-release callback has returned. The sender's process must stay alive until
-every receiver has imported: the server lives in it.
+When a registration ends, when its release callback runs and why "sent" is
+not "done": include/vmmipc.h, "Lifetime, for every register call" (the one
+place those rules are written). wait(ticket) blocks until a registration has
+ended and its release callback has returned.
 """
 
 from __future__ import annotations

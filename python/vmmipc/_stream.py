@@ -179,8 +179,8 @@ def _ticket_for(source) -> tuple[Ticket, bool]:
     """(ticket, whether we registered it) for export_chunks."""
     if isinstance(source, (bytes, bytearray)) and len(source) == TICKET_SIZE:
         return as_ticket(source), False
-    if hasattr(source, "share") and callable(source.share) and hasattr(source, "chunk_size"):
-        return source.share(uses=1), True          # HostBuffer
+    if hasattr(source, "grant") and callable(source.grant) and hasattr(source, "chunk_size"):
+        return source.grant(uses=1), True          # HostBuffer
     if isinstance(source, tuple) and len(source) == 2:
         return share(source[0], source[1], uses=1), True
     if hasattr(source, "handle") and hasattr(source, "size"):

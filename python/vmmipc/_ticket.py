@@ -30,7 +30,7 @@ class Ticket(bytes):
         if hasattr(type(data), "__index__") or isinstance(data, str) or not _bytes_like(data):
             shown = repr(data) if len(repr(data)) <= 40 else repr(data)[:37] + "..."
             raise TypeError(f"{function}: ticket must be a vmmipc.Ticket or its {TICKET_SIZE} "
-                            f"bytes (from share(), register_*(), HostBuffer.share() or a "
+                            f"bytes (from share(), register_*(), HostBuffer.grant() or a "
                             f"pickle), not {type(data).__name__} ({shown})")
         b = bytes(data)
         if len(b) != TICKET_SIZE:

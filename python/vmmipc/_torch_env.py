@@ -5,7 +5,7 @@ CUDA's handle types for messages."""
 from __future__ import annotations
 
 POSIX_FD_HANDLE = 0x1  # CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-_HANDLE_TYPE_NAMES = {
+HANDLE_TYPE_NAMES = {  # the Go table, cuda/handletypes.go (test_architecture.py checks it)
     0x1: "CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR",
     0x2: "CU_MEM_HANDLE_TYPE_WIN32",
     0x4: "CU_MEM_HANDLE_TYPE_WIN32_KMT",
@@ -38,8 +38,8 @@ def torch_reductions():
 def handle_type_names(bits: int) -> str:
     """CU_MEM_HANDLE_TYPE_* names of a handle-type bit mask, e.g.
     "CU_MEM_HANDLE_TYPE_FABRIC" for 0x8 ("none" for 0)."""
-    names = [name for bit, name in sorted(_HANDLE_TYPE_NAMES.items()) if bits & bit]
-    unknown = bits & ~sum(_HANDLE_TYPE_NAMES)
+    names = [name for bit, name in sorted(HANDLE_TYPE_NAMES.items()) if bits & bit]
+    unknown = bits & ~sum(HANDLE_TYPE_NAMES)
     if unknown:
         names.append(f"unknown bits {unknown:#x}")
     return " | ".join(names) or "none"

@@ -11,7 +11,7 @@ that Buffer is closed or collected); cuda.core's own __dlpack__ works on it,
 and ``buffer_mapping(buf)`` gives the Mapping with __cuda_array_interface__.
 Other buffers keep cuda.core's own pickling.
 
-Registrations: the first pickle (or share_buffer) of a Buffer registers its
+Registrations: the first pickle (or grant_buffer) of a Buffer registers its
 range once as an anchor (vmmipc_register_cuda, unlimited uses: the library
 retains every allocation), kept while that Buffer object lives and is not
 closed; every pickle is then a register_again of the anchor (no driver
@@ -30,7 +30,7 @@ from __future__ import annotations
 import threading
 import weakref
 
-from . import _lib, _mp, _reductions
+from . import _errors, _lib, _mp, _reductions
 from ._anchor import Anchor
 from ._mapping import Mapping, import_stream
 from ._register import share
@@ -121,8 +121,14 @@ def _anchor_of(buf) -> Anchor | None:
             a.retire(now=True)
 
 
-def share_buffer(buf, *, uses: int = 1, ttl: float | None = None) -> Ticket:
-    """A new registration of a VirtualMemoryResource buffer (its whole
+def share_buffer(buf, **kw) -> Ticket:
+    """Deprecated name of grant_buffer()."""
+    _errors.renamed("vmmipc.cuda_core.share_buffer", "vmmipc.cuda_core.grant_buffer")
+    return grant_buffer(buf, **kw)
+
+
+def grant_buffer(buf, *, uses: int = 1, ttl: float | None = None) -> Ticket:
+    """A grant of a VirtualMemoryResource buffer (its whole
     [ptr, ptr + size) range, which must end on an allocation boundary) for
     `uses` receivers and `ttl` seconds: what pickling does. Returns its
     ticket."""
@@ -256,11 +262,11 @@ def reduce_buffer(buf):
     if not is_vmm_buffer(buf):
         return buf.__reduce__()
     return _mp.guarded_reduce("cuda.core Buffer",
-                              lambda: (_rebuild_buffer, (share_buffer(buf),)))
+                              lambda: (_rebuild_buffer, (grant_buffer(buf),)))
 
 
 def _register_reducer() -> None:
-    _reductions.register(_core().Buffer, reduce_buffer)
+    _reductions.register_reducer(_core().Buffer, reduce_buffer)
 
 
 def install() -> None:
@@ -278,4 +284,4 @@ except ImportError:
     pass  # no cuda.core: the functions above raise a clear ImportError when used
 
 __all__ = ["buffer_mapping", "drop_anchor", "import_buffer", "install", "is_vmm_buffer",
-           "reduce_buffer", "share_buffer"]
+           "grant_buffer", "reduce_buffer", "share_buffer"]

@@ -128,10 +128,10 @@ def install() -> None:
         if _installed:
             return
         for cls in (torch.Tensor, torch.nn.Parameter):
-            _reductions.register(cls, reduce_tensor)
+            _reductions.register_reducer(cls, reduce_tensor)
         for cls in torch._storage_classes:
             if cls.__name__ == "UntypedStorage":
-                _reductions.register(cls, reduce_storage)
+                _reductions.register_reducer(cls, reduce_storage)
         _reductions.wrap_dump(_torch_send.dump_in_batch)
         _installed = True
 

@@ -561,4 +561,49 @@ static int test_status_names(void) {
   CHECK(u && strstr(u, "UNKNOWN"), "strerror(-99) = \"%s\"", u ? u : "(null)");
   return 0;
 }
+/* vmmipc_last_error (Conventions): "" before this thread's first failure;
+ * after one, its detail, which successful calls (VMMIPC_OK and VMMIPC_END)
+ * and other threads' failures leave as it was and only this thread's next
+ * failure replaces; the same pointer throughout. */
+static void *fail_on_another_thread(void *arg) {
+  *(int *)arg = vmmipc_last_error()[0] == '\0'; /* a new thread starts with "" */
+  return (void *)(intptr_t)vmmipc_import_stream(NULL, VMMIPC_DEVICE_HOST, NULL, NULL);
+}
+
+static int test_last_error_kept(void) {
+  CHECK_RC(vmmipc_live_registrations(NULL), VMMIPC_EINVAL);
+  const char *p = vmmipc_last_error();
+  char first[2048];
+  snprintf(first, sizeof first, "%s", p);
+  CHECK(strstr(first, "NULL") != NULL, "the failure's detail: \"%s\"", first);
+  uint64_t n = 0;
+  CHECK_RC(vmmipc_live_registrations(&n), VMMIPC_OK);
+  vmmipc_cache_info ci;
+  CHECK_RC(vmmipc_cache_get_info(&ci, sizeof ci), VMMIPC_OK);
+  START_SENDER(s, t, "file", 2, 4096, 1, -1, 0);
+  vmmipc_stream *st = NULL;
+  CHECK_RC(vmmipc_open(&t, NULL, &st), VMMIPC_OK);
+  vmmipc_chunk ch;
+  for (int i = 0; i < 2; i++) {
+    CHECK_RC(vmmipc_pull_next(st, &ch), VMMIPC_OK);
+    close(ch.fd);
+  }
+  CHECK_RC(vmmipc_pull_next(st, &ch), VMMIPC_END);
+  CHECK_RC(vmmipc_close(st), VMMIPC_OK);
+  child_end(&s);
+  pthread_t th;
+  void *other = NULL;
+  int fresh = 0;
+  CHECK(pthread_create(&th, NULL, fail_on_another_thread, &fresh) == 0, "pthread_create");
+  pthread_join(th, &other);
+  CHECK(fresh, "a new thread's last error was not \"\" before its first failure");
+  CHECK((int)(intptr_t)other == VMMIPC_EINVAL, "the other thread's import: %d", (int)(intptr_t)other);
+  CHECK(vmmipc_last_error() == p, "the pointer changed after successful calls");
+  CHECK(strcmp(p, first) == 0, "successful calls or another thread changed it: \"%s\", was \"%s\"", p, first);
+  CHECK_RC(vmmipc_import_stream(NULL, VMMIPC_DEVICE_HOST, NULL, NULL), VMMIPC_EINVAL);
+  CHECK(vmmipc_last_error() == p, "the pointer changed after a failure");
+  CHECK(strcmp(p, first) != 0 && strstr(p, "import_stream") != NULL, "the next failure did not replace it: \"%s\"", p);
+  printf("  kept: \"%s\"\n  replaced by: \"%s\"\n", first, p);
+  return 0;
+}
 #endif

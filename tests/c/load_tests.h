@@ -97,6 +97,13 @@ static int test_rlimit_as_sweep(void) {
           (unsigned long long)mib, result[0] ? result : "no result");
     CHECK(strstr(result, "RLIMIT_AS") && strstr(result, "MiB") && strstr(result, "free"),
           "headroom %llu MiB: the VMMIPC_ENOMEM message does not give the figures: %s", (unsigned long long)mib, result);
+    if (mib == 0) {
+      /* Refused before entering Go (abi.c), with the headroom Go's init
+       * handed over from core.RuntimeHeadroom: not 0. */
+      const char *h = strstr(result, "less than the ");
+      CHECK(h && strtoull(h + strlen("less than the "), NULL, 10) > 0 && strstr(result, "Go runtime inside libvmmipc"),
+            "no headroom: not refused by abi.c with core's headroom: %s", result);
+    }
     CHECK(mib < 512, "512 MiB of headroom over the process's size is not enough to map 64 MiB: %s", result);
     enomem++;
   }

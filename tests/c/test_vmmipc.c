@@ -562,6 +562,7 @@ static const struct {
     {"unsealed_export_refused", test_unsealed_export_refused},
     {"option_bounds", test_option_bounds},
     {"status_names", test_status_names},
+    {"last_error_kept", test_last_error_kept},
     {"cache_api", test_cache_api},
     {"confirm", test_confirm},
     {"cache_env", test_cache_env},

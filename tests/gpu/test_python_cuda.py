@@ -194,7 +194,7 @@ def make_buffer(kind):
 
 def chunk_count(buf):
     import vmmipc.cuda_core as vc
-    t = vc.share_buffer(buf, uses=1)
+    t = vc.grant_buffer(buf, uses=1)
     try:
         return t.info().chunk_count
     finally:
@@ -424,7 +424,7 @@ def array_protocols():
     import vmmipc.cuda_core as vc
     buf = chunked_buffer(_owning_vmr(), n_chunks=32)
     fill(buf, 7)
-    ticket = vc.share_buffer(buf, uses=0)
+    ticket = vc.grant_buffer(buf, uses=0)
     problems = []
     m = vmmipc.import_stream(ticket, cache=False)  # the server lives here too
     try:

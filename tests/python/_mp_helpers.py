@@ -294,7 +294,7 @@ def child_share_then_exit_hook(q, go):
     its exit would run) and stays until told to go."""
     from vmmipc import _register
     hb = vmmipc.HostBuffer(4096)
-    t = hb.share()
+    t = hb.grant()
     _register._unregister_all_at_exit()
     q.put(bytes(t))
     go.get(timeout=60)

@@ -53,7 +53,7 @@ def server_running():
     once per module that asks for them, so that per-test descriptor
     baselines do not count them."""
     b = vmmipc.HostBuffer(PAGE)
-    vmmipc.import_stream(b.share(), cache=False).close()
+    vmmipc.import_stream(b.grant(), cache=False).close()
     b.close()
 
 

@@ -210,7 +210,7 @@ def test_cuda_entry_points_without_a_usable_gpu():
 # -- tickets -----------------------------------------------------------------
 
 def test_ticket_pickles_and_decodes(hb):
-    t = hb.share()
+    t = hb.grant()
     assert isinstance(t, vmmipc.Ticket) and isinstance(t, bytes) and len(t) == vmmipc.TICKET_SIZE
     back = pickle.loads(pickle.dumps(t))
     assert type(back) is vmmipc.Ticket and back == t
@@ -228,7 +228,7 @@ def tampered(t, offset, value):
 
 
 def test_bad_tickets(hb):
-    t = hb.share(uses=0)
+    t = hb.grant(uses=0)
     with pytest.raises(vmmipc.InvalidError, match="magic"):
         vmmipc.import_stream(tampered(t, 0, b"XXXX"))
     with pytest.raises(vmmipc.InvalidError):
@@ -250,7 +250,7 @@ def test_bad_tickets(hb):
 
 
 def test_uses_are_counted(hb):
-    t = hb.share(uses=2)
+    t = hb.grant(uses=2)
     for _ in range(2):
         with vmmipc.import_stream(t) as m:
             assert m.view == hb.view
@@ -262,7 +262,7 @@ def test_uses_are_counted(hb):
 
 def test_stream_yields_chunks_and_closes_each_fd(hb):
     live = vmmipc.live_registrations()
-    t = hb.share()
+    t = hb.grant()
     base = settled_fd_count()
     seen = []
     with vmmipc.open(t) as s:
@@ -283,7 +283,7 @@ def test_stream_yields_chunks_and_closes_each_fd(hb):
 
 
 def test_detach_transfers_the_fd(hb):
-    t = hb.share()
+    t = hb.grant()
     kept = None
     with vmmipc.open(t) as s:
         for c in s:
@@ -299,7 +299,7 @@ def test_detach_transfers_the_fd(hb):
 
 
 def test_closing_a_stream_early_gives_the_use_back(hb):
-    t = hb.share()
+    t = hb.grant()
     base = settled_fd_count()
     s = vmmipc.open(t, window=1)  # the use is spent once all 16 chunks were sent
     next(s), next(s)
@@ -407,7 +407,7 @@ def test_export_generator_closed_early_unregisters(hb):
 # -- mappings and HostBuffer -------------------------------------------------
 
 def test_mapping_refuses_to_unmap_under_a_live_view(hb):
-    m = vmmipc.import_stream(hb.share())
+    m = vmmipc.import_stream(hb.grant())
     part = m.view[PAGE:2 * PAGE]
     with pytest.raises(BufferError):
         m.close()
@@ -421,7 +421,7 @@ def test_mapping_refuses_to_unmap_under_a_live_view(hb):
 
 
 def test_mapping_is_unmapped_when_collected(hb):
-    m = vmmipc.import_stream(hb.share(), cache=False)  # a cached one would stay mapped
+    m = vmmipc.import_stream(hb.grant(), cache=False)  # a cached one would stay mapped
     addr = m.addr
     view = m.view[:PAGE]
     del m
@@ -476,9 +476,66 @@ def test_hostbuffer_memfd_outlives_owner_until_release():
     base = settled_fd_count()
     b = vmmipc.HostBuffer(4 * PAGE, chunk_size=PAGE)
     b[:4] = b"keep"
-    t = b.share()
+    t = b.grant()
     b.close()
     assert fd_count() == base + 1  # the registration still holds the memfd
     with vmmipc.import_stream(t) as m:  # and it can still be fetched
         assert bytes(m.view[:4]) == b"keep"
     assert wait_for(lambda: fd_count() == base)
+
+
+def test_version_has_one_home():
+    # include/vmmipc.h owns the version: the library reports it, __version__
+    # asks the library (when read: test_import_does_not_load_the_library
+    # holds), pyproject.toml's metadata reads the header, and no Python file
+    # writes a version of its own.
+    import ast
+    want = ".".join(str(header_define(f"VMMIPC_VERSION_{p}")) for p in ("MAJOR", "MINOR", "PATCH"))
+    assert vmmipc.version() == want
+    assert vmmipc.__version__ == want
+    with open(os.path.join(conftest.PYTHON_DIR, "pyproject.toml")) as f:
+        assert 'input = "../include/vmmipc.h"' in f.read()
+    package = os.path.join(conftest.PYTHON_DIR, "vmmipc")
+    for name in os.listdir(package):
+        if name.endswith(".py"):
+            with open(os.path.join(package, name)) as f:
+                tree = ast.parse(f.read())
+            assigned = [t.id for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                        for t in node.targets if isinstance(t, ast.Name)]
+            assert "__version__" not in assigned, f"{name} writes a version of its own"
+
+
+def test_old_names_warn_and_still_work():
+    # Renamed in 0.2 (a name says one thing): HostBuffer.share -> grant,
+    # HostBuffer(uses=, ttl=) -> pickle_uses=, pickle_ttl=. The old names
+    # work for one release and warn.
+    with pytest.warns(DeprecationWarning, match=r"HostBuffer\(uses=\) is deprecated: use "
+                                                r"HostBuffer\(pickle_uses=\)"):
+        hb = vmmipc.HostBuffer(PAGE, uses=2)
+    with pytest.warns(DeprecationWarning, match=r"HostBuffer\(ttl=\) is deprecated"):
+        vmmipc.HostBuffer(PAGE, ttl=5).close()
+    assert hb.pickle_uses == 2
+    with pytest.raises(TypeError, match="unexpected keyword argument 'usess'"):
+        vmmipc.HostBuffer(PAGE, usess=2)
+    hb.view[:4] = b"old!"
+    with pytest.warns(DeprecationWarning, match=r"HostBuffer\.share is deprecated: use HostBuffer\.grant"):
+        t = hb.share(uses=1)
+    assert hb.pending_tickets() == [t]  # a grant of the anchor, as grant() makes
+    with vmmipc.import_stream(t, cache=False) as m:
+        assert bytes(m.view[:4]) == b"old!"
+    hb.unregister_all()
+    hb.close()
+
+
+def test_cuda_core_share_buffer_is_grant_buffer_renamed():
+    # vmmipc.cuda_core.share_buffer -> grant_buffer (no GPU needed: a closed
+    # Buffer is refused by grant_buffer, reached through the old name).
+    import types
+    import vmmipc.cuda_core as vc
+    closed = types.SimpleNamespace(is_closed=True, handle=0, size=0)
+    with pytest.raises(ValueError, match="closed Buffer"):
+        vc.grant_buffer(closed)
+    with pytest.warns(DeprecationWarning, match="share_buffer is deprecated: use "
+                                                "vmmipc.cuda_core.grant_buffer"):
+        with pytest.raises(ValueError, match="closed Buffer"):
+            vc.share_buffer(closed)

@@ -1,10 +1,13 @@
 """The package's structure (ARCHITECTURE.md): imports inside python/vmmipc
-run one way (no cycle, counting imports inside functions too), no module
-reads another module's private names, `_mp` knows no vmmipc type, and one
-module installs reducers. Read from the source, so it needs no library."""
+follow the layers ARCHITECTURE.md draws (read from the document, so the two
+cannot drift; counting imports inside functions too), no module reads
+another module's private names, `_mp` knows no vmmipc type, one module
+touches copyreg and ForkingPickler, and the handle-type names are the Go
+table's. Read from the source, so it needs no library."""
 
 import ast
 import os
+import re
 
 import conftest
 
@@ -126,3 +129,73 @@ def test_one_module_installs_reducers():
                     and node.value.id in ("ForkingPickler", "copyreg")):
                 installers.append(name)
     assert set(installers) == {"_reductions"}, installers
+
+
+ARCHITECTURE = os.path.join(conftest.ROOT, "ARCHITECTURE.md")
+
+
+def drawn_layers(text: str) -> dict[str, int]:
+    """module -> layer, from the first ```text block after the heading
+    "### Python import layers" of ARCHITECTURE.md."""
+    section = text.split("### Python import layers", 1)[1]
+    block = section.split("```text\n", 1)[1].split("```", 1)[0]
+    layers = {}
+    for line in block.splitlines():
+        number, *names = line.split()
+        for name in names:
+            assert name not in layers, f"{name} drawn twice"
+            layers[name] = int(number)
+    return layers
+
+
+def layer_violations(graph: dict[str, set[str]], layers: dict[str, int]) -> list[str]:
+    bad = [f"{m} is not drawn in ARCHITECTURE.md's layers" for m in sorted(graph) if m not in layers]
+    bad += [f"{m} is drawn but is no module" for m in sorted(layers) if m not in graph]
+    for m, deps in sorted(graph.items()):
+        for d in sorted(deps):
+            if m in layers and d in layers and layers[d] >= layers[m]:
+                bad.append(f"{m} (layer {layers[m]}) imports {d} (layer {layers[d]})")
+    return bad
+
+
+def test_the_layer_checker_finds_upward_imports():
+    layers = drawn_layers("### Python import layers\n\n```text\n0  a\n1  b  c\n```\n")
+    assert layers == {"a": 0, "b": 1, "c": 1}
+    assert layer_violations({"a": set(), "b": {"a"}, "c": set()}, layers) == []
+    assert layer_violations({"a": {"b"}, "b": {"c"}, "c": set(), "d": set()}, layers) == [
+        "d is not drawn in ARCHITECTURE.md's layers", "a (layer 0) imports b (layer 1)",
+        "b (layer 1) imports c (layer 1)"]
+
+
+def test_imports_follow_the_drawn_layers():
+    with open(ARCHITECTURE) as f:
+        layers = drawn_layers(f.read())
+    bad = layer_violations(import_graph(), layers)
+    assert not bad, "ARCHITECTURE.md's Python import layers and the code disagree:\n" + "\n".join(bad)
+
+
+def test_only_torch_imports_its_halves():
+    graph = import_graph()
+    bad = [(m, d) for m, deps in graph.items() for d in deps
+           if d.startswith("_torch_") and not (m == "torch" or m.startswith("_torch_"))]
+    assert not bad, bad
+
+
+def test_one_module_wraps_forking_pickler_dump():
+    writers = [name for name, tree in modules().items() for node in ast.walk(tree)
+               if isinstance(node, ast.Assign) for t in node.targets
+               if isinstance(t, ast.Attribute) and t.attr == "dump"
+               and isinstance(t.value, ast.Name) and t.value.id == "ForkingPickler"]
+    assert writers == ["_reductions"], writers
+
+
+def test_handle_type_names_are_the_go_tables():
+    import importlib
+    go = open(os.path.join(conftest.ROOT, "cuda", "handletypes.go")).read()
+    consts = {name: int(value, 16) for name, value in
+              re.findall(r"^\s*(handle\w+)\s*=\s*(0x[0-9a-fA-F]+)", go, re.M)}
+    table = {consts[c]: name for c, name in re.findall(r'\{(handle\w+), "(CU_MEM_HANDLE_TYPE_\w+)"\}', go)}
+    assert len(table) == 4, go
+    env = importlib.import_module("vmmipc._torch_env")
+    assert env.HANDLE_TYPE_NAMES == table
+    assert env.POSIX_FD_HANDLE == consts["handlePOSIXFD"]

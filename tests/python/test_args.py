@@ -75,8 +75,8 @@ OUT_OF_RANGE = [
     (lambda: vmmipc.HostBuffer(U64), f"size={U64}"),
     (lambda: vmmipc.HostBuffer(PAGE, chunk_size=100), "chunk_size=100"),
     (lambda: vmmipc.HostBuffer(PAGE, chunk_size=PAGE + 1), f"chunk_size={PAGE + 1}"),
-    (lambda: vmmipc.HostBuffer(PAGE, uses=-1), "pickle_uses=-1"),
-    (lambda: vmmipc.HostBuffer(PAGE, ttl=0), "pickle_ttl=0"),
+    (lambda: vmmipc.HostBuffer(PAGE, pickle_uses=-1), "pickle_uses=-1"),
+    (lambda: vmmipc.HostBuffer(PAGE, pickle_ttl=0), "pickle_ttl=0"),
     (lambda: vmmipc.HostBuffer.from_ticket(TICKET, chunk_size=0), "chunk_size=0"),
 ]
 
@@ -112,7 +112,7 @@ NOT_AN_INTEGER = [
     (lambda: vmmipc.HostBuffer(1.7), "size"),
     (lambda: vmmipc.HostBuffer(float(PAGE)), "size"),
     (lambda: vmmipc.HostBuffer(PAGE, chunk_size=float(PAGE)), "chunk_size"),
-    (lambda: vmmipc.HostBuffer(PAGE, uses=1.0), "pickle_uses"),
+    (lambda: vmmipc.HostBuffer(PAGE, pickle_uses=1.0), "pickle_uses"),
     (lambda: vmmipc.HostBuffer(PAGE, name=3), "name"),
     (lambda: vmmipc.Ticket(256), "Ticket"),
 ]
@@ -141,7 +141,7 @@ def test_not_a_ticket_is_type_error_naming_the_parameter(call, function, value, 
 
 
 def test_stream_repr_says_where_it_is(hb):
-    with vmmipc.open(hb.share()) as s:
+    with vmmipc.open(hb.grant()) as s:
         assert repr(s) == f"<vmmipc.Stream 0 of 16 chunks pulled, {hb.size} bytes from pid {os.getpid()}, next chunk 0>"
         next(s)
         assert "1 of 16 chunks pulled" in repr(s) and repr(s).endswith("next chunk 1>")
@@ -191,8 +191,8 @@ def test_integer_like_values_are_accepted(nothing_registered):
 
 
 def test_bounds_are_inclusive(nothing_registered):
-    hb = vmmipc.HostBuffer(PAGE, uses=vmmipc._args.U32_MAX)  # the largest uses
-    t = hb.share(ttl=vmmipc.MAX_TTL_MS / 1000)               # the longest ttl
+    hb = vmmipc.HostBuffer(PAGE, pickle_uses=vmmipc._args.U32_MAX)  # the largest uses
+    t = hb.grant(ttl=vmmipc.MAX_TTL_MS / 1000)               # the longest ttl
     with vmmipc.import_stream(t, window=vmmipc.MAX_WINDOW, timeout=vmmipc._args.U32_MAX / 1000,
                               access_devices=[]) as m:
         assert m.size == PAGE

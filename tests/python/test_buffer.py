@@ -29,12 +29,12 @@ def buf(request, hb):
     if request.param == "owner":
         yield hb
     elif request.param == "imported":
-        b = vmmipc.HostBuffer.from_ticket(hb.share(), cache=False)
+        b = vmmipc.HostBuffer.from_ticket(hb.grant(), cache=False)
         yield b
         gc.collect()
         b.close()
     else:
-        m = vmmipc.import_stream(hb.share(), cache=False)
+        m = vmmipc.import_stream(hb.grant(), cache=False)
         yield m
         gc.collect()
         m.close()
@@ -61,7 +61,7 @@ def test_bytes_is_one_copy(hb, monkeypatch):
         monkeypatch.setattr(cls, "__iter__", element_by_element)
         monkeypatch.setattr(cls, "__getitem__", element_by_element)
     hb.view[-3:] = b"end"
-    m = vmmipc.import_stream(hb.share(), cache=False)
+    m = vmmipc.import_stream(hb.grant(), cache=False)
     for b in (hb, m):
         data = bytes(b)
         assert len(data) == hb.size and data[-3:] == b"end" and data == bytes(hb.view)
@@ -160,7 +160,7 @@ def test_close_with_a_numpy_view(hb):
         b.close()
         assert b.closed and direct[0] == 5 and mapped(addr)
         with pytest.raises(ValueError, match="closed"):
-            b.share()
+            b.grant()
         del direct
         gc.collect()
         assert mapped(addr), "unmapped while the closed HostBuffer is still referenced"
@@ -170,7 +170,7 @@ def test_close_with_a_numpy_view(hb):
 
 
 def test_closed_buffers_give_no_memory(hb):
-    m = vmmipc.import_stream(hb.share(), cache=False)
+    m = vmmipc.import_stream(hb.grant(), cache=False)
     b = vmmipc.HostBuffer(PAGE)
     m.close()  # by its one name: unmapped at once (other names: at collection)
     b.close()
@@ -190,7 +190,7 @@ def test_pickling_goes_through_vmmipc(hb):
     other[0] = 1
     assert hb[0] == 1
     other.close()
-    m = vmmipc.import_stream(hb.share(), cache=False)
+    m = vmmipc.import_stream(hb.grant(), cache=False)
     with pytest.raises(TypeError, match="cannot be pickled"):
         pickle.dumps(m)
     m.close()

@@ -33,9 +33,9 @@ def memfd_with(data):
 # -- register_again and wait --------------------------------------------------
 
 def test_shares_of_a_hostbuffer_are_one_buffer_identity(hb):
-    t1, t2 = hb.share(), hb.share()
+    t1, t2 = hb.grant(), hb.grant()
     other = vmmipc.HostBuffer(PAGE)
-    t3 = other.share()
+    t3 = other.grant()
     assert t1[BUFFER_ID] == t2[BUFFER_ID] != t3[BUFFER_ID]
     assert t1[REG_ID] != t2[REG_ID] and t1[SECRET] != t2[SECRET]
     assert hb.pending_tickets() == [t1, t2]
@@ -66,11 +66,11 @@ def test_register_again_keeps_the_export_until_the_last_registration():
 
 
 def test_register_again_refuses_what_it_cannot_name(hb):
-    t = hb.share()
+    t = hb.grant()
     vmmipc.unregister(t)
     with pytest.raises(vmmipc.NotFoundError):
         vmmipc.register_again(t)  # ended
-    bad = bytearray(hb.share())
+    bad = bytearray(hb.grant())
     bad[SECRET] = bytes(b ^ 1 for b in bad[SECRET])
     with pytest.raises(vmmipc.AuthError):
         vmmipc.register_again(vmmipc.Ticket(bad))
@@ -83,7 +83,7 @@ def test_failed_registration_runs_no_release():
     released, records = [], len(_register._records)
     with pytest.raises(vmmipc.InvalidError, match="page size"):  # refused by the library
         vmmipc.register([100, PAGE], never_export, release=lambda: released.append(1))
-    t = vmmipc.HostBuffer(PAGE).share()
+    t = vmmipc.HostBuffer(PAGE).grant()
     vmmipc.unregister(t)
     with pytest.raises(vmmipc.NotFoundError):
         vmmipc.register_again(t, release=lambda: released.append(2))
@@ -118,7 +118,7 @@ def test_wait_returns_once_ended_and_released():
 
 
 def test_wait_on_a_foreign_ticket(hb):
-    t = bytearray(hb.share())
+    t = bytearray(hb.grant())
     t[12:16] = (os.getpid() + 1).to_bytes(4, "little")  # another exporter's ticket
     with pytest.raises(vmmipc.VmmipcError) as e:
         vmmipc.wait(vmmipc.Ticket(t), 0)
@@ -141,7 +141,7 @@ def test_anchor_lives_with_the_hostbuffer():
     b = vmmipc.HostBuffer(4 * PAGE, chunk_size=PAGE)
     assert vmmipc.live_registrations() == live + 1, "one anchor registration"
     assert fd_count() == fds + 2 + MMAP_DUP  # its memfd and the library's duplicate
-    t = b.share()
+    t = b.grant()
     assert vmmipc.live_registrations() == live + 2 and fd_count() == fds + 2 + MMAP_DUP
     del b
     gc.collect()  # collected: anchor ended, own fds closed; the share lives on
@@ -155,7 +155,7 @@ def test_closed_hostbuffer_cannot_be_shared():
     b = vmmipc.HostBuffer(PAGE)
     b.close()
     with pytest.raises(ValueError, match="closed"):
-        b.share()
+        b.grant()
     with pytest.raises(ValueError, match="closed"):
         pickle.dumps(b)
 
@@ -164,8 +164,8 @@ def test_closed_hostbuffer_cannot_be_shared():
 
 def test_cache_hits_share_one_mapping(hb):
     before = vmmipc.cache_info()
-    m1 = vmmipc.import_stream(hb.share())
-    m2 = vmmipc.import_stream(hb.share())  # another ticket of the same buffer
+    m1 = vmmipc.import_stream(hb.grant())
+    m2 = vmmipc.import_stream(hb.grant())  # another ticket of the same buffer
     assert m1.addr == m2.addr and m2.view == hb.view
     info = vmmipc.cache_info()
     assert (info.misses, info.hits) == (before.misses + 1, before.hits + 1)
@@ -175,10 +175,10 @@ def test_cache_hits_share_one_mapping(hb):
     m2.close()
     info = vmmipc.cache_info()
     assert info.unreferenced_bytes >= hb.size
-    with vmmipc.import_stream(hb.share()) as m3:  # unreferenced, still cached: a hit
+    with vmmipc.import_stream(hb.grant()) as m3:  # unreferenced, still cached: a hit
         assert m3.addr == addr
     assert vmmipc.cache_info().hits == before.hits + 2
-    with vmmipc.import_stream(hb.share(), cache=False) as m4:  # bypasses it: maps anew
+    with vmmipc.import_stream(hb.grant(), cache=False) as m4:  # bypasses it: maps anew
         assert m4.addr != addr and m4.view == hb.view
     assert vmmipc.cache_info().hits == before.hits + 2
 
@@ -194,7 +194,7 @@ def test_cache_entry_is_invalidated_when_the_buffer_ends():
     assert wait_for(lambda: vmmipc.cache_info().unreferenced_bytes == 0), vmmipc.cache_info()
     b = vmmipc.HostBuffer(4 * PAGE, chunk_size=PAGE)
     before = vmmipc.cache_info()
-    m = vmmipc.import_stream(b.share())
+    m = vmmipc.import_stream(b.grant())
     addr = m.addr
     m.close()
     assert mapped(addr) and vmmipc.cache_info().entries == before.entries + 1
@@ -206,7 +206,7 @@ def test_cache_entry_is_invalidated_when_the_buffer_ends():
 def test_cache_limit(hb):
     limit = vmmipc.cache_info().limit_bytes
     try:
-        m = vmmipc.import_stream(hb.share())
+        m = vmmipc.import_stream(hb.grant())
         addr = m.addr
         m.close()
         assert vmmipc.cache_info().unreferenced_bytes >= hb.size and mapped(addr)
@@ -215,7 +215,7 @@ def test_cache_limit(hb):
         info = vmmipc.cache_info()
         assert info.limit_bytes == hb.size - 1 and info.unreferenced_bytes < hb.size
         assert info.evictions > evictions and not mapped(addr)
-        vmmipc.import_stream(hb.share()).close()  # too large to keep: undone at once
+        vmmipc.import_stream(hb.grant()).close()  # too large to keep: undone at once
         vmmipc.set_cache_limit(0)  # off: nothing unreferenced stays
         assert vmmipc.cache_info()[:4] == (0, 0, 0, 0)
     finally:
@@ -226,7 +226,7 @@ def test_cache_limit(hb):
 # -- Mapping ------------------------------------------------------------------
 
 def test_closed_mapping_refuses_addr(hb):
-    m = vmmipc.import_stream(hb.share(), cache=False)
+    m = vmmipc.import_stream(hb.grant(), cache=False)
     addr = m.addr
     m.close()
     with pytest.raises(ValueError, match="closed"):
@@ -237,7 +237,7 @@ def test_closed_mapping_refuses_addr(hb):
 
 
 def test_host_mapping_has_no_cuda_array_interface(hb):
-    with vmmipc.import_stream(hb.share()) as m:
+    with vmmipc.import_stream(hb.grant()) as m:
         assert not hasattr(m, "__cuda_array_interface__")
         assert m.__dlpack_device__() == (_dlpack.KDL_CPU, 0)
 
@@ -308,7 +308,7 @@ def test_dlpack_tensor_fields(versioned):
 
 def test_dlpack_consumer_keeps_the_mapping_alive(hb):
     hb[:4] = b"dlpk"
-    m = vmmipc.import_stream(hb.share(), cache=False)
+    m = vmmipc.import_stream(hb.grant(), cache=False)
     addr, exports = m.addr, _dlpack.live_exports()
     ptr, managed = consume(m.__dlpack__())
     gc.collect()  # the capsule is gone (consumed): the tensor lives on
@@ -326,7 +326,7 @@ def test_dlpack_consumer_keeps_the_mapping_alive(hb):
 
 @pytest.mark.parametrize("versioned", [False, True])
 def test_unconsumed_capsule_releases_on_its_own(hb, versioned):
-    m = vmmipc.import_stream(hb.share(), cache=False)
+    m = vmmipc.import_stream(hb.grant(), cache=False)
     exports = _dlpack.live_exports()
     cap = m.__dlpack__(max_version=(1, 0) if versioned else None)
     assert _dlpack.live_exports() == exports + 1
@@ -346,7 +346,7 @@ def test_numpy_from_dlpack_and_frombuffer(hb):
     with pytest.raises(BufferError):
         hb.close()  # numpy holds a view
     del a
-    m = vmmipc.import_stream(hb.share(), cache=False)
+    m = vmmipc.import_stream(hb.grant(), cache=False)
     x = np.from_dlpack(m)  # numpy >= 2 asks for DLPack 1.0: a writable array
     assert x.shape == (hb.size,) and x.dtype == np.uint8 and bytes(x[:8]) == bytes(range(8))
     x[0] = 99  # shared memory, no copy
@@ -386,29 +386,29 @@ def test_cuda_core_keeps_one_anchor_per_live_buffer(monkeypatch):
     monkeypatch.setattr(vc, "share", host_share)
     live = vmmipc.live_registrations()
     a = StandInBuffer(0x10000, PAGE)
-    sent = [vc.share_buffer(a), vc.share_buffer(a, uses=2)]
+    sent = [vc.grant_buffer(a), vc.grant_buffer(a, uses=2)]
     assert len(anchors) == 1, "one anchor, then register_again per share"
     assert sent[0][BUFFER_ID] == sent[1][BUFFER_ID] == anchors[0][BUFFER_ID]
     assert vmmipc.live_registrations() == live + 3
     # Freed, and a new Buffer at the same address: it never gets the old anchor.
     a.is_closed = True
     b = StandInBuffer(0x10000, PAGE)
-    sent.append(vc.share_buffer(b))
+    sent.append(vc.grant_buffer(b))
     assert len(anchors) == 2 and sent[2][BUFFER_ID] == anchors[1][BUFFER_ID]
     assert ended(anchors[0]), "the closed Buffer's anchor was not ended"
     # Resized in place: a new anchor for the new range.
     b.size = 2 * PAGE
-    sent.append(vc.share_buffer(b))
+    sent.append(vc.grant_buffer(b))
     assert len(anchors) == 3 and ended(anchors[1])
     # Collected: its anchor ends with it.
     del b
     gc.collect()
     assert ended(anchors[2])
     c = StandInBuffer(0x20000, PAGE)
-    sent.append(vc.share_buffer(c))
+    sent.append(vc.grant_buffer(c))
     assert vc.drop_anchor(c) and not vc.drop_anchor(c) and ended(anchors[3])
     with pytest.raises(ValueError, match="closed"):
-        vc.share_buffer(a)
+        vc.grant_buffer(a)
     for t in sent:
         vmmipc.unregister(t)
     assert vmmipc.live_registrations() == live
