@@ -186,15 +186,18 @@ _LIMITS: tuple[int, int] | None = None  # set by _calibrate() below
 
 
 def held_only_by_caller(obj, via_exit: bool) -> bool:
-    """Python < 3.12: whether nothing but the code that called close() (one
-    name, or a `with` statement) references obj, so that no buffer taken
-    from obj can be alive, and disarm() works here. Always True on 3.12+. Call it as `_close(self, via_exit)` does, from a
+    """Whether nothing but the code that called close() (one name, or a
+    `with` statement) references obj, so that no buffer taken from obj can
+    be alive, and disarm() works here. Also on 3.12+, where __release_buffer__
+    counts the views: a consumer may release its view at once and hold obj
+    instead (torch.frombuffer does), and must not be left over unmapped
+    memory. Call it as `_close(self, via_exit)` does, from a
     method that close() (via_exit False) or __exit__ (True) calls at once:
     the limits were counted at that depth."""
     n = sys.getrefcount(obj)
     if _LIMITS is None:
         return n  # calibrating
-    return PEP688 or (CAN_DISARM and n <= _LIMITS[via_exit])
+    return CAN_DISARM and n <= _LIMITS[via_exit]
 
 
 class _Probe:
