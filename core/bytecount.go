@@ -2,9 +2,19 @@ package core
 
 import (
 	"errors"
+	"math"
 	"strconv"
 	"strings"
 )
+
+// RoundUp rounds n up to a multiple of to; ok is false on overflow or when
+// to is 0.
+func RoundUp(n, to uint64) (r uint64, ok bool) {
+	if to == 0 || n > math.MaxUint64-(to-1) {
+		return 0, false
+	}
+	return (n + to - 1) / to * to, true
+}
 
 // ParseBytes reads a byte count: digits with an optional K, M, G or T
 // (powers of 1024, optionally followed by "iB" or "B").

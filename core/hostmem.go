@@ -14,12 +14,10 @@ type HostImporter struct {
 	size uintptr // reserved length, page aligned
 }
 
-func roundUp(n, to uint64) uint64 { return (n + to - 1) / to * to }
-
 // Reserve reserves total bytes of address space, inaccessible until mapped.
 func (h *HostImporter) Reserve(total uint64) (uint64, error) {
-	n := roundUp(total, pageSize)
-	if n < total || n > uint64(^uintptr(0)>>1) {
+	n, ok := RoundUp(total, pageSize)
+	if !ok || n > uint64(^uintptr(0)>>1) {
 		return 0, Errorf(EINVAL, "import: %d bytes cannot be reserved", total)
 	}
 	p, err := unix.MmapPtr(-1, 0, nil, uintptr(n), unix.PROT_NONE,
@@ -81,6 +79,3 @@ func (h *HostImporter) Unmap() error {
 
 // Device is DeviceHost.
 func (h *HostImporter) Device() int32 { return DeviceHost }
-
-// pageSize is the host page size; host chunks must be multiples of it.
-var pageSize = uint64(unix.Getpagesize())

@@ -14,6 +14,10 @@ import (
 // against shrinking, because whoever holds a file that can shrink can
 // truncate it under a mapping and kill the mapping process with SIGBUS.
 
+// pageSize is the host page size: host chunks (all but the last), their
+// offsets and their file offsets are multiples of it, as mmap demands.
+var pageSize = uint64(unix.Getpagesize())
+
 // checkHostFile checks that fd is a sealed memfd holding at least end bytes
 // and returns its stat. Its messages say what to change.
 func checkHostFile(fd int, end uint64) (unix.Stat_t, error) {

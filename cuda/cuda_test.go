@@ -76,24 +76,6 @@ func TestLibraryWithoutCUDAEntryPoints(t *testing.T) {
 	}
 }
 
-func TestRoundUp(t *testing.T) {
-	const g = 2 << 20
-	cases := []struct {
-		n, to, want uint64
-		ok          bool
-	}{
-		{0, g, 0, true}, {1, g, g, true}, {g, g, g, true}, {g + 1, g, 2 * g, true},
-		{3*g - 5, g, 3 * g, true}, {math.MaxUint64, g, 0, false},
-		{math.MaxUint64 - g + 2, g, 0, false}, {5, 0, 0, false},
-	}
-	for _, c := range cases {
-		got, ok := roundUp(c.n, c.to)
-		if got != c.want || ok != c.ok {
-			t.Errorf("roundUp(%d, %d) = %d, %v; want %d, %v", c.n, c.to, got, ok, c.want, c.ok)
-		}
-	}
-}
-
 // fakeRanges answers like cuMemGetAddressRange over allocations laid end to
 // end from base with the given sizes.
 func fakeRanges(base uint64, sizes ...uint64) func(uint64) (uint64, uint64, error) {

@@ -144,7 +144,7 @@ func (m *gpuImporter) Reserve(total uint64) (uint64, error) {
 	if m.reserved != 0 {
 		return 0, core.Errorf(core.EINTERNAL, "import: Reserve called twice")
 	}
-	n, ok := roundUp(total, m.gran)
+	n, ok := core.RoundUp(total, m.gran)
 	if !ok || total == 0 {
 		return 0, core.Errorf(core.EINVAL, "import: %d bytes cannot be reserved", total)
 	}

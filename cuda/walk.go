@@ -1,21 +1,9 @@
 package cuda
 
-import (
-	"math"
-
-	"github.com/libvmmipc/libvmmipc/core"
-)
+import "github.com/libvmmipc/libvmmipc/core"
 
 // Walking a registered range needs no driver of its own: rangeAt stands in
 // for cuMemGetAddressRange, so this is unit tested without a GPU.
-
-// roundUp rounds n up to a multiple of to; ok is false on overflow.
-func roundUp(n, to uint64) (r uint64, ok bool) {
-	if to == 0 || n > math.MaxUint64-(to-1) {
-		return 0, false
-	}
-	return (n + to - 1) / to * to, true
-}
 
 // span is one allocation inside a registered range.
 type span struct{ addr, size uint64 }
