@@ -631,3 +631,38 @@ def test_views_of_one_storage_share_one_argument_tuple(fake):
     assert first is again and first != second
     assert first[0] is second[0] and len(fake.again) == 1, "one grant for the run"
     assert first[2:] == (0, 1 << 20, 0, b"event") and second[2] == 1 << 20
+
+
+def test_ordering_follows_the_socket_directory(monkeypatch):
+    """Across pods there is no shared /dev/shm for CUDA's interprocess
+    events: "auto" synchronizes the sender's stream instead when a socket
+    directory is set, and sends no event."""
+    synced = []
+
+    class Stream:
+        def __init__(self, device):
+            self.device = device
+
+        def synchronize(self):
+            synced.append(self.device)
+
+    class Cuda:
+        current_stream = Stream
+
+    class FakeTorch:
+        cuda = Cuda
+
+    monkeypatch.setattr(_torch_send, "torch_module", lambda: FakeTorch)
+    with pytest.raises(ValueError, match="must be one of"):
+        vt.set_ordering("fence")
+    monkeypatch.delenv("VMMIPC_SOCKET_DIR", raising=False)
+    assert _torch_send.ordering() == "event"
+    monkeypatch.setenv("VMMIPC_SOCKET_DIR", "/run/vmmipc")
+    assert _torch_send.ordering() == "sync"
+    b = _torch_send.Batch()
+    assert b.event(0) is None and b.event(0) is None and synced == [0], "once per batch"
+    try:
+        vt.set_ordering("event")
+        assert _torch_send.ordering() == "event"
+    finally:
+        vt.set_ordering("auto")
