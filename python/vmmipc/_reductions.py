@@ -40,8 +40,11 @@ def reduce_host_buffer(hb: HostBuffer):
 
 
 def rebuild_host_buffer(ticket, chunk_size):
-    """Unpickling side of a HostBuffer: map the sender's memory."""
-    return HostBuffer.from_ticket(ticket, chunk_size)
+    """Unpickling side of a HostBuffer: map the sender's memory. A pickle is
+    the channel the data comes through, so a buffer mapped here already
+    (the import cache) is returned at once and its ticket confirmed in the
+    background (confirm_later)."""
+    return HostBuffer.from_ticket(ticket, chunk_size, confirm_later=True)
 
 
 def init_reductions() -> None:
