@@ -14,16 +14,14 @@ import (
 // use (stream.go confirm) need not sit on its path. Each exporter gets one
 // goroutine that works through its queue in order while the queue has
 // work, one session per ticket, each proved with that ticket's own secret
-// (a ticket can never spend another's use). A failure is counted and kept
-// as the last error; the mapping stays valid whatever the answer, since it
-// holds its own references to the memory the ticket names.
+// (a ticket can never spend another's use). A failure is counted
+// (CacheInfo.ConfirmsFailed); the mapping stays valid whatever the answer,
+// since it holds its own references to the memory the ticket names.
 type confirmer struct {
 	mu      sync.Mutex
 	queues  map[string][]pendingConfirm // by exporter
 	pending uint64                      // queued or in flight
 	failed  uint64
-	lastErr error
-	idle    *sync.Cond // signalled whenever pending drops to 0
 }
 
 type pendingConfirm struct {
@@ -31,13 +29,7 @@ type pendingConfirm struct {
 	timeout time.Duration
 }
 
-var confirms = newConfirmer()
-
-func newConfirmer() *confirmer {
-	c := &confirmer{queues: map[string][]pendingConfirm{}}
-	c.idle = sync.NewCond(&c.mu)
-	return c
-}
+var confirms = &confirmer{queues: map[string][]pendingConfirm{}}
 
 // add queues a confirmation of t and starts the exporter's worker if it
 // has none.
@@ -73,10 +65,6 @@ func (c *confirmer) work(key string) {
 		c.pending--
 		if err != nil {
 			c.failed++
-			c.lastErr = wrapErr(CodeOf(err), err, "confirming a cached import of registration %d later", p.t.RegID)
-		}
-		if c.pending == 0 {
-			c.idle.Broadcast()
 		}
 		c.mu.Unlock()
 	}
@@ -104,23 +92,4 @@ func (c *confirmer) counts() (pending, failed uint64) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	return c.pending, c.failed
-}
-
-// WaitConfirmations waits up to timeout until no confirmation is queued or
-// in flight; it reports whether none is, and the last failure so far.
-func WaitConfirmations(timeout time.Duration) (bool, error) {
-	c := confirms
-	deadline := time.Now().Add(timeout)
-	timer := time.AfterFunc(timeout, func() {
-		c.mu.Lock()
-		c.idle.Broadcast()
-		c.mu.Unlock()
-	})
-	defer timer.Stop()
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	for c.pending > 0 && time.Now().Before(deadline) {
-		c.idle.Wait()
-	}
-	return c.pending == 0, c.lastErr
 }

@@ -128,10 +128,6 @@ class _Redeemed:
         self._lock = threading.Lock()
         self._seen: collections.OrderedDict = collections.OrderedDict()
 
-    def __contains__(self, grant) -> bool:
-        with self._lock:
-            return grant in self._seen
-
     def add(self, grant) -> bool:
         """True if grant was not redeemed before (and is now marked)."""
         with self._lock:

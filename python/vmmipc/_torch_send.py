@@ -252,23 +252,38 @@ def _plain_cuda(torch, tensor) -> bool:
 # ------------------------------------------------------------------ reducers
 
 
-def _anchor_of(storage, b: Batch | None) -> RunAnchor | None:
-    """storage's anchor (made now if it has none), or None if its memory is
-    not CUDA VMM memory. Raises for VMM memory vmmipc cannot send."""
-    run = runs.attached(storage)
-    if run is not None:
-        return run
-    if b is not None and b.known_not_vmm(storage):
-        return None
-    p = runs.pending(storage)
-    if p is None:
-        return None
-    runs.plan([p])
+def _lookup(storage, b: Batch | None):
+    """(its anchor, None) for a storage that has one; (None, Pending) for
+    VMM memory that needs one; (None, None) for memory vmmipc does not hold.
+    Asks the driver at most; registers nothing. Raises for VMM memory
+    vmmipc cannot send."""
+    run = b.run_of(storage) if b is not None else None
+    if run is None:
+        run = runs.attached(storage)
+        if run is not None and b is not None:
+            b.remember(storage, run)
+    if run is not None or (b is not None and b.known_not_vmm(storage)):
+        return run, None
+    return None, runs.pending(storage)
+
+
+def _anchored(storage, pending, b: Batch | None) -> RunAnchor:
+    """Register pending's storage (a run of its own) and return its anchor."""
+    runs.plan([pending])
     run = runs.attached(storage)
     if run is None:
         raise _errors.InternalError("vmmipc.torch: a storage was planned but has no anchor",
                                     _errors.EINTERNAL, "vmmipc.torch")
+    if b is not None:
+        b.remember(storage, run)
     return run
+
+
+def _anchor_of(storage, b: Batch | None) -> RunAnchor | None:
+    """storage's anchor (made now if it has none), or None if its memory is
+    not CUDA VMM memory. Raises for VMM memory vmmipc cannot send."""
+    run, pending = _lookup(storage, b)
+    return run if pending is None else _anchored(storage, pending, b)
 
 
 def _raise(error):
@@ -282,28 +297,15 @@ def _reduce_through(what: str, storage, torch_reduce, vmm_reduce):
     carried to the receiver of a Queue)."""
     b = current_batch()
     where = b.where if b is not None else _mp.ASK
-    run = b.run_of(storage) if b is not None else None
-    pending = None
-    if run is None:
-        try:
-            run = runs.attached(storage)
-            if run is None and not (b is not None and b.known_not_vmm(storage)):
-                pending = runs.pending(storage)  # asks the driver; registers nothing
-        except _errors.VmmipcError as e:  # e.g. no POSIX fd, libvmmipc or libcuda missing
-            return _mp.guarded_reduce(what, functools.partial(_raise, e), where)
-        if run is None and pending is None:
-            return torch_reduce()
+    try:
+        run, pending = _lookup(storage, b)
+    except _errors.VmmipcError as e:  # e.g. no POSIX fd, libvmmipc or libcuda missing
+        return _mp.guarded_reduce(what, functools.partial(_raise, e), where)
+    if run is None and pending is None:
+        return torch_reduce()
 
     def reduce():
-        anchored = run
-        if anchored is None:
-            runs.plan([pending])
-            anchored = runs.attached(storage)
-            if anchored is None:
-                raise _errors.InternalError("vmmipc.torch: a storage was planned but has no "
-                                            "anchor", _errors.EINTERNAL, "vmmipc.torch")
-        if b is not None:
-            b.remember(storage, anchored)
+        anchored = run if pending is None else _anchored(storage, pending, b)
         return vmm_reduce(anchored, b)
     return _mp.guarded_reduce(what, reduce, where)
 

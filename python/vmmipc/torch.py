@@ -68,7 +68,6 @@ import vmmipc as _vmmipc
 from . import _args, _reductions, _torch_receive, _torch_send
 from ._torch_env import POSIX_FD_HANDLE, handle_type_names, torch_module
 from ._torch_receive import open_tensors
-from ._torch_runs import runs as _runs
 from ._torch_send import (EVENT_KEEP_SECONDS, MAX_PENDING_PICKLES, batch, is_vmm_tensor,
                           reduce_storage, reduce_tensor, share_tensors)
 
@@ -107,11 +106,6 @@ def set_ordering(mode: str) -> None:
     _torch_send.set_ordering(mode)
 
 
-def live_anchors() -> int:
-    """Run anchors this process holds now (for tests and diagnostics)."""
-    return _runs.live()
-
-
 _installed = False
 _install_lock = threading.Lock()
 
@@ -142,5 +136,5 @@ except ImportError:
     pass  # no torch: the functions above raise a clear ImportError when used
 
 __all__ = ["EVENT_KEEP_SECONDS", "MAX_PENDING_PICKLES", "POSIX_FD_HANDLE", "batch", "handle_type_names", "install",
-           "is_vmm_tensor", "live_anchors", "open_tensors", "reduce_storage", "reduce_tensor",
+           "is_vmm_tensor", "open_tensors", "reduce_storage", "reduce_tensor",
            "set_ordering", "set_pickle_ttl", "set_receive_device", "share_tensors"]
