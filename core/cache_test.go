@@ -663,3 +663,61 @@ func TestConfirmSpendsOneUse(t *testing.T) {
 		t.Fatalf("confirmations made %d descriptors", anchor.exports.Load())
 	}
 }
+
+// countingGPU is a core.GPU whose importer maps on the host (the chunks are
+// memfds), counting the importers it builds: all the driver work of a real
+// one happens there.
+type countingGPU struct{ built atomic.Int64 }
+
+func (g *countingGPU) Placement(device int32, uuid [16]byte, access []int32) (string, error) {
+	return fmt.Sprintf("fake:%d:%x:%v", device, uuid, access), nil
+}
+
+func (g *countingGPU) NewImporter(int32, [16]byte, []int32) (Importer, error) {
+	g.built.Add(1)
+	return &HostImporter{}, nil
+}
+
+// TestCacheHitBuildsNoImporter: a hit of CUDA memory (vmmipc.h: "no
+// descriptor and no driver call") never builds the backend's importer; a
+// miss builds exactly one.
+func TestCacheHitBuildsNoImporter(t *testing.T) {
+	before := cacheTest(t)
+	s := newTestServer(t)
+	fd := newMemfd(t, cacheSize, pattern(cacheSize, 11))
+	defer unix.Close(fd)
+	spec := hookedFile(t, fd, cacheSize, 4096, func(uint64) error { return nil })
+	spec.Kind, spec.DeviceUUID = MemoryCUDA, [16]byte{0xab}
+	tk, err := s.Register(spec, RegisterOptions{Uses: 0})
+	if err != nil {
+		t.Fatal(err)
+	}
+	gpu := &countingGPU{}
+	first, err := Import(tk, DeviceSame, ImportOptions{}, gpu)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, later := range []bool{false, true} {
+		again, err := Import(tk, DeviceSame, ImportOptions{ConfirmLater: later}, gpu)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if again.Base != first.Base {
+			t.Fatalf("confirm later %v: not a hit (%#x, the mapping is at %#x)", later, again.Base, first.Base)
+		}
+		unmapRef(t, again)
+	}
+	if n := gpu.built.Load(); n != 1 {
+		t.Fatalf("%d importers built for one miss and two hits, want 1", n)
+	}
+	if err := verifyAndUnmap(first, 11); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Unregister(tk); err != nil {
+		t.Fatal(err)
+	}
+	if !waitUntil(1500*time.Millisecond, func() bool { return GetCacheInfo().Entries == 0 }) {
+		t.Fatalf("the mapping of an ended buffer is still cached: %+v", GetCacheInfo())
+	}
+	expectCache(t, "the buffer ended", before, CacheInfo{Hits: 2, Misses: 1, Invalidations: 1})
+}

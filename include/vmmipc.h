@@ -626,7 +626,7 @@ typedef struct vmmipc_mapping {
  * exporter exits. opts->import_flags VMMIPC_IMPORT_NO_CACHE bypasses it.
  *
  * opts->import_flags VMMIPC_IMPORT_CONFIRM_LATER takes the confirmation off
- * the caller's path: a hit returns at once (no connection, no system call,
+ * the caller's path: a hit returns at once (no connection, no handshake,
  * no driver call) and the use is spent by a library thread, one
  * authenticated session per ticket, in order per exporter
  * (vmmipc_cache_info counts those pending and failed). The reference is

@@ -40,7 +40,7 @@ from . import _errors
 from ._anchor import Anchor, after_fork, reaper
 from ._cuda import cuda_query_range
 from ._register import share
-from ._torch_env import POSIX_FD_HANDLE
+from ._torch_env import POSIX_FD_HANDLE, handle_type_names
 
 log = logging.getLogger("vmmipc")
 
@@ -289,7 +289,6 @@ def _runs_of(pending: list[Pending]) -> list[list[Pending]]:
 
 
 def no_posix_fd(storage, handle_types: int) -> Exception:
-    from ._torch_env import handle_type_names
     return _errors.InvalidError(
         f"cannot send this CUDA storage (cuda:{storage.device.index}, {storage.nbytes()} bytes "
         f"at {storage.data_ptr():#x}) through vmmipc: its VMM memory allows export as "
