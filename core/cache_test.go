@@ -710,6 +710,11 @@ func TestCacheHitBuildsNoImporter(t *testing.T) {
 	if n := gpu.built.Load(); n != 1 {
 		t.Fatalf("%d importers built for one miss and two hits, want 1", n)
 	}
+	// The deferred hit spends its use in the background; ending the buffer
+	// before that session ran would count a failed confirmation.
+	if !waitUntil(10*time.Second, func() bool { pending, _ := confirms.counts(); return pending == 0 }) {
+		t.Fatal("confirmation still pending after 10 s")
+	}
 	if err := verifyAndUnmap(first, 11); err != nil {
 		t.Fatal(err)
 	}
