@@ -192,11 +192,11 @@ static int set_error_str(int status, const char *msg) {
 
 /* ---- trampolines ---- */
 
-int vmmipc_abi_call_export(vmmipc_export_fn fn, void *user, uint64_t index, int *fd_out) {
-  return fn(user, index, fd_out);
+int vmmipc_abi_call_export(vmmipc_export_fn fn, uintptr_t user, uint64_t index, int *fd_out) {
+  return fn((void *)user, index, fd_out);
 }
 
-void vmmipc_abi_call_release(vmmipc_release_fn fn, void *user) { fn(user); }
+void vmmipc_abi_call_release(vmmipc_release_fn fn, uintptr_t user) { fn((void *)user); }
 
 /* ---- public API ---- */
 
@@ -209,7 +209,7 @@ int vmmipc_register(const uint64_t *sizes, uint64_t count, vmmipc_export_fn expo
                     vmmipc_release_fn release_fn, void *user, const vmmipc_options *opts,
                     vmmipc_ticket *ticket_out) {
   FORK_GUARD("vmmipc_register");
-  return vmmipcgo_register((uint64_t *)sizes, count, export_fn, release_fn, user,
+  return vmmipcgo_register((uint64_t *)sizes, count, export_fn, release_fn, (uintptr_t)user,
                            (vmmipc_options *)opts, ticket_out);
 }
 
@@ -217,7 +217,7 @@ int vmmipc_register_host_file(int fd, uint64_t size, uint64_t chunk_size,
                               vmmipc_release_fn release_fn, void *user,
                               const vmmipc_options *opts, vmmipc_ticket *ticket_out) {
   FORK_GUARD("vmmipc_register_host_file");
-  return vmmipcgo_register_host_file(fd, size, chunk_size, release_fn, user,
+  return vmmipcgo_register_host_file(fd, size, chunk_size, release_fn, (uintptr_t)user,
                                      (vmmipc_options *)opts, ticket_out);
 }
 
@@ -232,14 +232,14 @@ int vmmipc_register_cuda_handles(const uint64_t *handles, const uint64_t *sizes,
                                  const vmmipc_options *opts, vmmipc_ticket *ticket_out) {
   FORK_GUARD("vmmipc_register_cuda_handles");
   return vmmipcgo_register_cuda_handles((uint64_t *)handles, (uint64_t *)sizes, count,
-                                        release_fn, user, (vmmipc_options *)opts,
+                                        release_fn, (uintptr_t)user, (vmmipc_options *)opts,
                                         ticket_out);
 }
 
 int vmmipc_register_again(const vmmipc_ticket *ticket, vmmipc_release_fn release_fn, void *user,
                           const vmmipc_options *opts, vmmipc_ticket *ticket_out) {
   FORK_GUARD("vmmipc_register_again");
-  return vmmipcgo_register_again((vmmipc_ticket *)ticket, release_fn, user,
+  return vmmipcgo_register_again((vmmipc_ticket *)ticket, release_fn, (uintptr_t)user,
                                  (vmmipc_options *)opts, ticket_out);
 }
 

@@ -3,6 +3,7 @@
 #ifndef VMMIPC_ABI_H
 #define VMMIPC_ABI_H
 #include <stddef.h>
+#include <stdint.h>
 #include "../include/vmmipc.h"
 
 /* Internal: never in the dynamic symbol table (only vmmipc_* of vmmipc.h). */
@@ -11,9 +12,11 @@
 /* Stores this thread's last-error detail (copied, truncated to fit). */
 VMMIPC_INTERNAL void vmmipc_abi_set_error(const char *msg, size_t len);
 
-/* Trampolines: cgo cannot call C function pointers directly. */
-VMMIPC_INTERNAL int vmmipc_abi_call_export(vmmipc_export_fn fn, void *user, uint64_t index, int *fd_out);
-VMMIPC_INTERNAL void vmmipc_abi_call_release(vmmipc_release_fn fn, void *user);
+/* Trampolines: cgo cannot call C function pointers directly. The caller's
+ * opaque user pointer crosses into Go as an integer (uintptr_t): it may be
+ * any value, and Go must never hold a non-pointer in a pointer type. */
+VMMIPC_INTERNAL int vmmipc_abi_call_export(vmmipc_export_fn fn, uintptr_t user, uint64_t index, int *fd_out);
+VMMIPC_INTERNAL void vmmipc_abi_call_release(vmmipc_release_fn fn, uintptr_t user);
 
 /* The host's RLIMIT_NOFILE as it was before the library loaded. */
 VMMIPC_INTERNAL void vmmipc_abi_saved_nofile(unsigned long long *cur, unsigned long long *max, int *ok);

@@ -63,7 +63,7 @@ func vmmipcgo_options_init(opts *C.vmmipc_options, size C.size_t) C.int {
 // exportCallback calls a C export_fn.
 type exportCallback struct {
 	export C.vmmipc_export_fn
-	user   unsafe.Pointer
+	user   C.uintptr_t // see releaseCallback
 }
 
 func (e *exportCallback) ExportChunk(index uint64) (int, uint64, error) {
@@ -76,8 +76,13 @@ func (e *exportCallback) ExportChunk(index uint64) (int, uint64, error) {
 
 func (e *exportCallback) Release() {}
 
-// releaseCallback makes a C release_fn a Go func (nil for NULL).
-func releaseCallback(fn C.vmmipc_release_fn, user unsafe.Pointer) func() {
+// releaseCallback makes a C release_fn a Go func (nil for NULL). user is
+// the caller's opaque void *, carried as an integer: callers pass any value
+// there (Python passes a small key), and a Go pointer-typed variable
+// holding a value that is not a valid pointer makes the runtime abort
+// ("invalid pointer found on stack") when it moves the goroutine's stack.
+// abi.c converts it on the way in and the trampolines on the way out.
+func releaseCallback(fn C.vmmipc_release_fn, user C.uintptr_t) func() {
 	if fn == nil {
 		return nil
 	}
@@ -123,7 +128,7 @@ func register(spec core.BufferSpec, o core.RegisterOptions, out *C.vmmipc_ticket
 }
 
 //export vmmipcgo_register
-func vmmipcgo_register(sizes *C.uint64_t, count C.uint64_t, exportFn C.vmmipc_export_fn, releaseFn C.vmmipc_release_fn, user unsafe.Pointer, opts *C.vmmipc_options, ticketOut *C.vmmipc_ticket) C.int {
+func vmmipcgo_register(sizes *C.uint64_t, count C.uint64_t, exportFn C.vmmipc_export_fn, releaseFn C.vmmipc_release_fn, user C.uintptr_t, opts *C.vmmipc_options, ticketOut *C.vmmipc_ticket) C.int {
 	return call("vmmipc_register", func() error {
 		if exportFn == nil {
 			return core.Errorf(core.EINVAL, "vmmipc_register: export_fn is NULL")
@@ -140,7 +145,7 @@ func vmmipcgo_register(sizes *C.uint64_t, count C.uint64_t, exportFn C.vmmipc_ex
 }
 
 //export vmmipcgo_register_host_file
-func vmmipcgo_register_host_file(fd C.int, size, chunkSize C.uint64_t, releaseFn C.vmmipc_release_fn, user unsafe.Pointer, opts *C.vmmipc_options, ticketOut *C.vmmipc_ticket) C.int {
+func vmmipcgo_register_host_file(fd C.int, size, chunkSize C.uint64_t, releaseFn C.vmmipc_release_fn, user C.uintptr_t, opts *C.vmmipc_options, ticketOut *C.vmmipc_ticket) C.int {
 	return call("vmmipc_register_host_file", func() error {
 		o, _, err := registerArgs("vmmipc_register_host_file", opts, ticketOut, 0, nil)
 		if err != nil {
@@ -180,7 +185,7 @@ func vmmipcgo_register_cuda(dptr, size C.uint64_t, opts *C.vmmipc_options, ticke
 }
 
 //export vmmipcgo_register_cuda_handles
-func vmmipcgo_register_cuda_handles(handles, sizes *C.uint64_t, count C.uint64_t, releaseFn C.vmmipc_release_fn, user unsafe.Pointer, opts *C.vmmipc_options, ticketOut *C.vmmipc_ticket) C.int {
+func vmmipcgo_register_cuda_handles(handles, sizes *C.uint64_t, count C.uint64_t, releaseFn C.vmmipc_release_fn, user C.uintptr_t, opts *C.vmmipc_options, ticketOut *C.vmmipc_ticket) C.int {
 	return call("vmmipc_register_cuda_handles", func() error {
 		o, a, err := registerArgs("vmmipc_register_cuda_handles", opts, ticketOut, count, []string{"handles", "sizes"}, handles, sizes)
 		if err != nil {
@@ -210,7 +215,7 @@ func ownTicket(fn string, ticket *C.vmmipc_ticket) (*core.Server, *core.Ticket, 
 }
 
 //export vmmipcgo_register_again
-func vmmipcgo_register_again(ticket *C.vmmipc_ticket, releaseFn C.vmmipc_release_fn, user unsafe.Pointer, opts *C.vmmipc_options, ticketOut *C.vmmipc_ticket) C.int {
+func vmmipcgo_register_again(ticket *C.vmmipc_ticket, releaseFn C.vmmipc_release_fn, user C.uintptr_t, opts *C.vmmipc_options, ticketOut *C.vmmipc_ticket) C.int {
 	return call("vmmipc_register_again", func() error {
 		srv, t, err := ownTicket("vmmipc_register_again", ticket)
 		if err != nil {

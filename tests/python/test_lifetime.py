@@ -8,11 +8,14 @@ import gc
 import mmap
 import os
 import pickle
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 
+import conftest
 import vmmipc
 from vmmipc import _dlpack
 from _mp_helpers import MMAP_DUP, fd_count, settled_fd_count, wait_for
@@ -412,3 +415,41 @@ def test_cuda_core_keeps_one_anchor_per_live_buffer(monkeypatch):
     for t in sent:
         vmmipc.unregister(t)
     assert vmmipc.live_registrations() == live
+
+
+# -- a register call's user data is any value --------------------------------
+
+STACK_MOVES = """
+import ctypes, sys, time
+import vmmipc
+from vmmipc import _lib
+hb = vmmipc.HostBuffer(1 << 20, chunk_size=4096)
+t = hb.grant(uses=0)
+again, ticket = _lib.lib().vmmipc_register_again, t._c()
+opts, release = _lib.options("test", uses=1), _lib.RELEASE_FN(lambda user: None)
+deadline, calls = time.monotonic() + float(sys.argv[1]), 0
+while time.monotonic() < deadline:
+    vmmipc.import_stream(t, cache=False).close()  # grows the calling goroutine's stack
+    for user in range(1, 51):  # user data that no pointer could be
+        out = _lib.vmmipc_ticket()
+        _lib.check("vmmipc_register_again", again(ctypes.byref(ticket), release,
+                   ctypes.c_void_p(user), ctypes.byref(opts), ctypes.byref(out)))
+        vmmipc.unregister(vmmipc.Ticket(bytes(out.bytes)))
+        calls += 1
+print("ok", calls)
+"""
+
+
+def test_user_data_that_is_not_a_pointer_survives_stack_moves():
+    """C callers pass any value as a register call's void *user (this
+    package passes a small integer key). The library carries it as an
+    integer: kept in a Go pointer type, a value such as 0x1bb made the Go
+    runtime abort ("invalid pointer found on stack") whenever it moved the
+    stack of a call in flight, which GOGC=1 and an import between calls
+    made happen within a second (the abort seen in pytest runs under load)."""
+    env = dict(os.environ, GOGC="1", PYTHONPATH=conftest.PYTHON_DIR)
+    r = subprocess.run([sys.executable, "-c", STACK_MOVES, "3"], env=env, capture_output=True,
+                       text=True, timeout=120)
+    said = [ln for ln in r.stderr.splitlines() if "fatal error" in ln or "bad pointer" in ln]
+    assert r.returncode == 0 and r.stdout.startswith("ok"), (r.returncode,
+                                                            said or r.stderr[-2000:])
