@@ -639,7 +639,9 @@ typedef struct vmmipc_mapping {
  * waits on the sender (vmmipc_wait) sees the registration end only once the
  * confirmation ran, usually within a millisecond; confirmations still
  * queued when this process exits are lost (the sender's registration then
- * lives until its ttl or its process's end).
+ * lives until its ttl or its process's end), so a program that may exit
+ * soon after a hit waits first until vmmipc_cache_info reports
+ * confirms_pending == 0 (the Python package does so at exit).
  *
  * *mapping_out belongs to the caller; drop the reference with vmmipc_unmap.
  * Returns:

@@ -265,6 +265,27 @@ def _declare(handle: ctypes.CDLL, path: str) -> None:
         fn.argtypes = argtypes
 
 
+_exit_hooks: list = []  # (fn, exitpriority), see at_exit
+
+
+def at_exit(fn, priority: int) -> None:
+    """Run fn() when a process that has loaded the library exits, as a
+    multiprocessing finalizer of that exitpriority (so also in
+    multiprocessing children, which end with os._exit). Installed when the
+    library is loaded, in the process that loads it: a forkserver's
+    children start with the finalizers they inherit cleared, and the
+    forkserver itself never loads the library."""
+    with _lock:
+        _exit_hooks.append((fn, priority))
+        if loaded():
+            _install_exit_hook(fn, priority)
+
+
+def _install_exit_hook(fn, priority: int) -> None:
+    import multiprocessing.util as mputil
+    mputil.Finalize(None, fn, exitpriority=priority)
+
+
 def lib(function: str = "") -> ctypes.CDLL:
     """The loaded library, loading it on first use. Raises
     LibraryNotFoundError if it cannot be loaded, and VmmipcForkError in a
@@ -276,6 +297,8 @@ def lib(function: str = "") -> ctypes.CDLL:
                 handle, path = _open()
                 _declare(handle, path)
                 _lib, _load_pid = handle, os.getpid()
+                for fn, priority in _exit_hooks:
+                    _install_exit_hook(fn, priority)
     if os.getpid() != _load_pid:
         raise _errors.fork_error(function or "vmmipc")
     return _lib

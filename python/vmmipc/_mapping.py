@@ -13,13 +13,17 @@ bound (set_cache_limit; cache_info tells what is held).
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
+import time
 import weakref
 from typing import NamedTuple
 
 from . import _args, _dlpack, _errors, _exported, _lib
 from ._lib import DEVICE_HOST, DEVICE_SAME, IMPORT_CONFIRM_LATER, IMPORT_NO_CACHE, MEMORY_HOST
 from ._ticket import as_ticket
+
+log = logging.getLogger("vmmipc")
 
 
 def _unmap(struct: _lib.vmmipc_mapping, pid: int) -> None:
@@ -230,7 +234,9 @@ def import_stream(ticket, device: int | None = None, *, timeout: float | None = 
     cache=False neither reuses nor keeps a cached mapping
     (VMMIPC_IMPORT_NO_CACHE). confirm_later=True: a cache hit returns at
     once and spends its use in the background (VMMIPC_IMPORT_CONFIRM_LATER:
-    only for tickets from a channel trusted for the data itself).
+    only for tickets from a channel trusted for the data itself; at exit
+    this process waits for those still queued, EXIT_CONFIRM_SECONDS at
+    most).
     VmmipcMemoryError if the address range cannot be reserved."""
     fn = "vmmipc_import_stream"
     t = as_ticket(ticket, fn)
@@ -287,3 +293,31 @@ def cache_info() -> CacheInfo:
     out = _lib.vmmipc_cache_info()
     _lib.call("vmmipc_cache_get_info", ctypes.byref(out), ctypes.sizeof(out))
     return CacheInfo(*(getattr(out, name) for name in CacheInfo._fields))
+
+
+# How long a process that is exiting waits for the confirmations its cache
+# hits queued (confirm_later: HostBuffer and vmmipc.torch unpickle with it).
+# They run on a library thread; were the process to end first, each
+# sender's grant would stay pending, keeping what it lends alive until its
+# ttl. One confirmation takes about a millisecond; the bound is for a sender
+# that has stopped answering.
+EXIT_CONFIRM_SECONDS = 5.0
+
+
+def _finish_confirmations_at_exit() -> None:
+    if not _lib.loaded():
+        return  # a child made by fork(): what is queued is the parent's
+    deadline = time.monotonic() + EXIT_CONFIRM_SECONDS
+    try:
+        while (pending := cache_info().confirms_pending):
+            if time.monotonic() >= deadline:
+                log.warning("vmmipc: exiting with %d confirmations still pending after %.0f s; "
+                            "their senders keep those grants until their ttl", pending,
+                            EXIT_CONFIRM_SECONDS)
+                return
+            time.sleep(0.001)
+    except _errors.VmmipcError:
+        return  # the library cannot say; nothing to wait for then
+
+
+_lib.at_exit(_finish_confirmations_at_exit, -90)  # before _register's, at -100

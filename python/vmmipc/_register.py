@@ -269,9 +269,4 @@ def _unregister_all_at_exit() -> None:
                 pass
 
 
-def _install_exit_hook() -> None:
-    import multiprocessing.util as mputil
-    mputil.Finalize(None, _unregister_all_at_exit, exitpriority=-100)
-
-
-_install_exit_hook()
+_lib.at_exit(_unregister_all_at_exit, -100)

@@ -256,6 +256,17 @@ def child_repeated(q, results, n, seed):
         results.put({"error": repr(e)})
 
 
+def child_confirm_later_and_exit(tickets, results):
+    """Queue a background confirmation of each ticket, say how many are
+    still pending, and return at once (the process then exits)."""
+    try:
+        for t in tickets:
+            vmmipc.confirm(t, later=True)
+        results.put({"pending": vmmipc.cache_info().confirms_pending})
+    except BaseException as e:
+        results.put({"error": repr(e)})
+
+
 # -- a reducer that fails in the Queue's feeder thread -----------------------
 
 def child_get_error(q, results):

@@ -156,6 +156,29 @@ def close_queues(*queues):
         q.join_thread()
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_exit_waits_for_background_confirmations(method):
+    """A receiver that queues confirmations (confirm_later: what unpickling a
+    HostBuffer it has mapped already does) and exits at once still spends
+    every use: its exit waits for them, so the sender's grants end instead
+    of staying pending."""
+    grants = 200
+    b = vmmipc.HostBuffer(4 * CHUNK, chunk_size=CHUNK)
+    tickets = [b.grant() for _ in range(grants)]
+    ctx = mp.get_context(method)
+    results = ctx.Queue()
+    p = ctx.Process(target=h.child_confirm_later_and_exit, args=(tickets, results))
+    p.start()
+    r = results.get(timeout=TIMEOUT)
+    p.join(TIMEOUT)
+    assert r.get("error") is None, r["error"]
+    assert p.exitcode == 0
+    assert b.wait(10), (f"{len(b.pending_tickets())} of {grants} grants still pending after the "
+                        f"receiver exited ({r['pending']} were pending when it returned)")
+    b.close()
+    close_queues(results)
+
+
 # -- a pickle that fails in the Queue's feeder thread -------------------------
 
 @pytest.mark.parametrize("what", ["closed", "imported"])
