@@ -297,17 +297,17 @@ int vmmipc_open(const vmmipc_ticket *ticket, const vmmipc_options *opts,
 int vmmipc_stream_info(const vmmipc_stream *stream, uint64_t *count_out,
                        uint64_t *total_size_out) {
   FORK_GUARD("vmmipc_stream_info");
-  return vmmipcgo_stream_info((vmmipc_stream *)stream, count_out, total_size_out);
+  return vmmipcgo_stream_info((uintptr_t)stream, count_out, total_size_out);
 }
 
 int vmmipc_pull_next(vmmipc_stream *stream, vmmipc_chunk *chunk_out) {
   FORK_GUARD("vmmipc_pull_next");
-  return vmmipcgo_pull_next(stream, chunk_out);
+  return vmmipcgo_pull_next((uintptr_t)stream, chunk_out);
 }
 
 int vmmipc_close(vmmipc_stream *stream) {
   FORK_GUARD("vmmipc_close");
-  return vmmipcgo_close(stream);
+  return vmmipcgo_close((uintptr_t)stream);
 }
 
 /* The Go runtime aborts the process when it cannot get address space for

@@ -343,18 +343,18 @@ func receiveArgs(what string, ticket *C.vmmipc_ticket, opts *C.vmmipc_options, i
 	return t, o, err
 }
 
-func streamOf(p unsafe.Pointer) (*core.Stream, error) {
-	s, _ := lookupHandle(p).(*core.Stream)
+func streamOf(h C.uintptr_t) (*core.Stream, error) {
+	s, _ := lookupHandle(uintptr(h)).(*core.Stream)
 	if s == nil {
-		return nil, core.Errorf(core.EBADF, "stream handle %p is NULL, stale or closed", p)
+		return nil, core.Errorf(core.EBADF, "stream handle %#x is NULL, stale or closed", uintptr(h))
 	}
 	return s, nil
 }
 
 //export vmmipcgo_stream_info
-func vmmipcgo_stream_info(stream *C.vmmipc_stream, count, total *C.uint64_t) C.int {
+func vmmipcgo_stream_info(stream C.uintptr_t, count, total *C.uint64_t) C.int {
 	return call("vmmipc_stream_info", func() error {
-		s, err := streamOf(unsafe.Pointer(stream))
+		s, err := streamOf(stream)
 		if err != nil {
 			return err
 		}
@@ -369,9 +369,9 @@ func vmmipcgo_stream_info(stream *C.vmmipc_stream, count, total *C.uint64_t) C.i
 }
 
 //export vmmipcgo_pull_next
-func vmmipcgo_pull_next(stream *C.vmmipc_stream, out *C.vmmipc_chunk) C.int {
+func vmmipcgo_pull_next(stream C.uintptr_t, out *C.vmmipc_chunk) C.int {
 	return call("vmmipc_pull_next", func() error {
-		s, err := streamOf(unsafe.Pointer(stream))
+		s, err := streamOf(stream)
 		if err != nil {
 			return err
 		}
@@ -389,11 +389,11 @@ func vmmipcgo_pull_next(stream *C.vmmipc_stream, out *C.vmmipc_chunk) C.int {
 }
 
 //export vmmipcgo_close
-func vmmipcgo_close(stream *C.vmmipc_stream) C.int {
+func vmmipcgo_close(stream C.uintptr_t) C.int {
 	return call("vmmipc_close", func() error {
-		s, _ := takeHandle(unsafe.Pointer(stream)).(*core.Stream)
+		s, _ := takeHandle(uintptr(stream)).(*core.Stream)
 		if s == nil {
-			return core.Errorf(core.EBADF, "vmmipc_close: stream handle %p is NULL, stale or already closed", unsafe.Pointer(stream))
+			return core.Errorf(core.EBADF, "vmmipc_close: stream handle %#x is NULL, stale or already closed", uintptr(stream))
 		}
 		_ = s.Close()
 		return nil

@@ -326,6 +326,13 @@ static int test_handles_and_early_close(void) {
   void *bogus = malloc(16);
   CHECK_RC(vmmipc_pull_next((vmmipc_stream *)bogus, &c), VMMIPC_EBADF);
   free(bogus);
+  /* Values no pointer could be: EBADF, and the Go runtime never holds them
+   * in a pointer type (it would abort when it moves a stack). */
+  for (uintptr_t v = 1; v < 4096; v += 0x1bb) {
+    CHECK_RC(vmmipc_pull_next((vmmipc_stream *)v, &c), VMMIPC_EBADF);
+    CHECK_RC(vmmipc_stream_info((vmmipc_stream *)v, NULL, NULL), VMMIPC_EBADF);
+    CHECK_RC(vmmipc_close((vmmipc_stream *)v), VMMIPC_EBADF);
+  }
   CHECK_RC(vmmipc_unmap(NULL), VMMIPC_EINVAL);
   CHECK_RC(vmmipc_open(&t, NULL, NULL), VMMIPC_EINVAL);
   CHECK_RC(vmmipc_register(NULL, 3, NULL, NULL, NULL, NULL, NULL), VMMIPC_EINVAL);
