@@ -281,10 +281,11 @@ int vmmipc_options_init(vmmipc_options *opts, size_t size);
  * this process's server (started on first use) and fills *ticket_out. Opens
  * no descriptor. Each chunk is exported only when a receiver asks for it, by
  * calling export_fn(user, index, &fd). `sizes` is copied; `user` is borrowed
- * until release_fn(user) runs (release_fn may be NULL). The ticket's memory
- * kind is opts->memory_kind. For VMMIPC_MEMORY_HOST every size except the
- * last must be a multiple of the page size, and each descriptor must be a
- * sealed memfd (see vmmipc_export_fn). Every call makes a new buffer
+ * until release_fn(user) runs (release_fn may be NULL); the library never
+ * dereferences it, so any value will do (an index cast to void *). The
+ * ticket's memory kind is opts->memory_kind. For VMMIPC_MEMORY_HOST every
+ * size except the last must be a multiple of the page size, and each
+ * descriptor must be a sealed memfd (see vmmipc_export_fn). Every call makes a new buffer
  * identity (the library cannot tell that two export_fns serve the same
  * memory); use vmmipc_register_again for another ticket of the same one.
  * Returns:
