@@ -45,12 +45,15 @@ func checkAddressSpace(need uint64) error {
 		sizeStr(need), sizeStr(runtimeHeadroom), sizeStr(lim.Cur), sizeStr(free), sizeStr(used), shortStr(need+runtimeHeadroom-free))
 }
 
-// shortStr gives a shortfall, rounded up to a whole KiB below 1 MiB.
+// shortStr gives a shortfall rounded up (a whole KiB below 1 MiB, else a
+// tenth of a MiB), so that it never reads as less than it is.
 func shortStr(n uint64) string {
 	if n < 1<<20 {
 		return fmt.Sprintf("%d KiB", (n+1023)/1024)
 	}
-	return sizeStr(n)
+	mib, rest := n>>20, n&(1<<20-1)
+	tenths := mib*10 + (rest*10+(1<<20-1))>>20 // the remainder's tenths, rounded up
+	return fmt.Sprintf("%d.%d MiB", tenths/10, tenths%10)
 }
 
 // addressSpaceInUse is this process's virtual size, what RLIMIT_AS counts.

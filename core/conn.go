@@ -171,7 +171,7 @@ func (c *conn) readFull(b []byte, fd *int, fdAllowed bool) error {
 			*fd = fds[0]
 		}
 		if n == 0 {
-			return Errorf(EIO, "%s: the %s closed the connection", c.what, c.peer())
+			return c.ioError("receiving from", io.EOF)
 		}
 		got += n
 		fdAllowed = false // a descriptor only rides on a message's first bytes

@@ -31,8 +31,8 @@ type Importer interface {
 type GPU interface {
 	// Placement resolves device (an ordinal, or DeviceSame for the GPU whose
 	// UUID is uuid) and the access devices into the import cache's placement
-	// key, the same string the importer's Placement gives. After the first
-	// call in a process it makes no driver call, so a cache hit makes none.
+	// key. After the first call in a process it makes no driver call, so a
+	// cache hit makes none.
 	Placement(device int32, uuid [16]byte, access []int32) (string, error)
 	// NewImporter prepares an import onto that placement (driver calls:
 	// peer checks, granularity, primary context); it reserves nothing yet.
@@ -156,15 +156,8 @@ func importNew(t *Ticket, imp Importer, opts OpenOptions) (base uint64, lives bo
 // chunk count. CUDA chunks arrive one descriptor each.
 func mapAll(s *Stream, imp Importer) (bool, error) {
 	t := s.t
-	next := func() (Run, error) {
-		ch, err := s.Next()
-		return Run{Chunk: ch, Count: 1}, err
-	}
-	if t.Kind == MemoryHost {
-		next = s.NextRun
-	}
 	for got := uint64(0); got < t.Count; {
-		r, err := next()
+		r, err := s.advance(t.Kind == MemoryHost)
 		if err != nil {
 			if IsEnd(err) {
 				err = Errorf(EINVAL, "protocol: stream ended after %d of %d chunks", got, t.Count)

@@ -20,6 +20,15 @@ import (
 // (socketdir.go). A receiver that finds the exporter gone knows at once,
 // instead of waiting on whatever now holds the address.
 
+// checkBeforeDial runs what every connection to t's exporter checks first:
+// that its address can reach it from here, and that it is alive.
+func checkBeforeDial(t *Ticket) error {
+	if err := checkReachable(t); err != nil {
+		return err
+	}
+	return checkExporterAlive(t)
+}
+
 // checkReachable refuses tickets whose abstract address cannot reach the
 // exporter from here, saying what to set instead.
 func checkReachable(t *Ticket) error {

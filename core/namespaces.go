@@ -65,18 +65,11 @@ func (n Namespaces) timeNS() nsRelation {
 	return relate(n.Dev, n.Time, us.Dev, us.Time)
 }
 
-var (
-	selfNSOnce sync.Once
-	selfNS     Namespaces
-)
-
-// selfNamespaces returns this process's namespaces. They cannot change
-// during its life (setns and unshare of these kinds apply to the children
-// a process makes, not to itself), so they are read once.
-func selfNamespaces() Namespaces {
-	selfNSOnce.Do(func() { selfNS = readNamespaces() })
-	return selfNS
-}
+// selfNamespaces returns this process's namespaces, read once. Its PID and
+// time namespaces cannot change (setns and unshare of those kinds apply to
+// the children it makes); a host that moves a thread into another network
+// namespace after loading the library is not supported.
+var selfNamespaces = sync.OnceValue(readNamespaces)
 
 // readNamespaces stats /proc/self/ns/{pid,net,time}. A namespace file that
 // lives on another device than the PID namespace's is not trusted.

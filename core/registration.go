@@ -4,8 +4,6 @@ import (
 	"fmt"
 	"sync"
 	"time"
-
-	"golang.org/x/sys/unix"
 )
 
 // Exporter produces chunk descriptors on demand for one buffer.
@@ -115,9 +113,7 @@ func (b *buffer) export(first, max uint64) (fd int, fileOffset, n uint64, err er
 	if re, ok := b.exporter.(RunExporter); ok && max > 1 {
 		fd, fileOffset, n, err = re.ExportRun(first, max)
 		if err == nil && (n == 0 || n > max) {
-			if fd >= 0 {
-				_ = unix.Close(fd)
-			}
+			closeFD(&fd)
 			return -1, 0, 0, Errorf(EINTERNAL, "exporter gave %d chunks for a run of at most %d", n, max)
 		}
 		return fd, fileOffset, n, err

@@ -442,8 +442,12 @@ func TestSizesRoundDown(t *testing.T) {
 			t.Errorf("sizeStr(%d) = %q, want %q", n, got, want)
 		}
 	}
-	if got := shortStr(40<<10 - 1); got != "40 KiB" {
-		t.Errorf("shortStr(40 KiB - 1) = %q", got)
+	for n, want := range map[uint64]string{
+		40<<10 - 1: "40 KiB", 2<<20 - 10<<10: "2.0 MiB", 2 << 20: "2.0 MiB", 2<<20 + 1: "2.1 MiB", 3 << 30: "3072.0 MiB",
+	} {
+		if got := shortStr(n); got != want {
+			t.Errorf("shortStr(%d) = %q, want %q (never less than it is)", n, got, want)
+		}
 	}
 }
 

@@ -29,17 +29,10 @@ import (
 // it): a relay there has a pid of its own. Elsewhere that pid is 0 or
 // another number, and the receiver is refused with the cause.
 
-var (
-	sockDiagOnce sync.Once
-	sockDiagErr  error
-)
-
 // sockDiagWorks tells whether this process can ask the kernel about its
-// unix sockets (asked once, of a socket pair).
-func sockDiagWorks() error {
-	sockDiagOnce.Do(func() { sockDiagErr = probeSockDiag() })
-	return sockDiagErr
-}
+// unix sockets (asked once, of a socket pair). probeSockDiag is called
+// through a closure so that a test can replace it before the first ask.
+var sockDiagWorks = sync.OnceValue(func() error { return probeSockDiag() })
 
 // probeSockDiag is a variable only so that a test can run a receiver that
 // lacks sock_diag, in a process of its own that sets it before anything

@@ -53,10 +53,7 @@ var errBusy = Errorf(EIO, "the exporter is busy with other connections (its boun
 // answers until timeout. It returns the authenticated connection, welcome
 // checked.
 func connect(t *Ticket, timeout time.Duration, flags uint64) (*conn, error) {
-	if err := checkReachable(t); err != nil {
-		return nil, err
-	}
-	if err := checkExporterAlive(t); err != nil {
+	if err := checkBeforeDial(t); err != nil {
 		return nil, err
 	}
 	bound, err := bindingFlag(t)
@@ -442,10 +439,7 @@ func confirm(t *Ticket, timeout time.Duration) (bool, error) {
 // The answer is unauthenticated: it only decides when to drop cached
 // mappings early, never whether to use one.
 func bufferStatus(t *Ticket, ids []uint64, timeout time.Duration) (map[uint64]bool, error) {
-	if err := checkReachable(t); err != nil {
-		return nil, err
-	}
-	if err := checkExporterAlive(t); err != nil {
+	if err := checkBeforeDial(t); err != nil {
 		return nil, err
 	}
 	c, err := dialConn(t, time.Now().Add(timeout), timeout)

@@ -53,13 +53,11 @@ func (a allocation) check(what string) error {
 func RegisterRange(dptr, size uint64) (core.BufferSpec, error) {
 	// Arguments before the environment: a caller's mistake is EINVAL with or
 	// without a driver.
-	switch {
-	case size == 0:
-		return core.BufferSpec{}, core.Errorf(core.EINVAL, "register: size is 0")
-	case dptr == 0:
+	if err := checkRange("register", dptr, size); err != nil {
+		return core.BufferSpec{}, err
+	}
+	if dptr == 0 {
 		return core.BufferSpec{}, core.Errorf(core.EINVAL, "register: dptr is 0 (NULL)")
-	case dptr+size < dptr:
-		return core.BufferSpec{}, core.Errorf(core.EINVAL, "register: range %#x + %d overflows 64 bits", dptr, size)
 	}
 	if err := load(); err != nil {
 		return core.BufferSpec{}, err
@@ -187,13 +185,10 @@ func RegisterHandles(handles, sizes []uint64) (core.BufferSpec, error) {
 // handle types the allocation at dptr allows and its device. It keeps no
 // reference. ENOENT: not VMM memory.
 func QueryRange(dptr, size uint64) (base, n uint64, handleTypes uint32, device int32, err error) {
-	if size == 0 {
-		return 0, 0, 0, 0, core.Errorf(core.EINVAL, "query: size is 0")
+	if err := checkRange("query", dptr, size); err != nil {
+		return 0, 0, 0, 0, err
 	}
 	last := dptr + size - 1
-	if last < dptr {
-		return 0, 0, 0, 0, core.Errorf(core.EINVAL, "query: range %#x + %d overflows 64 bits", dptr, size)
-	}
 	if err := load(); err != nil {
 		return 0, 0, 0, 0, err
 	}

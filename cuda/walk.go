@@ -8,18 +8,27 @@ import "github.com/libvmmipc/libvmmipc/core"
 // span is one allocation inside a registered range.
 type span struct{ addr, size uint64 }
 
+// checkRange refuses an empty range and one that runs past 2^64 (EINVAL,
+// op naming the call), before any driver is looked for.
+func checkRange(op string, dptr, size uint64) error {
+	if size == 0 {
+		return core.Errorf(core.EINVAL, "%s: size is 0", op)
+	}
+	if dptr+size < dptr {
+		return core.Errorf(core.EINVAL, "%s: range %#x + %d overflows 64 bits", op, dptr, size)
+	}
+	return nil
+}
+
 // walkRange splits [dptr, dptr+size) into the allocations mapped there, as
 // reported by rangeAt(p) = the bounds of the allocation containing p
 // (cuMemGetAddressRange). The range must start and end on allocation
 // boundaries.
 func walkRange(dptr, size uint64, rangeAt func(p uint64) (base, n uint64, err error)) ([]span, error) {
-	if size == 0 {
-		return nil, core.Errorf(core.EINVAL, "register: size is 0")
+	if err := checkRange("register", dptr, size); err != nil {
+		return nil, err
 	}
 	end := dptr + size
-	if end < dptr {
-		return nil, core.Errorf(core.EINVAL, "register: range %#x + %d overflows 64 bits", dptr, size)
-	}
 	var spans []span
 	for p := dptr; p < end; {
 		base, n, err := rangeAt(p)

@@ -79,7 +79,8 @@ func (o options) register() core.RegisterOptions {
 
 func (o options) importOptions() (core.ImportOptions, error) {
 	io := core.ImportOptions{OpenOptions: o.open, Access: o.access}
-	return io, io.SetFlags(o.flags)
+	err := io.SetFlags(o.flags) // before io is read: a return list's order is unspecified
+	return io, err
 }
 
 func readTicket(p *C.vmmipc_ticket) (*core.Ticket, error) {
