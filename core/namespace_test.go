@@ -12,9 +12,9 @@ import (
 	"time"
 )
 
-// Receivers and exporters in other namespaces, made with unshare (root, or
-// unprivileged user namespaces, is needed; the tests skip with the reason
-// where unshare cannot make them). A "container" is what
+// Receivers and exporters in other namespaces, made with unshare (root is
+// needed: the lab's containers are made without a user namespace; the
+// tests skip with the reason where unshare cannot make them). A "container" is what
 // tests/namespaces/container.sh makes: its own PID, network and mount
 // namespaces (and, where asked, user namespace), in which the lab's
 // directory is a private tmpfs with only the socket directory bind-mounted
@@ -103,8 +103,8 @@ func (l *nsLab) expectFiles(t *testing.T, what string, names ...string) {
 
 // exporterFiles names the files of the exporter at addr.
 func exporterFiles(addr string) []string {
-	base := strings.TrimSuffix(filepath.Base(addr), socketSuffix)
-	return []string{base + socketSuffix, base + lockSuffix}
+	lock, _ := lockPathFor(addr)
+	return []string{filepath.Base(addr), filepath.Base(lock)}
 }
 
 // startSender starts a sender helper in wrap with its socket in dir ("":
@@ -131,11 +131,8 @@ func (h *helper) fds() int {
 // its answer.
 func (h *helper) waitLive(want int) {
 	h.t.Helper()
-	n := h.live()
-	for deadline := time.Now().Add(5 * time.Second); n != want && time.Now().Before(deadline); n = h.live() {
-		time.Sleep(5 * time.Millisecond)
-	}
-	if n != want {
+	var n int
+	if !waitUntil(5*time.Second, func() bool { n = h.live(); return n == want }) {
 		h.t.Fatalf("the sender holds %d live registrations, want %d", n, want)
 	}
 }
@@ -145,7 +142,10 @@ func (h *helper) waitLive(want int) {
 func (h *helper) expectDone(base int) {
 	h.t.Helper()
 	h.waitLive(0)
-	if n := h.fds(); n != base {
+	// The session's socket and the exporter's duplicate close after the
+	// registration ends: wait for them.
+	var n int
+	if !waitUntil(3*time.Second, func() bool { n = h.fds(); return n == base }) {
 		h.t.Fatalf("the sender holds %d descriptors after its registrations ended, %d before", n, base)
 	}
 }
@@ -188,8 +188,8 @@ func importTimesIn(t *testing.T, wrap []string, tk *Ticket, seed byte, n int, en
 		t.Fatalf("importer said %q: %v", line, err)
 	}
 	r.code, r.took = Code(code), time.Duration(took)*time.Millisecond
-	if f := strings.SplitN(line, " ", 7); len(f) == 7 {
-		r.msg = f[6]
+	if f := strings.SplitN(line, " ", 6); len(f) == 6 { // five fields, then the message
+		r.msg = f[5]
 	}
 	if r.fdsAfter != r.fdsBefore || r.maps != 0 {
 		t.Fatalf("the importer kept %d descriptors and %d mappings after %v", r.fdsAfter-r.fdsBefore, r.maps, r.msg)

@@ -103,9 +103,7 @@ func TestImpostorAcrossContainers(t *testing.T) {
 				t.Fatalf("the exporter was pid %d in its container, the impostor is pid %s in its own; want the same", tk.Pid, pid)
 			}
 			importIn(t, receiver(lab), tk, 42).refused(t, tc.want, tc.code)
-			if conns := impostorLearnedNothing(t, imp, tk); conns != tc.conns {
-				t.Fatalf("the impostor saw %d connections, want %d", conns, tc.conns)
-			}
+			impostorLearnedNothing(t, imp, tk, tc.conns)
 		})
 	}
 }
@@ -122,9 +120,7 @@ func TestExecAcrossContainers(t *testing.T) {
 		t.Fatalf("the exec'd impostor is pid %s, the ticket's %d", pid, tk.Pid)
 	}
 	importIn(t, receiver(lab), tk, 43).refused(t, "has exited", EIO)
-	if conns := impostorLearnedNothing(t, sender, tk); conns != 0 {
-		t.Fatalf("the receiver connected %d times to the exec'd impostor", conns)
-	}
+	impostorLearnedNothing(t, sender, tk, 0)
 }
 
 // TestForkedListenerAcrossContainers: a child of the exporter holds its
@@ -157,9 +153,7 @@ func TestForkedListenerAcrossContainers(t *testing.T) {
 				}
 			}
 			importIn(t, receiver(lab), tk, 44).refused(t, tc.want, tc.code)
-			if conns := impostorLearnedNothing(t, sender, tk); conns != tc.conns {
-				t.Fatalf("the child holding the listener saw %d connections, want %d", conns, tc.conns)
-			}
+			impostorLearnedNothing(t, sender, tk, tc.conns)
 		})
 	}
 }
@@ -181,12 +175,12 @@ func TestSwappedSocketAcrossContainers(t *testing.T) {
 			tk := sender.register(4, 4096, 1, -1, 45)
 			imp, _ := attackerIn(t, lab, tk.Address, mode, "swap")
 			importIn(t, receiver(lab), tk, 45).refused(t, "could not prove", EAUTH)
-			if conns := impostorLearnedNothing(t, imp, tk); conns != 1 {
-				t.Fatalf("the attacker saw %d connections, want the receiver's 1", conns)
-			}
-			imp.send("relayed")
-			if n := imp.expect("relayed ", faultTimeout); n != "0" {
-				t.Fatalf("%s descriptors crossed the relay", n)
+			impostorLearnedNothing(t, imp, tk, 1)
+			if mode == "relay" {
+				imp.send("relayed")
+				if n := imp.expect("relayed ", faultTimeout); n != "0" {
+					t.Fatalf("%s descriptors crossed the relay", n)
+				}
 			}
 			if n := sender.live(); n != 1 {
 				t.Fatalf("%d registrations live after the attack, want the one, not spent", n)

@@ -115,6 +115,7 @@ func TestRunsFallBackToChunks(t *testing.T) {
 func TestHostileRuns(t *testing.T) {
 	const count, size = 4, 4096
 	total := uint64(count * size)
+	before := ourFDs().settled(t) // each case gives back what it opened
 	for _, tc := range []struct {
 		name string
 		msg  []byte
@@ -134,16 +135,15 @@ func TestHostileRuns(t *testing.T) {
 		{"a chunk for a pull-run", chunkMsg{Size: size}.encode(), true, "expected a run from chunk 0, got chunk"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			before := ourFDs().now(t)
 			sp, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
 			if err != nil {
 				t.Fatal(err)
 			}
-			defer unix.Close(sp[1])
+			defer closeFD(&sp[1])
 			file := -1
 			if tc.fd {
 				file = newMemfd(t, int(total), nil)
-				defer unix.Close(file)
+				defer closeFD(&file)
 			}
 			var oob []byte
 			if file >= 0 {
@@ -163,10 +163,8 @@ func TestHostileRuns(t *testing.T) {
 				t.Fatalf("the error is not sticky: %v then %v", err, again)
 			}
 			st.Close()
-			if file >= 0 {
-				unix.Close(file)
-			}
-			unix.Close(sp[1])
+			closeFD(&file)
+			closeFD(&sp[1])
 			ourFDs().waitFor(t, before, "after a refused run: the received descriptor is closed")
 		})
 	}

@@ -12,7 +12,7 @@ root=$(mktemp -d /tmp/vmmipc-ns-XXXXXX)
 mkdir -m 0700 "$root/shared"
 if ! out=$(sh "$here/container.sh" "$root/shared" "$root" true 2>&1); then
   rm -rf "$root"
-  echo "cannot make a container here ($here/container.sh: $out); it needs unshare and root, or unprivileged user namespaces" >&2
+  echo "cannot make a container here ($here/container.sh: $out); it needs unshare and root" >&2
   exit 1
 fi
 echo "$root"
