@@ -21,9 +21,10 @@ an anchor joins a live one only if live attached storages pin every chunk
 under it; otherwise it gets a new anchor, which may overlap old ones (a
 tensor across two runs, a segment that grew: correct, at the cost of
 mapping the shared chunks twice). An anchor with a chunk no longer pinned
-(a storage of it died or moved) is retired at once: its chunks may be
+(a storage of it died or moved) is retired as soon as that is noticed (the
+storage's finalizer, or the next lookup of a moved one): its chunks may be
 unmapped and replaced, and it should not keep memory the allocator gave
-back. Grants made from it stay valid (the library keeps the chunks), and
+back; a lookup never serves a storage from a chunk nobody pins. Grants made from it stay valid (the library keeps the chunks), and
 receivers' mappings hold their own references.
 """
 
@@ -59,13 +60,14 @@ after_fork(lambda: _token.__setitem__(0, _new_token()))
 class User:
     """A storage attached to an anchor, where it was when it was attached,
     and the chunks it pins [lo, hi)."""
-    __slots__ = ("ref", "ptr", "nbytes", "lo", "hi")
+    __slots__ = ("ref", "ptr", "nbytes", "lo", "hi", "finalizer")
 
     def __init__(self, storage, lo: int, hi: int):
         self.ref = weakref.ref(storage)
         self.ptr = storage.data_ptr()
         self.nbytes = storage.nbytes()
         self.lo, self.hi = lo, hi
+        self.finalizer = None  # tells Runs when the storage dies; detached when it leaves
 
     def unchanged(self, storage) -> bool:
         return storage.data_ptr() == self.ptr and storage.nbytes() == self.nbytes
@@ -204,9 +206,10 @@ class Runs:
         with self._lock:
             for p in run:
                 self._attach(made, p)
-            self._live.append(made)
-        if not made.users:
-            made.anchor.retire()  # every storage found another anchor meanwhile
+            if made.fully_pinned():
+                self._live.append(made)
+            else:  # storages found another anchor meanwhile: none may hold what it does not pin
+                self._retire(made)
         return made
 
     def _attach(self, run: RunAnchor, p: Pending) -> None:
@@ -219,14 +222,17 @@ class Runs:
             if user is not None and user.ref() is storage and user.unchanged(storage):
                 return
             self._detach(current, sid)
-        run.users[sid] = User(storage, p.range.base, p.range.base + p.range.size)
+        user = User(storage, p.range.base, p.range.base + p.range.size)
+        user.finalizer = weakref.finalize(storage, _storage_freed, self, sid)
+        user.finalizer.atexit = False  # at exit the process's end unregisters all
+        run.users[sid] = user
         self._by_storage[sid] = run
-        finalizer = weakref.finalize(storage, _storage_freed, self, sid)
-        finalizer.atexit = False  # at exit the process's end unregisters all
 
     def _detach(self, run: RunAnchor, sid: int) -> None:
         """Lock held."""
-        run.users.pop(sid, None)
+        user = run.users.pop(sid, None)
+        if user is not None:
+            user.finalizer.detach()
         if self._by_storage.get(sid) is run:
             del self._by_storage[sid]
         if not run.retired and not run.fully_pinned():
@@ -237,10 +243,17 @@ class Runs:
         run.anchor.retire()  # on the reaper
         if run in self._live:
             self._live.remove(run)
-        for sid in run.users:
+        for sid, user in run.users.items():
+            user.finalizer.detach()
             if self._by_storage.get(sid) is run:
                 del self._by_storage[sid]
         run.users.clear()
+
+    def retire(self, run: RunAnchor) -> None:
+        """Retire run, whose anchor registration ended outside Runs (a grant
+        of it was refused): its storages get a new anchor when next planned."""
+        with self._lock:
+            self._retire(run)
 
     def storage_freed(self, sid: int) -> None:
         """On the reaper: a storage that used an anchor has died."""

@@ -322,9 +322,10 @@ def _storage_args(storage, run: RunAnchor, b: Batch | None) -> tuple:
     try:
         ticket = b.grant(run, storage)
     except _errors.NotFoundError:
-        # The anchor ended under us (unregistered by hand, or at exit):
-        # anchor the storage anew.
-        runs.attached(storage)  # detaches it from the ended anchor
+        # The anchor ended under us (Runs retired it after this batch found
+        # it, or its registration ended some other way): retire it here too
+        # and anchor the storage anew.
+        runs.retire(run)
         run = _anchor_of(storage, None)
         b.remember(storage, run)
         ticket = b.grant(run, storage)

@@ -31,7 +31,8 @@ tensor in the receiver. ARCHITECTURE.md ("vmmipc.torch") has the design.
 What the receiver gets: tensors on the exporter's GPU (found by UUID, so
 CUDA_VISIBLE_DEVICES may differ), zero-copy over the sender's memory: writes
 are seen both ways. Tensors that share a storage arrive sharing one storage
-(views, tied weights), within one pickle and across pickles. dtype, shape,
+(views, tied weights), within one pickle and across pickles while the
+sender's run anchor lives (a retired run arrives anew). dtype, shape,
 stride, storage offset, requires_grad and Parameter-ness are kept. Receiving
 needs numpy (torch parses __cuda_array_interface__ with it).
 

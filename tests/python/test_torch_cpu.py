@@ -76,6 +76,7 @@ class FakeVmmipc:
         self.again = []          # (anchor ticket, uses, ttl, release)
         self.unregistered = []
         self.fail_again = 0      # register_again raises NotFoundError this many times
+        self.ended = set()       # anchor tickets whose register_again raises NotFoundError
         self.ranges = {}         # ptr -> Range, else the chunk-aligned 20 MiB range around it
 
     def cuda_query_range(self, ptr, size):
@@ -93,8 +94,8 @@ class FakeVmmipc:
         return f"anchor-{len(self.shared)}"
 
     def register_again(self, ticket, *, uses=1, ttl=None, release=None):
-        if self.fail_again:
-            self.fail_again -= 1
+        if self.fail_again or ticket in self.ended:
+            self.fail_again = max(0, self.fail_again - 1)
             raise vmmipc.NotFoundError("it ended", vmmipc.ENOENT, "vmmipc_register_again")
         self.again.append((ticket, uses, ttl, release))
         return f"pickle-{len(self.again)}"
@@ -271,6 +272,59 @@ def test_a_moved_storage_leaves_its_old_anchor(fake):
     assert runs.attached(s) not in (None, first)
 
 
+def finalizers_of(obj) -> int:
+    return sum(1 for info in weakref.finalize._registry.values() if info.weakref() is obj)
+
+
+def test_a_storage_attached_again_keeps_one_finalizer(fake):
+    """A run is retired whenever a storage in it dies (a temporary beside
+    the weights); the storages that live on are attached to a new anchor at
+    the next send, each still with one finalizer, not one more per send."""
+    runs = _torch_runs.Runs()
+    keep = Storage(BASE, 1 << 20)
+    for _ in range(20):
+        temporary = Storage(BASE + CHUNK, 1 << 20)  # in the next chunk of the run
+        plan(runs, keep, temporary)
+        del temporary
+        gc.collect()
+        drain()
+        assert runs.attached(keep) is None, "a dead neighbour retired the anchor"
+    plan(runs, keep)
+    assert finalizers_of(keep) == 1 and len(fake.shared) == 21
+
+
+def test_an_anchor_that_lost_a_race_is_not_kept(fake):
+    """Two threads plan the same storage: the anchor of the one that lost
+    covers chunks its users do not pin, so it is retired at once, never
+    counted live or joined later."""
+    runs = _torch_runs.Runs()
+    a = Storage(BASE, 1 << 20)
+    b = Storage(BASE + CHUNK, 1 << 20)
+    pa, pb = runs.pending(a), runs.pending(b)
+    plan(runs, a)                  # the other thread's anchor, of a alone
+    runs._anchor([pa, pb])         # this thread's, planned before it saw that one
+    drain()
+    assert runs.live() == 1 and fake.unregistered == ["anchor-2"]
+    assert runs.attached(a).anchor.ticket == "anchor-1" and runs.attached(b) is None
+
+
+def test_an_anchor_that_ended_is_replaced_when_granting(fake):
+    """A batch found an anchor whose registration has ended since: its
+    grant is refused, so the storage gets a new anchor and the grant comes
+    from that one."""
+    runs = _torch_runs.runs
+    s = Storage(BASE + (300 << 20), 1 << 20)
+    plan(runs, s)
+    old = runs.attached(s)
+    fake.ended.add(old.anchor.ticket)
+    b = _torch_send.Batch()
+    b._events[0] = b"event"
+    args = _torch_send._storage_args(s, old, b)
+    new = runs.attached(s)
+    assert new is not None and new is not old and old.retired
+    assert args[1] == new.id and fake.again[-1][0] == new.anchor.ticket != old.anchor.ticket
+
+
 def test_a_run_that_cannot_be_registered_whole_is_registered_one_by_one(fake, monkeypatch):
     runs = _torch_runs.Runs()
     a, b = Storage(BASE, 1 << 20), Storage(BASE + CHUNK, 1 << 20)
@@ -378,8 +432,9 @@ def test_a_new_batch_makes_new_grants(fake):
     s = Storage(BASE, 1 << 20)
     plan(runs, s)
     run = runs.attached(s)
-    assert _torch_send.Batch().grant(run, s) != _torch_send.Batch().grant(run, s)
-    assert len(fake.again) == 2
+    _torch_send.Batch().grant(run, s)
+    _torch_send.Batch().grant(run, s)
+    assert [t for t, *_ in fake.again] == ["anchor-1", "anchor-1"], "one grant per batch"
 
 
 def test_the_pickle_ttl_reaches_the_grant(fake):
