@@ -2,6 +2,8 @@ package core
 
 import (
 	"testing"
+
+	"golang.org/x/sys/unix"
 )
 
 // A receiver that cannot use sock_diag (no unix_diag in the kernel, or a
@@ -46,4 +48,39 @@ func TestWithoutSockDiag(t *testing.T) {
 		tk := sender.register(4, 4096, 1, -1, 62)
 		importTimesIn(t, lab.pidOnly(), tk, 62, 1, noSockDiag...).refused(t, "cannot ask the kernel which socket is its peer", EIO)
 	})
+}
+
+// TestSockDiagOutOfDescriptorsIsNotKept: a probe that fails for lack of
+// descriptors says nothing about the kernel: the receiver gets ENFILE, and
+// the next call asks again (a kept failure would refuse every receiver
+// across PID namespaces for the rest of the process's life).
+func TestSockDiagOutOfDescriptorsIsNotKept(t *testing.T) {
+	sockDiagProbe.mu.Lock()
+	probed, kept := sockDiagProbe.probed, sockDiagProbe.err
+	sockDiagProbe.probed = false
+	sockDiagProbe.mu.Unlock()
+	real, calls := probeSockDiag, 0
+	probeSockDiag = func() error {
+		if calls++; calls == 1 {
+			return unix.EMFILE
+		}
+		return nil
+	}
+	defer func() {
+		probeSockDiag = real
+		sockDiagProbe.mu.Lock()
+		sockDiagProbe.probed, sockDiagProbe.err = probed, kept
+		sockDiagProbe.mu.Unlock()
+	}()
+	if err := sockDiagWorks(); CodeOf(err) != ENFILE {
+		t.Fatalf("out of descriptors: %v (%v), want ENFILE", err, CodeOf(err))
+	}
+	for range 2 {
+		if err := sockDiagWorks(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if calls != 2 {
+		t.Fatalf("probed %d times, want 2: again after ENFILE, then the answer kept", calls)
+	}
 }

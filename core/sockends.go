@@ -29,10 +29,28 @@ import (
 // it): a relay there has a pid of its own. Elsewhere that pid is 0 or
 // another number, and the receiver is refused with the cause.
 
+var sockDiagProbe = struct {
+	mu     sync.Mutex
+	probed bool
+	err    error
+}{}
+
 // sockDiagWorks tells whether this process can ask the kernel about its
-// unix sockets (asked once, of a socket pair). probeSockDiag is called
-// through a closure so that a test can replace it before the first ask.
-var sockDiagWorks = sync.OnceValue(func() error { return probeSockDiag() })
+// unix sockets (asked of a socket pair). The answer is kept, except a lack
+// of descriptors, which says nothing about the kernel: then it is ENFILE
+// and asked again next time.
+func sockDiagWorks() error {
+	sockDiagProbe.mu.Lock()
+	defer sockDiagProbe.mu.Unlock()
+	if !sockDiagProbe.probed {
+		err := probeSockDiag()
+		if ioCode(err) == ENFILE {
+			return Errorf(ENFILE, "out of descriptors asking the kernel about unix sockets: %w", err)
+		}
+		sockDiagProbe.probed, sockDiagProbe.err = true, err
+	}
+	return sockDiagProbe.err
+}
 
 // probeSockDiag is a variable only so that a test can run a receiver that
 // lacks sock_diag, in a process of its own that sets it before anything
@@ -91,6 +109,9 @@ func kernelExporterSocket(fd int, side byte) (uint64, error) {
 	}
 	if errors.Is(err, unix.ENOENT) {
 		return 0, errNoPeer // closed between the two questions
+	}
+	if ioCode(err) == ENFILE {
+		return 0, Errorf(ENFILE, "cannot name the exporter's socket of the connection: out of descriptors: %w", err)
 	}
 	if err != nil {
 		return 0, Errorf(EIO, "cannot name the exporter's socket of the connection (NETLINK_SOCK_DIAG for unix sockets): %w; the kernel needs unix_diag (CONFIG_UNIX_DIAG; modprobe unix_diag), and a seccomp profile must allow netlink sockets", err)

@@ -171,6 +171,8 @@ func bindingFlag(t *Ticket) (uint64, error) {
 	switch {
 	case err == nil:
 		return 0, nil
+	case CodeOf(err) == ENFILE:
+		return 0, err
 	case t.NS.pidNS() == nsOther:
 		return 0, Errorf(EIO, "open: this process cannot ask the kernel which socket is its peer (NETLINK_SOCK_DIAG for unix sockets: %v), which the handshake needs across PID namespaces, and the exporter (pid %d in its own) is in another one; the kernel needs unix_diag (CONFIG_UNIX_DIAG; modprobe unix_diag), and a seccomp profile must allow netlink sockets", err, t.Pid)
 	}

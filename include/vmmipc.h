@@ -180,7 +180,8 @@ extern "C" {
 #define VMMIPC_IMPORT_NO_CACHE 0x1u      /* neither reuse nor keep a cached mapping */
 #define VMMIPC_IMPORT_CONFIRM_LATER 0x2u /* a cache hit returns at once and its
                                             use is spent in the background
-                                            (vmmipc_import_stream) */
+                                            (vmmipc_import_stream,
+                                            vmmipc_confirm) */
 
 /* A ticket: plain data naming one registration. Copy it freely. It holds the
  * server's socket address, the exporter's pid and process start time and
@@ -671,10 +672,13 @@ int vmmipc_import_stream(const vmmipc_ticket *ticket, int device,
  * exporter spend the use, as a cache hit of vmmipc_import_stream does; with
  * VMMIPC_IMPORT_CONFIRM_LATER in opts->import_flags it returns at once and a
  * library thread does that (vmmipc_cache_info counts it; see
- * vmmipc_import_stream). Opens no descriptor, makes no driver call.
+ * vmmipc_import_stream). Receives no chunk descriptor and makes no driver
+ * call; holds one socket to the exporter (and briefly, across namespaces, a
+ * netlink socket) while it runs.
  * Returns:
  *   VMMIPC_OK      the use is spent (or, with the flag, queued)
- *   VMMIPC_EINVAL  NULL ticket, malformed ticket, option out of bounds
+ *   VMMIPC_EINVAL  NULL ticket, malformed ticket, option out of bounds, or
+ *                  the exporter broke the protocol (as vmmipc_open)
  *   VMMIPC_EAUTH, VMMIPC_ENOENT, VMMIPC_EIO, VMMIPC_ENFILE  as vmmipc_open
  *   VMMIPC_EFORK   called after fork() */
 int vmmipc_confirm(const vmmipc_ticket *ticket, const vmmipc_options *opts);
