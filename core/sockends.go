@@ -120,7 +120,7 @@ func kernelExporterSocket(fd int, side byte) (uint64, error) {
 }
 
 // errNoPeer: the other end of the connection is closed.
-var errNoPeer = Errorf(EIO, "the other side has closed the connection")
+var errNoPeer = Errorf(EIO, "the other side has closed the connection (it exited, or ended this registration)")
 
 // sockDiag is what sock_diag says of one unix socket.
 type sockDiag struct {

@@ -92,14 +92,9 @@ class _Reaper:
 
 
 reaper = _Reaper()
-
-
-def _new_reaper() -> None:
-    global reaper
-    reaper = _Reaper()  # the parent's thread does not exist in the child
-
-
-after_fork(_new_reaper)
+# In a forked child the parent's thread does not exist: start afresh, in
+# place, since other modules hold this object under their own names.
+after_fork(reaper.__init__)
 
 
 def _let_go(_objects) -> None:

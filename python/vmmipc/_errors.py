@@ -192,8 +192,10 @@ def fork_error(function: str) -> VmmipcForkError:
         EFORK, function)
 
 
-def renamed(old: str, new: str) -> None:
-    """Warn (DeprecationWarning, at the caller's caller) that `old` is the
-    previous name of `new`; the old names go in the release after 0.2."""
+def renamed(old: str, new: str, stacklevel: int = 3) -> None:
+    """Warn (DeprecationWarning) that `old` is the previous name of `new`,
+    pointing at the user's line: stacklevel 3 is the caller's caller, for a
+    renamed function that calls this itself. The old names go in the
+    release after 0.2."""
     warnings.warn(f"{old} is deprecated: use {new} (same behaviour); {old} goes in the next "
-                  "release", DeprecationWarning, stacklevel=3)
+                  "release", DeprecationWarning, stacklevel=stacklevel)

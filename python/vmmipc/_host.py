@@ -23,7 +23,6 @@ valid after that. wait() blocks until every such registration has ended.
 from __future__ import annotations
 
 import copyreg
-import ctypes
 import errno
 import fcntl
 import mmap
@@ -68,7 +67,7 @@ def _renamed_pickle_args(pickle_uses, pickle_ttl, deprecated: dict):
     pickle_ttl= (they set per-pickle values, not the buffer's)."""
     for old, new in (("uses", "pickle_uses"), ("ttl", "pickle_ttl")):
         if old in deprecated:
-            _errors.renamed(f"HostBuffer({old}=)", f"HostBuffer({new}=)")
+            _errors.renamed(f"HostBuffer({old}=)", f"HostBuffer({new}=)", stacklevel=4)
     unknown = set(deprecated) - {"uses", "ttl"}
     if unknown:
         raise TypeError(f"HostBuffer() got an unexpected keyword argument {sorted(unknown)[0]!r}")

@@ -269,12 +269,13 @@ _exit_hooks: list = []  # (fn, exitpriority), see at_exit
 
 
 def at_exit(fn, priority: int) -> None:
-    """Run fn() when a process that has loaded the library exits, as a
-    multiprocessing finalizer of that exitpriority (so also in
-    multiprocessing children, which end with os._exit). Installed when the
-    library is loaded, in the process that loads it: a forkserver's
-    children start with the finalizers they inherit cleared, and the
-    forkserver itself never loads the library."""
+    """Run fn() when a process that has loaded the library exits (not in a
+    child made by fork() of it), as a multiprocessing finalizer of that
+    exitpriority (so also in multiprocessing children, which end with
+    os._exit). Installed when the library is loaded, in the process that
+    loads it: a forkserver's children start with the finalizers they
+    inherit cleared, and the forkserver itself never loads the library.
+    (A hook added after the load is installed at once.)"""
     with _lock:
         _exit_hooks.append((fn, priority))
         if loaded():
@@ -283,7 +284,7 @@ def at_exit(fn, priority: int) -> None:
 
 def _install_exit_hook(fn, priority: int) -> None:
     import multiprocessing.util as mputil
-    mputil.Finalize(None, fn, exitpriority=priority)
+    mputil.Finalize(None, lambda: loaded() and fn(), exitpriority=priority)
 
 
 def lib(function: str = "") -> ctypes.CDLL:

@@ -260,7 +260,7 @@ def confirm(ticket, *, later: bool = False, timeout: float | None = None) -> Non
     registration ends. later=True returns at once and a library thread
     confirms (VMMIPC_IMPORT_CONFIRM_LATER; cache_info counts it)."""
     fn = "vmmipc_confirm"
-    t = as_ticket(ticket)
+    t = as_ticket(ticket, fn)
     opts = _lib.options(fn, timeout=timeout,
                         import_flags=IMPORT_CONFIRM_LATER if later else 0)
     _lib.call(fn, ctypes.byref(t._c()), ctypes.byref(opts))
@@ -305,8 +305,6 @@ EXIT_CONFIRM_SECONDS = 5.0
 
 
 def _finish_confirmations_at_exit() -> None:
-    if not _lib.loaded():
-        return  # a child made by fork(): what is queued is the parent's
     deadline = time.monotonic() + EXIT_CONFIRM_SECONDS
     try:
         while (pending := cache_info().confirms_pending):

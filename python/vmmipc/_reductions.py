@@ -5,8 +5,9 @@ The types know nothing of their reducers, so imports run one way: this
 module imports _host and _mp; they import nothing of it.
 
   - HostBuffer pickles through vmmipc with every pickler (pickle.dumps,
-    copy, multiprocessing): its reducer is registered with copyreg, whose
-    table multiprocessing's ForkingPickler starts from. Installed by
+    copy, multiprocessing): its reducer is registered with copyreg, where
+    HostBuffer.__reduce_ex__ finds it (instances are of per-size subclasses,
+    which no pickler's table names). Installed by
     init_reductions(), which `import vmmipc` calls; it loads no library.
   - Frameworks' types (cuda.core Buffer, torch storages) pickle through
     vmmipc only in multiprocessing, next to their own pickling: they are

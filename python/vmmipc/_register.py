@@ -256,8 +256,6 @@ def _unregister_all_at_exit() -> None:
     # interpreter that is finalizing. Runs after multiprocessing has joined
     # the children (exitpriority < 0), which may still be fetching what was
     # pickled for them, and after Queue feeder threads were flushed.
-    if not _lib.loaded():
-        return
     # Receivers that come now hear that the exporter is exiting, not that
     # someone unregistered what they were sent.
     _lib.call("vmmipc_exiting")

@@ -8,6 +8,8 @@ that has auditwheel 6.8 or later (for --json).
     python check_wheel.py dist/vmmipc-<version>-py3-none-manylinux_2_28_x86_64.whl
 """
 
+from __future__ import annotations
+
 import json
 import os
 import re

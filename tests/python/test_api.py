@@ -510,16 +510,18 @@ def test_old_names_warn_and_still_work():
     # HostBuffer(uses=, ttl=) -> pickle_uses=, pickle_ttl=. The old names
     # work for one release and warn.
     with pytest.warns(DeprecationWarning, match=r"HostBuffer\(uses=\) is deprecated: use "
-                                                r"HostBuffer\(pickle_uses=\)"):
+                                                r"HostBuffer\(pickle_uses=\)") as w:
         hb = vmmipc.HostBuffer(PAGE, uses=2)
+    assert w[0].filename == __file__, "the warning names the caller's line (default filters show it)"
     with pytest.warns(DeprecationWarning, match=r"HostBuffer\(ttl=\) is deprecated"):
         vmmipc.HostBuffer(PAGE, ttl=5).close()
     assert hb.pickle_uses == 2
     with pytest.raises(TypeError, match="unexpected keyword argument 'usess'"):
         vmmipc.HostBuffer(PAGE, usess=2)
     hb.view[:4] = b"old!"
-    with pytest.warns(DeprecationWarning, match=r"HostBuffer\.share is deprecated: use HostBuffer\.grant"):
+    with pytest.warns(DeprecationWarning, match=r"HostBuffer\.share is deprecated: use HostBuffer\.grant") as w:
         t = hb.share(uses=1)
+    assert w[0].filename == __file__
     assert hb.pending_tickets() == [t]  # a grant of the anchor, as grant() makes
     with vmmipc.import_stream(t, cache=False) as m:
         assert bytes(m.view[:4]) == b"old!"

@@ -125,6 +125,7 @@ NOT_A_TICKET = [
     (lambda t: vmmipc.wait(t), "vmmipc_wait"),
     (lambda t: vmmipc.register_again(t), "vmmipc_register_again"),
     (lambda t: vmmipc.unregister(t), "vmmipc_unregister"),
+    (lambda t: vmmipc.confirm(t), "vmmipc_confirm"),
     (lambda t: vmmipc.HostBuffer.from_ticket(t), "HostBuffer.from_ticket"),
     (lambda t: vmmipc.Ticket(t), "Ticket"),
 ]

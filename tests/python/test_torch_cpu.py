@@ -541,13 +541,15 @@ def test_after_fork_the_child_has_fresh_state():
     """One hook (vmmipc._anchor.after_fork) resets what a forked child
     inherits: a new sender token, a new reaper, anchors it must not end."""
     token = _torch_runs._token[0]
+    drain()  # the parent's reaper thread runs: the child must not count on it
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # a forkserver child inherits the module state like this
-        ok = _anchor.reaper is not None and _torch_runs._token[0] != token
-        done = threading.Event()
-        _anchor.reaper.submit(done.set)
-        ok = ok and done.wait(10)
+        ok = _torch_runs._token[0] != token
+        for reaper in (_anchor.reaper, _torch_runs.reaper):  # also under an imported name
+            done = threading.Event()
+            reaper.submit(done.set)
+            ok = ok and done.wait(10)
         os.write(w, _torch_runs._token[0] if ok else b"x" * 16)
         os._exit(0)
     os.waitpid(pid, 0)
