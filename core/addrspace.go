@@ -9,16 +9,13 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// runtimeHeadroom is the address space an import leaves free under
+// RuntimeHeadroom is the address space an import leaves free under
 // RLIMIT_AS for the Go runtime inside this process: the runtime reserves its
 // heap in 64 MiB arenas and each new thread takes a stack, and it cannot
 // survive failing to get them (it aborts the whole process). A reservation
-// that would leave less is refused with ENOMEM instead.
-const runtimeHeadroom = 128 << 20
-
-// RuntimeHeadroom is runtimeHeadroom for export/abi.c, which refuses an
-// import that leaves less before entering Go (its init hands the value over).
-const RuntimeHeadroom = runtimeHeadroom
+// that would leave less is refused with ENOMEM instead; export/abi.c
+// refuses such an import before entering Go (its init hands the value over).
+const RuntimeHeadroom = 128 << 20
 
 // checkAddressSpace refuses a reservation of need bytes that RLIMIT_AS
 // leaves no room for. (CUDA reservations count too: the driver keeps the
@@ -32,7 +29,7 @@ func checkAddressSpace(need uint64) error {
 	if err != nil {
 		return nil // cannot tell: let the reservation itself fail cleanly
 	}
-	if need <= lim.Cur && used <= lim.Cur-need && lim.Cur-need-used >= runtimeHeadroom {
+	if need <= lim.Cur && used <= lim.Cur-need && lim.Cur-need-used >= RuntimeHeadroom {
 		return nil
 	}
 	free := uint64(0)
@@ -42,7 +39,7 @@ func checkAddressSpace(need uint64) error {
 	// The figures are rounded down and the shortfall given exactly: a free
 	// figure rounded up to what is needed would read as enough.
 	return Errorf(ENOMEM, "import: reserving %s needs that much address space plus %s kept for the Go runtime, but RLIMIT_AS (%s) leaves %s free (%s in use), %s short: raise RLIMIT_AS (ulimit -v) or import less at a time",
-		sizeStr(need), sizeStr(runtimeHeadroom), sizeStr(lim.Cur), sizeStr(free), sizeStr(used), shortStr(need+runtimeHeadroom-free))
+		sizeStr(need), sizeStr(RuntimeHeadroom), sizeStr(lim.Cur), sizeStr(free), sizeStr(used), shortStr(need+RuntimeHeadroom-free))
 }
 
 // shortStr gives a shortfall rounded up (a whole KiB below 1 MiB, else a

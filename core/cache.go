@@ -145,7 +145,7 @@ func (c *importCache) hit(key cacheKey, t *Ticket, timeout time.Duration, later 
 		victims = append(victims, c.unref(e)...)
 		c.mu.Unlock()
 		undoAll(victims)
-		return Ref{}, true, wrapErr(CodeOf(err), err, "import (cached mapping at %#x)", e.base)
+		return Ref{}, true, WrapErr(CodeOf(err), err, "import (cached mapping at %#x)", e.base)
 	}
 	e.lives = lives
 	c.stats.Hits++
@@ -281,7 +281,7 @@ func Unmap(id, base uint64) error {
 	var first error
 	for _, v := range victims {
 		if err := v.imp.Unmap(); err != nil && v == e && first == nil {
-			first = wrapErr(EIO, err, "unmap %#x", base)
+			first = WrapErr(EIO, err, "unmap %#x", base)
 		}
 	}
 	return first
@@ -315,7 +315,7 @@ func SetCacheLimit(n uint64) error {
 	var first error
 	for _, v := range victims {
 		if err := v.imp.Unmap(); err != nil && first == nil {
-			first = wrapErr(EIO, err, "cache: unmap %#x", v.base)
+			first = WrapErr(EIO, err, "cache: unmap %#x", v.base)
 		}
 	}
 	return first

@@ -110,11 +110,6 @@ func Errorf(code Code, format string, args ...any) error {
 // formatted context in front of its message; the cause stays reachable with
 // errors.Is/As. The one way every package prefixes an error.
 func WrapErr(code Code, err error, format string, args ...any) error {
-	return wrapErr(code, err, format, args...)
-}
-
-// wrapErr is WrapErr.
-func wrapErr(code Code, err error, format string, args ...any) error {
 	msg := fmt.Sprintf(format, args...)
 	var e *Error
 	if errors.As(err, &e) {

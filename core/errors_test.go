@@ -15,7 +15,7 @@ func TestErrorfWrapsOnce(t *testing.T) {
 	if !errors.Is(err, syscall.ENOMEM) || CodeOf(err) != EIO {
 		t.Fatalf("cause or code lost: %v", err)
 	}
-	w := wrapErr(EIO, err, "chunk %d of %d", 3, 9)
+	w := WrapErr(EIO, err, "chunk %d of %d", 3, 9)
 	if got, want := w.Error(), "chunk 3 of 9: mmap reserve of 4096 bytes: cannot allocate memory"; got != want {
 		t.Fatalf("got %q, want %q", got, want)
 	}

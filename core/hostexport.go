@@ -39,7 +39,7 @@ func HostFile(fd int, size, chunkSize uint64) (BufferSpec, error) {
 	}
 	st, err := checkHostFile(fd, size)
 	if err != nil {
-		return BufferSpec{}, wrapErr(EINVAL, err, "register")
+		return BufferSpec{}, WrapErr(EINVAL, err, "register")
 	}
 	dup, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
 	if err != nil {

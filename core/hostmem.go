@@ -49,9 +49,9 @@ func (h *HostImporter) Map(c Chunk) error {
 	if _, err := checkHostFile(c.FD, end); err != nil {
 		var st unix.Stat_t
 		if unix.Fstat(c.FD, &st) == nil && st.Mode&unix.S_IFMT != unix.S_IFREG {
-			return wrapErr(EINVAL, err, "refusing to map the sender's descriptor (is this a CUDA ticket? import it onto a GPU)")
+			return WrapErr(EINVAL, err, "refusing to map the sender's descriptor (is this a CUDA ticket? import it onto a GPU)")
 		}
-		return wrapErr(EINVAL, err, "refusing to map the sender's descriptor")
+		return WrapErr(EINVAL, err, "refusing to map the sender's descriptor")
 	}
 	at := unsafe.Add(h.base, c.Offset)
 	if _, err := unix.MmapPtr(c.FD, int64(c.FileOffset), at, uintptr(c.Size),

@@ -138,12 +138,12 @@ func importNew(t *Ticket, imp Importer, opts OpenOptions) (base uint64, lives bo
 	}
 	base, err = imp.Reserve(t.Total)
 	if err != nil {
-		return 0, false, wrapErr(ENOMEM, err, "import: reserving %d bytes", t.Total)
+		return 0, false, WrapErr(ENOMEM, err, "import: reserving %d bytes", t.Total)
 	}
 	lives, err = mapAll(s, imp)
 	if err != nil {
 		if uerr := imp.Unmap(); uerr != nil {
-			err = wrapErr(CodeOf(err), err, "import failed (and undoing it failed too: %v)", uerr)
+			err = WrapErr(CodeOf(err), err, "import failed (and undoing it failed too: %v)", uerr)
 		}
 		return 0, false, err
 	}
@@ -167,7 +167,7 @@ func mapAll(s *Stream, imp Importer) (bool, error) {
 		err = imp.Map(r.Chunk) // a run maps as one chunk: its range and file offset cover it all
 		closeFD(&r.FD)
 		if err != nil {
-			return false, wrapErr(EIO, err, "%s of %d", r.chunks(), t.Count)
+			return false, WrapErr(EIO, err, "%s of %d", r.chunks(), t.Count)
 		}
 		got += r.Count
 	}

@@ -263,13 +263,13 @@ func (s *Server) own(t *Ticket, releasing bool, op string) (*registration, error
 	}
 	g, err := s.reg.lookupOwn(t.RegID, t.Secret, releasing)
 	if err != nil {
-		return nil, wrapErr(CodeOf(err), err, "%s", op)
+		return nil, WrapErr(CodeOf(err), err, "%s", op)
 	}
 	// Id and secret found it; the rest of the ticket must be the very one
 	// issued too, as the handshake's digest demands of receivers.
 	d, err := t.Digest()
 	if err != nil {
-		return nil, wrapErr(CodeOf(err), err, "%s", op)
+		return nil, WrapErr(CodeOf(err), err, "%s", op)
 	}
 	if subtle.ConstantTimeCompare(d[:], g.digest[:]) != 1 {
 		return nil, Errorf(EINVAL, "%s: the ticket names registration %d with its secret, but other bytes of it differ from the ticket issued (a corrupted copy?)", op, t.RegID)

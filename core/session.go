@@ -167,7 +167,7 @@ func (ss *session) binding(flags uint64) (uint64, error) {
 	}
 	cred, err := peerCred(ss.p.uc)
 	if err != nil {
-		return 0, Errorf(EAUTH, "cannot read the receiver's credentials (SO_PEERCRED): %v", err)
+		return 0, Errorf(EAUTH, "cannot read the receiver's credentials (SO_PEERCRED): %w", err)
 	}
 	if cred.Pid == 0 {
 		return 0, Errorf(EAUTH, "the receiver, which cannot use sock_diag, binds the handshake to its pid, but it is not in the exporter's PID namespace (its pid here is 0): it needs unix_diag in the kernel (modprobe unix_diag) and netlink sockets allowed by its seccomp profile")
@@ -289,7 +289,7 @@ func (ss *session) sendChunks(g *registration, first, max uint64, run bool, spen
 		if CodeOf(err) == ENOENT {
 			return 0, err
 		}
-		return 0, wrapErr(EEXPORT, err, "chunk %d of %d: export failed", first, len(b.sizes))
+		return 0, WrapErr(EEXPORT, err, "chunk %d of %d: export failed", first, len(b.sizes))
 	}
 	if fd < 0 {
 		return 0, Errorf(EEXPORT, "chunk %d of %d: exporter returned no descriptor", first, len(b.sizes))

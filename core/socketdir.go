@@ -52,7 +52,10 @@ func checkSocketDir(dir string) (string, error) {
 		return fail("%w", err)
 	}
 	var st unix.Stat_t
-	if err := unix.Stat(real, &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFDIR {
+	if err := unix.Stat(real, &st); err != nil {
+		return fail("%w", err)
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFDIR {
 		return fail("not a directory")
 	}
 	// The directories as named (a symlink's own directory decides who can
@@ -81,7 +84,7 @@ func checkDirChain(dir string) error {
 				return Errorf(EIO, "%s is writable by other users (mode %04o) and has no sticky bit, so any of them could replace the exporter's socket; use a directory only this user can write (chmod 0700), or set the sticky bit (chmod +t), as /tmp has", p, st.Mode&0o7777)
 			}
 		}
-		if p == "/" || p == "." {
+		if p == "/" { // only absolute paths come here
 			return nil
 		}
 	}

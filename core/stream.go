@@ -80,7 +80,7 @@ func connect(t *Ticket, timeout time.Duration, flags uint64) (*conn, error) {
 			return nil, err
 		}
 		if !time.Now().Add(backoff).Before(deadline) {
-			return nil, wrapErr(EIO, err, "open: gave up after %v", timeout)
+			return nil, WrapErr(EIO, err, "open: gave up after %v", timeout)
 		}
 		time.Sleep(backoff)
 	}
@@ -174,7 +174,7 @@ func bindingFlag(t *Ticket) (uint64, error) {
 	case CodeOf(err) == ENFILE:
 		return 0, err
 	case t.NS.pidNS() == nsOther:
-		return 0, Errorf(EIO, "open: this process cannot ask the kernel which socket is its peer (NETLINK_SOCK_DIAG for unix sockets: %v), which the handshake needs across PID namespaces, and the exporter (pid %d in its own) is in another one; the kernel needs unix_diag (CONFIG_UNIX_DIAG; modprobe unix_diag), and a seccomp profile must allow netlink sockets", err, t.Pid)
+		return 0, Errorf(EIO, "open: this process cannot ask the kernel which socket is its peer (NETLINK_SOCK_DIAG for unix sockets: %w), which the handshake needs across PID namespaces, and the exporter (pid %d in its own) is in another one; the kernel needs unix_diag (CONFIG_UNIX_DIAG; modprobe unix_diag), and a seccomp profile must allow netlink sockets", err, t.Pid)
 	}
 	return helloPidBound, nil
 }
@@ -211,7 +211,7 @@ func handshake(c *conn, t *Ticket, digest [32]byte, flags uint64) error {
 		return pendingError(c, err) // evicted after the challenge: "busy"
 	}
 	if err != nil {
-		return wrapErr(EIO, err, "open")
+		return WrapErr(EIO, err, "open")
 	}
 	tr := transcript{
 		RegID: t.RegID, Flags: flags, Socket: sock,
@@ -373,7 +373,7 @@ func (s *Stream) finish() error {
 func readDoneAck(c *conn) (bool, error) {
 	f, err := recvControl(c, "done-ack")
 	if err != nil {
-		return false, wrapErr(EIO, err, "waiting for the exporter to confirm")
+		return false, WrapErr(EIO, err, "waiting for the exporter to confirm")
 	}
 	ack, err := parseDoneAck(f.Body)
 	if err != nil {
@@ -406,7 +406,7 @@ func (s *Stream) checkChunk(m chunkMsg, fd int) error {
 
 // chunkErr prefixes an error with the chunk we were waiting for.
 func (s *Stream) chunkErr(err error) error {
-	return wrapErr(EIO, err, "chunk %d of %d", s.received, s.t.Count)
+	return WrapErr(EIO, err, "chunk %d of %d", s.received, s.t.Count)
 }
 
 // Close ends the stream. A stream closed before End gives its use back to

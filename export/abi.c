@@ -320,7 +320,6 @@ int vmmipc_close(vmmipc_stream *stream) {
  * so before any call). Reads /proc/self/statm into a stack buffer: no
  * allocation. */
 static unsigned long long runtime_headroom;
-#define RUNTIME_HEADROOM runtime_headroom
 
 void vmmipc_abi_set_runtime_headroom(unsigned long long bytes) { runtime_headroom = bytes; }
 
@@ -336,7 +335,7 @@ static int address_space_short(unsigned long long *limit, unsigned long long *us
   buf[n] = '\0';
   *used = strtoull(buf, NULL, 10) * (unsigned long long)sysconf(_SC_PAGESIZE);
   *limit = r.rlim_cur;
-  return *limit < *used || *limit - *used < RUNTIME_HEADROOM;
+  return *limit < *used || *limit - *used < runtime_headroom;
 }
 
 int vmmipc_import_stream(const vmmipc_ticket *ticket, int device, const vmmipc_options *opts,
@@ -348,7 +347,7 @@ int vmmipc_import_stream(const vmmipc_ticket *ticket, int device, const vmmipc_o
     snprintf(msg, sizeof msg,
              "import: RLIMIT_AS (%llu MiB) leaves %llu MiB free (%llu MiB in use), less than the %llu MiB "
              "the Go runtime inside libvmmipc is kept: raise RLIMIT_AS (ulimit -v) or import less at a time",
-             limit >> 20, limit > used ? (limit - used) >> 20 : 0, used >> 20, RUNTIME_HEADROOM >> 20);
+             limit >> 20, limit > used ? (limit - used) >> 20 : 0, used >> 20, runtime_headroom >> 20);
     return set_error_str(VMMIPC_ENOMEM, msg);
   }
   return vmmipcgo_import_stream((vmmipc_ticket *)ticket, device, (vmmipc_options *)opts,
