@@ -61,8 +61,9 @@ static int test_cache_api(void) {
  * registration made from a mapped buffer ends (its release_fn runs) with
  * no export and no descriptor here; a used-up ticket is ENOENT, a forged
  * one EAUTH (spending nothing). VMMIPC_IMPORT_CONFIRM_LATER: a hit returns
- * at once with no descriptor opened, and the use is spent by a library
- * thread (confirms_pending drops to 0; the sender's registration ends). */
+ * at once with no descriptor opened, even while the sender is stopped and
+ * could answer nothing, and the use is spent by a library thread once it
+ * runs again (confirms_pending drops to 0; the sender's registration ends). */
 static int test_confirm(void) {
   enum { N = 8, CS = 4096 };
   START_SENDER(s, t0, "callback", N, CS, 0, -1, 0);
@@ -92,8 +93,16 @@ static int test_confirm(void) {
   vmmipc_mapping m;
   fd_sampler fs;
   fd_sampler_start(&fs, 0);
-  CHECK_RC(vmmipc_import_stream(&t2, VMMIPC_DEVICE_HOST, &o, &m), VMMIPC_OK);
+  CHECK(kill(s.pid, SIGSTOP) == 0, "SIGSTOP: %s", strerror(errno));
+  double t_hit = now_ms();
+  rc = vmmipc_import_stream(&t2, VMMIPC_DEVICE_HOST, &o, &m);
+  t_hit = now_ms() - t_hit;
+  int queued = (int)cache_info().confirms_pending;
+  CHECK(kill(s.pid, SIGCONT) == 0, "SIGCONT: %s", strerror(errno));
   int peak = fd_sampler_stop(&fs);
+  CHECK(rc == VMMIPC_OK, "deferred hit: %d %s", rc, vmmipc_last_error());
+  CHECK(t_hit < 1000 && queued >= 1, "a deferred hit with the sender stopped took %.0f ms, %d confirmations queued",
+        t_hit, queued);
   CHECK(m.addr == addr && cache_info().hits == c0.hits + 1, "a deferred hit is at %#llx (cached at %#llx)",
         (unsigned long long)m.addr, (unsigned long long)addr);
   CHECK(peak - base <= 2, "the deferred hit and its confirmation took %d descriptors", peak - base);
