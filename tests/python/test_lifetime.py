@@ -453,3 +453,37 @@ def test_user_data_that_is_not_a_pointer_survives_stack_moves():
     said = [ln for ln in r.stderr.splitlines() if "fatal error" in ln or "bad pointer" in ln]
     assert r.returncode == 0 and r.stdout.startswith("ok"), (r.returncode,
                                                             said or r.stderr[-2000:])
+
+
+# -- the socket directory's files at exit --------------------------------------
+
+AT_EXIT = """
+import os, sys
+import vmmipc
+hb = vmmipc.HostBuffer(4096)
+hb.grant()
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)  # exit(): the atexit handler it inherited must leave the files
+os.waitpid(pid, 0)
+print(sorted(os.listdir(sys.argv[1])))
+"""
+
+
+def test_exit_removes_the_socket_files_but_a_forked_child_does_not():
+    """With VMMIPC_SOCKET_DIR the exporter's socket and lock are removed when
+    it calls exit(); a child made by fork() that exits first leaves them to
+    the exporter, which still serves."""
+    import tempfile
+    with tempfile.TemporaryDirectory(prefix="vmmipc-") as d:  # short: a socket path has 107 bytes
+        exit_leaves_files(d)
+
+
+def exit_leaves_files(d):
+    env = dict(os.environ, VMMIPC_SOCKET_DIR=str(d), PYTHONPATH=conftest.PYTHON_DIR)
+    r = subprocess.run([sys.executable, "-c", AT_EXIT, str(d)], env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    after_child = eval(r.stdout.strip())
+    assert [n.rsplit(".", 1)[1] for n in after_child] == ["lock", "sock"], after_child
+    assert os.listdir(d) == [], "the exporter's exit() removes its files"
