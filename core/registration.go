@@ -261,7 +261,10 @@ func (g *registration) spend(c *claim) (usedUp bool) {
 	c.spent = true
 	g.claimed--
 	g.consumed++
-	g.notifySettled()
+	// No waiter is woken: consumed+claimed is unchanged, so none could
+	// claim now, and one woken would be refused as "used up" although the
+	// use comes back if this last send fails (unspend). The end, or the
+	// session's drop, wakes them.
 	return g.uses != 0 && g.consumed >= g.uses
 }
 

@@ -3,6 +3,7 @@ package core
 import (
 	"fmt"
 	"os"
+	"runtime"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -577,4 +578,67 @@ func TestLocalCallsRefuseAlteredTickets(t *testing.T) {
 	if err := s.Unregister(tk); err != nil {
 		t.Fatalf("the real ticket: %v", err)
 	}
+}
+
+// TestWaiterOutlivesAGivenBackUse: uses = 1, one receiver is being served
+// and another waits for the use. The first spends it for its last chunk,
+// then that send fails and the use is given back: the waiter gets it,
+// rather than being told at the spend that the registration was used up.
+func TestWaiterOutlivesAGivenBackUse(t *testing.T) {
+	s := newTestServer(t)
+	fd := newMemfd(t, 4096, nil)
+	defer unix.Close(fd)
+	tk, err := s.Register(hookedFile(t, fd, 4096, 4096, func(uint64) error { return nil }), RegisterOptions{Uses: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	g, err := s.reg.lookup(tk.RegID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	first, err := g.claim(func() {})
+	if err != nil {
+		t.Fatal(err)
+	}
+	type result struct {
+		c   *claim
+		err error
+	}
+	waiter := make(chan result, 1)
+	go func() { c, err := g.claim(func() {}); waiter <- result{c, err} }()
+	if !waitUntil(5*time.Second, func() bool { return blockedIn("(*registration).claim") }) {
+		t.Fatal("the second receiver never waited for the use")
+	}
+	g.spend(first)
+	select {
+	case r := <-waiter:
+		t.Fatalf("the waiter returned at the spend (%v, %v): the use may still come back", r.c, r.err)
+	case <-time.After(100 * time.Millisecond):
+	}
+	g.unspend(first) // the last send failed
+	g.drop(first)
+	select {
+	case r := <-waiter:
+		if r.err != nil {
+			t.Fatalf("the waiter was refused a use that was given back: %v", r.err)
+		}
+		g.drop(r.c)
+	case <-time.After(5 * time.Second):
+		t.Fatal("the waiter never got the use given back")
+	}
+	if err := s.Unregister(tk); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// blockedIn reports whether some goroutine is parked in a select inside fn
+// (a waiter in claim).
+func blockedIn(fn string) bool {
+	buf := make([]byte, 1<<20)
+	for _, g := range strings.Split(string(buf[:runtime.Stack(buf, true)]), "\n\n") {
+		if strings.Contains(g, "[select") && strings.Contains(g, fn) {
+			return true
+		}
+	}
+	return false
 }
