@@ -199,6 +199,38 @@ func TestImpostorReusesPid(t *testing.T) {
 	t.Logf("pid %d reused in a pid namespace: %s", tk.Pid, result)
 }
 
+// forkListenerCases: a child of the exporter holds a duplicate of its
+// listening socket and answers in its place (mode), while the exporter
+// closes its own listener and lives on, or exits (then).
+var forkListenerCases = []struct {
+	then, mode, want string
+	code             Code
+	conns            int
+}{
+	{"close", "fakeproof", "could not prove", EAUTH, 1},
+	{"exit", "silent", "has exited", EIO, 0},
+}
+
+// forkListener has a sender helper fork such a child and then close its
+// listener or exit (exited tells when it has); it returns the child's pid.
+func (h *helper) forkListener(mode, then string, exited func() bool) int {
+	h.t.Helper()
+	h.send("fork-listener " + mode + " " + then)
+	child, err := strconv.Atoi(h.expect("forked ", faultTimeout))
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	if then == "close" {
+		h.expectAll(faultTimeout, "listening ", "closed")
+		return child
+	}
+	h.expect("listening ", faultTimeout)
+	if !waitUntil(faultTimeout, exited) {
+		h.t.Fatal("the exporter did not exit")
+	}
+	return child
+}
+
 // TestImpostorInheritsListener: a child of the exporter holds a duplicate
 // of its listening socket (a fork without exec, or a leaked descriptor)
 // and answers in its place. SO_PEERCRED names the exporter (the kernel
@@ -207,34 +239,20 @@ func TestImpostorReusesPid(t *testing.T) {
 // does, at once, even though the child keeps the address alive and never
 // answers (which used to make receivers wait their whole timeout).
 func TestImpostorInheritsListener(t *testing.T) {
-	for _, tc := range []struct {
-		then, mode, want string
-		code             Code
-		conns            int
-	}{
-		{"close", "fakeproof", "could not prove", EAUTH, 1},
-		{"exit", "silent", "has exited", EIO, 0},
-	} {
+	for _, tc := range forkListenerCases {
 		t.Run(tc.then, func(t *testing.T) {
 			sender := startHelper(t, partSender, helperOpts{})
 			tk := sender.register(4, 4096, 1, -1, 1)
-			sender.send("fork-listener " + tc.mode + " " + tc.then)
-			child, err := strconv.Atoi(sender.expect("forked ", faultTimeout))
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { _ = unix.Kill(child, unix.SIGKILL) }) // before the sender's cleanup
-			switch tc.then {
-			case "close":
-				sender.expectAll(faultTimeout, "listening ", "closed")
-			case "exit":
-				sender.expect("listening ", faultTimeout)
+			exited := func() bool {
 				select {
 				case <-sender.done:
-				case <-time.After(faultTimeout):
-					t.Fatal("the exporter did not exit")
+					return true
+				default:
+					return false
 				}
 			}
+			child := sender.forkListener(tc.mode, tc.then, exited)
+			t.Cleanup(func() { _ = unix.Kill(child, unix.SIGKILL) }) // before the sender's cleanup
 			o := tryImport(t, tk)
 			expectCode(t, o, tc.want, tc.code)
 			impostorLearnedNothing(t, sender, tk, tc.conns)

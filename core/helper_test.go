@@ -795,16 +795,23 @@ func (h *helper) register(chunks, chunkSize, uses, blockAt int, seed byte) *Tick
 	return decodeTicketHex(h.t, h.expect("ticket ", 10*time.Second))
 }
 
-// live asks a sender helper how many registrations it still holds.
-func (h *helper) live() int {
+// ask sends a sender helper a command that it answers with "<cmd> <n>",
+// and returns n.
+func (h *helper) ask(cmd string) int {
 	h.t.Helper()
-	h.send("live")
-	n, err := strconv.Atoi(h.expect("live ", 10*time.Second))
+	h.send(cmd)
+	n, err := strconv.Atoi(h.expect(cmd+" ", 10*time.Second))
 	if err != nil {
 		h.t.Fatal(err)
 	}
 	return n
 }
+
+// live asks a sender helper how many registrations it still holds.
+func (h *helper) live() int { h.t.Helper(); return h.ask("live") }
+
+// fds asks a sender helper for its settled descriptor count.
+func (h *helper) fds() int { h.t.Helper(); return h.ask("fds") }
 
 // goroutines asks a sender helper how many goroutines it runs, waiting up
 // to 3 s for the count to drop to at most want.
@@ -812,11 +819,7 @@ func (h *helper) goroutines(want int) int {
 	h.t.Helper()
 	deadline := time.Now().Add(3 * time.Second)
 	for {
-		h.send("goroutines")
-		n, err := strconv.Atoi(h.expect("goroutines ", 10*time.Second))
-		if err != nil {
-			h.t.Fatal(err)
-		}
+		n := h.ask("goroutines")
 		if n <= want || time.Now().After(deadline) {
 			return n
 		}

@@ -6,7 +6,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"sort"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -115,17 +114,6 @@ func startSender(t *testing.T, wrap []string, dir string) (*helper, string) {
 	return h, h.expect("serving ", faultTimeout)
 }
 
-// fds asks a sender helper for its settled descriptor count.
-func (h *helper) fds() int {
-	h.t.Helper()
-	h.send("fds")
-	n, err := strconv.Atoi(h.expect("fds ", 10*time.Second))
-	if err != nil {
-		h.t.Fatal(err)
-	}
-	return n
-}
-
 // waitLive waits (up to 5 s) until a sender helper holds want live
 // registrations: a used-up registration ends just after its receiver got
 // its answer.
@@ -216,61 +204,57 @@ func (r importResult) refused(t *testing.T, want string, code Code) {
 	}
 }
 
-// TestAcrossPidNamespace: the exporter and the receiver in different PID
-// namespaces, both ways, through the socket directory: every byte arrives
-// and nothing is left on either side. With an abstract socket the receiver
-// is refused at once, naming the cause.
-func TestAcrossPidNamespace(t *testing.T) {
+// TestReceiverInOtherNamespaces: the receiver in a PID namespace of its
+// own, or in a container of its own (PID, network and mount namespaces, the
+// socket directory bind-mounted), the exporter in ours. Through the socket
+// directory every byte arrives and nothing is left on either side; with an
+// abstract socket the receiver is refused at once, naming the cause, and
+// the use is not spent.
+func TestReceiverInOtherNamespaces(t *testing.T) {
 	lab := newNSLab(t)
-	t.Run("receiver in a new one", func(t *testing.T) {
-		sender, addr := startSender(t, nil, lab.shared)
-		base := sender.fds()
-		tk := sender.register(8, 4096, 1, -1, 31)
-		importIn(t, lab.pidOnly(), tk, 31).ok(t)
-		sender.expectDone(base)
-		lab.expectCleanClose(t, sender, addr)
-	})
-	t.Run("exporter in a new one", func(t *testing.T) {
-		sender, _ := startSender(t, lab.pidOnly(), lab.shared)
-		tk := sender.register(8, 4096, 1, -1, 32)
-		if tk.NS.pidNS() != nsOther {
-			t.Fatalf("the ticket's PID namespace %d is not another one than ours (%d)", tk.NS.PID, selfNamespaces().PID)
-		}
-		fdsBefore := ourFDs().settled(t)
-		if err := importVerified(tk, ImportOptions{}, 32); err != nil {
-			t.Fatal(err)
-		}
-		ourFDs().waitFor(t, fdsBefore, "after importing from another PID namespace")
-		expectNoMemfdMappings(t, "after importing from another PID namespace")
-	})
-	t.Run("abstract socket", func(t *testing.T) {
-		sender, _ := startSender(t, nil, "")
-		tk := sender.register(4, 4096, 1, -1, 33)
-		importIn(t, lab.pidOnly(), tk, 33).refused(t, "is in another PID namespace and no shared socket directory is set", EIO)
-		if n := sender.live(); n != 1 {
-			t.Fatalf("%d registrations live, want the one, not spent", n)
-		}
-	})
+	for _, tc := range []struct {
+		name         string
+		wrap         []string
+		seed         byte
+		abstractSays string
+	}{
+		{"PID namespace", lab.pidOnly(), 31, "is in another PID namespace and no shared socket directory is set"},
+		{"container", lab.container(containerOpts{}), 34, "abstract sockets do not cross network namespaces; set VMMIPC_SOCKET_DIR"},
+	} {
+		t.Run(tc.name+"/socket directory", func(t *testing.T) {
+			sender, addr := startSender(t, nil, lab.shared)
+			base := sender.fds()
+			tk := sender.register(8, 4096, 1, -1, tc.seed)
+			importIn(t, tc.wrap, tk, tc.seed).ok(t)
+			sender.expectDone(base)
+			lab.expectCleanClose(t, sender, addr)
+		})
+		t.Run(tc.name+"/abstract socket", func(t *testing.T) {
+			sender, _ := startSender(t, nil, "")
+			tk := sender.register(4, 4096, 1, -1, tc.seed+1)
+			importIn(t, tc.wrap, tk, tc.seed+1).refused(t, tc.abstractSays, EIO)
+			if n := sender.live(); n != 1 {
+				t.Fatalf("%d registrations live, want the one, not spent", n)
+			}
+		})
+	}
 }
 
-// TestAcrossPidNetMountNamespaces: the receiver in a container of its own
-// (PID, network and mount namespaces, the socket directory bind-mounted),
-// the exporter in ours. With an abstract socket, the receiver is refused
-// at once: abstract sockets do not cross network namespaces.
-func TestAcrossPidNetMountNamespaces(t *testing.T) {
+// TestExporterInAnotherPidNamespace: the exporter in a PID namespace of
+// its own, the receiver in ours: every byte arrives, nothing is left here.
+func TestExporterInAnotherPidNamespace(t *testing.T) {
 	lab := newNSLab(t)
-	t.Run("socket directory", func(t *testing.T) {
-		sender, _ := startSender(t, nil, lab.shared)
-		base := sender.fds()
-		tk := sender.register(16, 4096, 1, -1, 34)
-		importIn(t, lab.container(containerOpts{}), tk, 34).ok(t)
-		sender.expectDone(base)
-	})
-	t.Run("abstract socket", func(t *testing.T) {
-		sender, _ := startSender(t, nil, "")
-		tk := sender.register(4, 4096, 1, -1, 35)
-		importIn(t, lab.container(containerOpts{}), tk, 35).refused(t, "abstract sockets do not cross network namespaces; set VMMIPC_SOCKET_DIR", EIO)
-	})
+	sender, _ := startSender(t, lab.pidOnly(), lab.shared)
+	tk := sender.register(8, 4096, 1, -1, 32)
+	if tk.NS.pidNS() != nsOther {
+		t.Fatalf("the ticket's PID namespace %d is not another one than ours (%d)", tk.NS.PID, selfNamespaces().PID)
+	}
+	fdsBefore := ourFDs().settled(t)
+	if err := importVerified(tk, ImportOptions{}, 32); err != nil {
+		t.Fatal(err)
+	}
+	ourFDs().waitFor(t, fdsBefore, "after importing from another PID namespace")
+	expectNoMemfdMappings(t, "after importing from another PID namespace")
 }
 
 // TestTwoContainers: exporter and receiver each in a container of its own,

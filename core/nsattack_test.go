@@ -129,29 +129,12 @@ func TestExecAcrossContainers(t *testing.T) {
 // has exited, its lock is free and the receiver is told at once, though the
 // child keeps the socket alive and would never answer.
 func TestForkedListenerAcrossContainers(t *testing.T) {
-	for _, tc := range []struct {
-		then, mode, want string
-		code             Code
-		conns            int
-	}{
-		{"close", "fakeproof", "could not prove", EAUTH, 1},
-		{"exit", "silent", "has exited", EIO, 0},
-	} {
+	for _, tc := range forkListenerCases {
 		t.Run(tc.then, func(t *testing.T) {
 			lab := newNSLab(t)
 			sender, tk := exporterIn(t, lab, containerOpts{keep: true}, 44)
-			sender.send("fork-listener " + tc.mode + " " + tc.then)
-			sender.expect("forked ", faultTimeout)
 			lock, _ := lockPathFor(tk.Address)
-			switch tc.then {
-			case "close":
-				sender.expectAll(faultTimeout, "listening ", "closed")
-			case "exit":
-				sender.expect("listening ", faultTimeout)
-				if !waitUntil(faultTimeout, func() bool { s, _ := probeLock(lock); return s == lockFree }) {
-					t.Fatal("the exporter did not exit")
-				}
-			}
+			sender.forkListener(tc.mode, tc.then, func() bool { s, _ := probeLock(lock); return s == lockFree })
 			importIn(t, receiver(lab), tk, 44).refused(t, tc.want, tc.code)
 			impostorLearnedNothing(t, sender, tk, tc.conns)
 		})
