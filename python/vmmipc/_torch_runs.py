@@ -24,8 +24,9 @@ mapping the shared chunks twice). An anchor with a chunk no longer pinned
 (a storage of it died or moved) is retired as soon as that is noticed (the
 storage's finalizer, or the next lookup of a moved one): its chunks may be
 unmapped and replaced, and it should not keep memory the allocator gave
-back; a lookup never serves a storage from a chunk nobody pins. Grants made from it stay valid (the library keeps the chunks), and
-receivers' mappings hold their own references.
+back; a lookup never serves a storage from a chunk nobody pins. Grants
+made from it stay valid (the library keeps the chunks), and receivers'
+mappings hold their own references.
 """
 
 from __future__ import annotations
