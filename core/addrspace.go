@@ -36,7 +36,7 @@ func checkAddressSpace(need uint64) error {
 	if lim.Cur > used {
 		free = lim.Cur - used
 	}
-	// The figures are rounded down and the shortfall given exactly: a free
+	// The figures are rounded down and the shortfall up (shortStr): a free
 	// figure rounded up to what is needed would read as enough.
 	return Errorf(ENOMEM, "import: reserving %s needs that much address space plus %s kept for the Go runtime, but RLIMIT_AS (%s) leaves %s free (%s in use), %s short: raise RLIMIT_AS (ulimit -v) or import less at a time",
 		sizeStr(need), sizeStr(RuntimeHeadroom), sizeStr(lim.Cur), sizeStr(free), sizeStr(used), shortStr(need+RuntimeHeadroom-free))
