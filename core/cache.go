@@ -63,6 +63,7 @@ type CacheInfo struct {
 	LimitBytes, Entries, ReferencedBytes, UnreferencedBytes uint64
 	Hits, Misses, Evictions, Invalidations                  uint64
 	ConfirmsPending, ConfirmsFailed                         uint64 // confirm.go
+	Holds, HolderSessions                                   uint64 // holder.go
 }
 
 type importCache struct {
@@ -114,9 +115,11 @@ func (c *importCache) enabled() (bool, error) {
 }
 
 // hit returns another reference to the cached mapping for key, after the
-// exporter confirmed t, or at once with the confirmation queued (later:
-// confirm.go); hit is false when there is none (then import anew).
-func (c *importCache) hit(key cacheKey, t *Ticket, timeout time.Duration, later bool) (Ref, bool, error) {
+// exporter confirmed t (with opts.Hold: on a holder session, holder.go), or
+// at once with the confirmation queued (opts.ConfirmLater: confirm.go);
+// hit is false when there is none (then import anew).
+func (c *importCache) hit(key cacheKey, t *Ticket, opts ImportOptions) (Ref, bool, error) {
+	timeout := opts.Timeout
 	c.mu.Lock()
 	e := c.byKey[key]
 	if e == nil {
@@ -124,7 +127,7 @@ func (c *importCache) hit(key cacheKey, t *Ticket, timeout time.Duration, later 
 		return Ref{}, false, nil
 	}
 	c.pin(e) // no eviction while we confirm
-	if later {
+	if opts.ConfirmLater {
 		c.stats.Hits++
 		ref := c.newRef(e) // the pin becomes the caller's reference
 		c.mu.Unlock()
@@ -133,7 +136,11 @@ func (c *importCache) hit(key cacheKey, t *Ticket, timeout time.Duration, later 
 	}
 	c.mu.Unlock()
 
-	lives, err := confirm(t, timeout)
+	spendUse := confirm
+	if opts.Hold {
+		spendUse = useHeld
+	}
+	lives, err := spendUse(t, timeout)
 	gone := err != nil && CodeOf(err) == EIO && checkExporterAlive(t) != nil // read /proc unlocked
 
 	c.mu.Lock()
@@ -332,6 +339,7 @@ func GetCacheInfo() CacheInfo {
 	info.Entries = uint64(len(c.all))
 	info.UnreferencedBytes = c.unrefBytes
 	info.ConfirmsPending, info.ConfirmsFailed = confirms.counts()
+	info.Holds, info.HolderSessions = holdCounts()
 	for e := range c.all {
 		if e.refs > 0 {
 			info.ReferencedBytes += e.size

@@ -72,16 +72,21 @@ func (c *confirmer) work(key string) {
 
 // Confirm spends one use of t without receiving anything, for a receiver
 // that has the memory mapped already (through another ticket of the same
-// buffer): at once, or queued with opts.ConfirmLater. It reports what the
-// exporter said (queued: nil).
+// buffer): at once (with opts.Hold, held on a holder session: holder.go),
+// or queued with opts.ConfirmLater. It reports what the exporter said
+// (queued: nil).
 func Confirm(t *Ticket, opts ImportOptions) error {
 	if err := opts.Validate(); err != nil {
 		return err
 	}
 	opts.OpenOptions = opts.OpenOptions.withDefaults()
-	if opts.ConfirmLater {
+	switch {
+	case opts.ConfirmLater:
 		confirms.add(t, opts.Timeout)
 		return nil
+	case opts.Hold:
+		_, err := useHeld(t, opts.Timeout)
+		return err
 	}
 	_, err := confirm(t, opts.Timeout)
 	return err

@@ -110,7 +110,7 @@ func TestSenderKilledMidStream(t *testing.T) {
 		}
 		res := make(chan result, 1)
 		go func() {
-			_, _, err := importNew(tk, imp, OpenOptions{Timeout: faultTimeout, Window: DefaultWindow})
+			_, _, err := importNew(tk, imp, OpenOptions{Timeout: faultTimeout, Window: DefaultWindow}, false)
 			res <- result{err, time.Now()}
 		}()
 		if insideExport {
@@ -225,7 +225,7 @@ func TestSenderStalls(t *testing.T) {
 		if trial%2 == 0 {
 			_, err = Import(tk, DeviceHost, ImportOptions{OpenOptions: opts}, nil)
 		} else {
-			_, _, err = importNew(tk, imp, opts)
+			_, _, err = importNew(tk, imp, opts, false)
 		}
 		took := time.Since(start)
 		if CodeOf(err) != EIO || !strings.Contains(err.Error(), "timed out") {

@@ -74,7 +74,7 @@ func Import(t *Ticket, device int32, opts ImportOptions, gpu GPU) (Ref, error) {
 	}
 	key := cacheKey{exporter: t.exporterKey(), buffer: t.BufferID, placement: placement}
 	if useCache {
-		if ref, hit, err := imports.hit(key, t, opts.Timeout, opts.ConfirmLater); hit || err != nil {
+		if ref, hit, err := imports.hit(key, t, opts); hit || err != nil {
 			return ref, err
 		}
 	}
@@ -82,7 +82,7 @@ func Import(t *Ticket, device int32, opts ImportOptions, gpu GPU) (Ref, error) {
 	if err != nil {
 		return Ref{}, err
 	}
-	base, lives, err := importNew(t, imp, opts.OpenOptions)
+	base, lives, err := importNew(t, imp, opts.OpenOptions, opts.Hold)
 	if err != nil {
 		return Ref{}, err
 	}
@@ -127,8 +127,8 @@ func newImporter(t *Ticket, device int32, access []int32, gpu GPU) (Importer, er
 // time; it reports whether the exporter said the buffer lives on after this
 // use (then the mapping may be cached). Nothing is reserved for a ticket
 // the exporter does not vouch for.
-func importNew(t *Ticket, imp Importer, opts OpenOptions) (base uint64, lives bool, err error) {
-	s, err := Open(t, opts)
+func importNew(t *Ticket, imp Importer, opts OpenOptions, hold bool) (base uint64, lives bool, err error) {
+	s, err := open(t, opts, hold)
 	if err != nil {
 		return 0, false, err
 	}

@@ -47,6 +47,11 @@ type RegisterOptions struct {
 	// handles): OnRelease then waits until no registration of the buffer
 	// lives.
 	LendsExporter bool
+	// Hold makes each use a hold (holds.go): a receiver that asked to hold
+	// (ImportOptions.Hold) keeps the registration from being released
+	// until it lets go (Release) or its process ends. Uses are still
+	// counted: the registration ends when they are spent.
+	Hold bool
 }
 
 // Validate checks the bounds of o.
@@ -88,7 +93,8 @@ func (o OpenOptions) withDefaults() OpenOptions {
 const (
 	ImportNoCache      uint32 = 1 << 0 // neither reuse nor keep a cached mapping
 	ImportConfirmLater uint32 = 1 << 1 // a cache hit returns at once; confirm.go confirms it
-	importKnownFlags          = ImportNoCache | ImportConfirmLater
+	ImportHold         uint32 = 1 << 2 // hold the use until Release or exit (holder.go)
+	importKnownFlags          = ImportNoCache | ImportConfirmLater | ImportHold
 )
 
 // ImportOptions are the options of Import.
@@ -97,6 +103,7 @@ type ImportOptions struct {
 	Access       []int32 // CUDA: extra devices given read-write access
 	NoCache      bool    // neither reuse nor keep a cached mapping
 	ConfirmLater bool    // on a hit, confirm in the background (confirm.go)
+	Hold         bool    // hold the use until Release or exit (holder.go)
 }
 
 // SetFlags sets the fields the import_flags bits stand for,
@@ -107,6 +114,10 @@ func (o *ImportOptions) SetFlags(flags uint32) error {
 	}
 	o.NoCache = flags&ImportNoCache != 0
 	o.ConfirmLater = flags&ImportConfirmLater != 0
+	o.Hold = flags&ImportHold != 0
+	if o.Hold && o.ConfirmLater {
+		return Errorf(EINVAL, "options: import_flags %#x asks to hold and to confirm later: a hold is taken on the caller's path (one message on a kept connection), so leave VMMIPC_IMPORT_CONFIRM_LATER out", flags)
+	}
 	return nil
 }
 

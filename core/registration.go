@@ -183,6 +183,7 @@ type registration struct {
 	reg           *Registry
 	onRelease     func()
 	lendsExporter bool
+	holdable      bool // RegisterOptions.Hold: a holder's use is a hold (holds.go)
 
 	mu       sync.Mutex
 	uses     uint32 // 0 = unlimited
@@ -192,6 +193,8 @@ type registration struct {
 	settled  chan struct{} // closed and replaced whenever a claim settles
 	ended    string        // why it ended; "" while live
 	timer    *time.Timer
+	holds    int  // receivers' holds on spent uses (holds.go)
+	due      bool // the release is due, and waits for holds == 0
 
 	releaseOnce sync.Once
 	releasedCh  chan struct{} // closed once onRelease has returned
@@ -330,13 +333,43 @@ func (g *registration) end(why string) bool {
 	return true
 }
 
-// release runs the owner's callback once and tells waiters.
+// release runs the owner's callback once and tells waiters, as soon as no
+// receiver holds a use of the registration: until then what the owner
+// keeps alive for it (a sent tensor's storage) must stay where it is.
 func (g *registration) release() {
+	g.mu.Lock()
+	g.due = true
+	held := g.holds > 0
+	g.mu.Unlock()
+	if held {
+		return // the last unhold releases
+	}
 	g.releaseOnce.Do(func() {
 		safely(g.onRelease)
 		g.reg.released(g)
 		close(g.releasedCh)
 	})
+}
+
+// hold records a receiver's hold on a use it spent (holds.go).
+func (g *registration) hold() {
+	g.mu.Lock()
+	g.holds++
+	g.mu.Unlock()
+	g.reg.holdsChanged(1)
+}
+
+// unhold lets go of one hold; the last one releases a registration whose
+// release was due.
+func (g *registration) unhold() {
+	g.mu.Lock()
+	g.holds--
+	release := g.holds == 0 && g.due
+	g.mu.Unlock()
+	g.reg.holdsChanged(-1)
+	if release {
+		g.release()
+	}
 }
 
 // live reports whether the registration has not ended.

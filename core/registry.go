@@ -24,6 +24,8 @@ type Registry struct {
 	order     []uint64                 // ended ids, oldest first, to bound the map
 	buffers   map[uint64]*buffer       // buffers with live registrations
 	byKey     map[string]*buffer
+	holds     int64 // receivers' holds on spent uses (holds.go)
+	holders   map[holderToken]*holderSession
 }
 
 const rememberEnded = 4096
@@ -33,6 +35,7 @@ func newRegistry(addr string, pid uint32, start uint64, ns Namespaces) *Registry
 		addr: addr, pid: pid, start: start, ns: ns, nextReg: 1, nextBuf: 1,
 		live: map[uint64]*registration{}, releasing: map[uint64]*registration{},
 		ended: map[uint64]string{}, buffers: map[uint64]*buffer{}, byKey: map[string]*buffer{},
+		holders: map[holderToken]*holderSession{},
 	}
 }
 
@@ -98,7 +101,7 @@ func (r *Registry) newRegistration(b *buffer, opts RegisterOptions) (*registrati
 	}
 	g := &registration{
 		id: r.nextReg, secret: secret, buf: b, reg: r,
-		onRelease: opts.OnRelease, lendsExporter: opts.LendsExporter,
+		onRelease: opts.OnRelease, lendsExporter: opts.LendsExporter, holdable: opts.Hold,
 		uses: opts.Uses, claims: map[*claim]struct{}{}, settled: make(chan struct{}),
 		releasedCh: make(chan struct{}),
 	}

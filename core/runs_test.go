@@ -25,7 +25,7 @@ func (c *countingImporter) Map(ch Chunk) error {
 func importCounting(t *testing.T, tk *Ticket, fd, size int) *countingImporter {
 	t.Helper()
 	imp := &countingImporter{}
-	base, _, err := importNew(tk, imp, OpenOptions{}.withDefaults())
+	base, _, err := importNew(tk, imp, OpenOptions{}.withDefaults(), false)
 	if err != nil {
 		t.Fatal(err)
 	}

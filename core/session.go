@@ -9,19 +9,27 @@ import (
 // maxStatusQueries bounds the status queries one connection may ask.
 const maxStatusQueries = 4096
 
-// session is one receiver's connection, from its hello to its done-ack.
+// session is one receiver's connection, from its hello to its done-ack,
+// and on after it while it is the receiver's holder session (holds.go).
 type session struct {
 	srv     *Server
 	c       *conn
 	p       *pendingConn
-	authed  bool // the peer proved the secret
-	refused bool // the peer was told why it gets nothing
+	tr      transcript // the handshake's, which uses on a holder session are bound to
+	authed  bool       // the peer proved the secret
+	refused bool       // the peer was told why it gets nothing
+	holding bool       // a holder session now: no longer counted by admission
 }
 
 // serve runs one connection: status queries, or a handshake and then the
-// chunks of one use.
+// chunks of one use (and, if the receiver asked, its holder session).
 func (s *Server) serve(p *pendingConn) {
-	defer s.adm.done(p)
+	ss := &session{srv: s, p: p}
+	defer func() {
+		if !ss.holding {
+			s.adm.done(p)
+		}
+	}()
 	c, err := newConn(p.uc, 0, "server")
 	if err != nil {
 		_ = p.uc.Close()
@@ -30,7 +38,7 @@ func (s *Server) serve(p *pendingConn) {
 	defer c.Close()
 	defer func() { _ = recover() }() // a bug here must not take the host down
 	c.deadline = p.since.Add(handshakeTimeout)
-	ss := &session{srv: s, c: c, p: p}
+	ss.c = c
 	ss.run()
 	// A peer dropped before it authenticated, evicted or out of time (a
 	// receiver starved of CPU, say), is told "busy": a libvmmipc receiver
@@ -46,10 +54,27 @@ func (ss *session) run() {
 	if !ok {
 		return
 	}
+	var holdFor *holderSession // hold-for: hold this use on that session
 	switch f.Type {
 	case msgStatus:
 		ss.answerStatus(f)
 		return
+	case msgHoldFor:
+		m, err := parseToken(msgHoldFor, f.Body)
+		if err == nil {
+			holdFor, err = ss.srv.reg.holder(m.Token)
+		}
+		if err != nil {
+			ss.refuse(err)
+			return
+		}
+		if f, ok = ss.recv(); !ok {
+			return
+		}
+		if f.Type != msgHello {
+			ss.refuse(Errorf(EINVAL, "protocol: expected hello after hold-for, got %s", msgName(f.Type)))
+			return
+		}
 	case msgHello:
 	default:
 		ss.refuse(Errorf(EINVAL, "protocol: expected hello, got %s", msgName(f.Type)))
@@ -60,6 +85,10 @@ func (ss *session) run() {
 		ss.refuse(err)
 		return
 	}
+	if holdFor != nil && hello.Flags&helloHolder != 0 {
+		ss.refuse(Errorf(EINVAL, "protocol: a hello after hold-for cannot ask to become a holder session too"))
+		return
+	}
 	g, err := ss.srv.reg.lookup(hello.RegID)
 	if err != nil {
 		ss.refuse(err)
@@ -68,17 +97,46 @@ func (ss *session) run() {
 	if !ss.authenticate(g, hello) {
 		return
 	}
+	holder := holdFor
+	if hello.Flags&helloHolder != 0 {
+		if holder, err = ss.srv.reg.newHolder(); err != nil {
+			ss.refuse(err)
+			return
+		}
+	}
+	if !ss.serveUse(g, hello, holder) || hello.Flags&helloHolder == 0 {
+		if hello.Flags&helloHolder != 0 {
+			ss.srv.reg.closeHolder(holder)
+		}
+		return
+	}
+	if ss.c.send(tokenMsg{Token: holder.token}.encode(msgHolding), -1) != nil {
+		ss.srv.reg.closeHolder(holder)
+		return
+	}
+	// From here on the connection is the receiver's, for as long as it
+	// holds: admission neither counts nor evicts it (holds.go).
+	ss.holding = true
+	ss.srv.adm.done(ss.p)
+	ss.holdLoop(holder)
+}
+
+// serveUse serves the use the hello asked for: the chunks, or a
+// confirmation of a cached mapping, then the done-ack. A holdable
+// registration's use is held on holder (if any) from right before it is
+// spent. It reports whether the done-ack went out.
+func (ss *session) serveUse(g *registration, hello helloMsg, holder *holderSession) bool {
 	cl, err := g.claim(func() { _ = ss.c.Close() })
 	if err != nil {
 		ss.refuse(err)
-		return
+		return false
 	}
 	defer g.drop(cl)
 	ss.c.deadline = time.Time{}
 	ss.c.timeout = idleTimeout
 	b := g.buf
 	if err := ss.c.send(welcomeMsg{Count: uint64(len(b.sizes)), Total: b.total, Kind: b.kind, BufferID: b.id}.encode(), -1); err != nil {
-		return
+		return false
 	}
 	// The use is spent as the last chunk goes out (or a cached mapping is
 	// confirmed), whether or not the receiver says done: counting only
@@ -87,15 +145,21 @@ func (ss *session) run() {
 	// holds every chunk of a use the exporter has not counted yet; it is
 	// given back if the chunk cannot be sent. A used-up registration ends
 	// after the receiver has its answer (or has gone): its release
-	// (dropping CUDA references, say) may take a while.
-	var spent, usedUp bool
+	// (dropping CUDA references, say) may take a while. A hold is taken
+	// before the use is spent, so that the registration can never be
+	// released in between.
+	var spent, usedUp, held bool
 	spend := func(spendIt bool) {
 		switch {
 		case spendIt && !spent:
+			held = g.holdable && holder != nil && holder.take(g)
 			spent, usedUp = true, g.spend(cl)
 		case !spendIt && spent:
 			g.unspend(cl)
-			spent, usedUp = false, false
+			if held {
+				holder.letGo(g.id)
+			}
+			spent, usedUp, held = false, false, false
 		}
 	}
 	defer func() {
@@ -106,15 +170,9 @@ func (ss *session) run() {
 	if hello.Flags&helloConfirm != 0 {
 		spend(true)
 	} else if !ss.stream(g, spend) {
-		return
+		return false
 	}
-	var flags uint64
-	// Another receiver may have spent the last use meanwhile: ask whether
-	// the registration still lives, not only whether we used it up.
-	if (!usedUp && g.live()) || ss.srv.reg.bufferHasOthers(g) {
-		flags |= ackBufferLives
-	}
-	_ = ss.c.send(doneAckMsg{Flags: flags}.encode(), -1)
+	return ss.c.send(doneAckMsg{Flags: ss.ackFlags(g, usedUp, held)}.encode(), -1) == nil
 }
 
 // authenticate runs the server's half of the handshake (handshake.go) and
@@ -154,6 +212,7 @@ func (ss *session) authenticate(g *registration, hello helloMsg) bool {
 		ss.refuse(Errorf(EAUTH, "the receiver's proof for registration %d does not check out: its ticket is corrupted or forged", g.id))
 		return false
 	}
+	ss.tr = tr
 	ss.authed = ss.srv.adm.authenticated(ss.p)
 	return ss.authed
 }

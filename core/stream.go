@@ -29,20 +29,44 @@ type Stream struct {
 	ackFollows  bool // a run completed the stream: the done-ack comes unasked
 	closed      bool
 	closing     atomic.Bool // set once by Close, before it takes mu
+	tr          transcript  // the handshake's (a holder session's uses are bound to it)
+	hold        uint64      // helloHolder: the connection becomes a holder session after done-ack
+	adopted     atomic.Bool // it did: c belongs to holders now
 }
 
 // Open checks that the ticket's exporter is alive, connects to it, proves
 // the secret both ways (handshake.go) and claims one use.
 func Open(t *Ticket, opts OpenOptions) (*Stream, error) {
+	return open(t, opts, false)
+}
+
+// open is Open; with hold, the use is held (holder.go): on this process's
+// holder session to the exporter (named first with hold-for), or, with
+// none, this connection becomes that session after its done-ack.
+func open(t *Ticket, opts OpenOptions, hold bool) (*Stream, error) {
 	if err := opts.Validate(); err != nil {
 		return nil, err
 	}
 	opts = opts.withDefaults()
-	c, err := connect(t, opts.Timeout, 0)
+	var pre []byte
+	var flags uint64
+	if hold {
+		if h := holderFor(t); h != nil {
+			pre = tokenMsg{Token: h.token}.encode(msgHoldFor)
+		} else {
+			flags = helloHolder
+		}
+	}
+	c, tr, err := connect(t, opts.Timeout, flags, pre)
+	if err != nil && pre != nil && CodeOf(err) == ENOENT {
+		// The session named has just ended: be the holder session instead.
+		flags = helloHolder
+		c, tr, err = connect(t, opts.Timeout, flags, nil)
+	}
 	if err != nil {
 		return nil, err
 	}
-	return &Stream{c: c, t: t, window: uint64(opts.Window)}, nil
+	return &Stream{c: c, t: t, window: uint64(opts.Window), tr: tr, hold: flags}, nil
 }
 
 // errBusy is the server's "too many unauthenticated peers, retry".
@@ -52,35 +76,35 @@ var errBusy = Errorf(EIO, "the exporter is busy with other connections (its boun
 // peer check and handshake, retrying a full listen backlog and "busy"
 // answers until timeout. It returns the authenticated connection, welcome
 // checked.
-func connect(t *Ticket, timeout time.Duration, flags uint64) (*conn, error) {
+func connect(t *Ticket, timeout time.Duration, flags uint64, pre []byte) (*conn, transcript, error) {
 	if err := checkBeforeDial(t); err != nil {
-		return nil, err
+		return nil, transcript{}, err
 	}
 	bound, err := bindingFlag(t)
 	if err != nil {
-		return nil, err
+		return nil, transcript{}, err
 	}
 	flags |= bound
 	digest, err := t.Digest()
 	if err != nil {
-		return nil, err
+		return nil, transcript{}, err
 	}
 	deadline := time.Now().Add(timeout)
 	for backoff := time.Millisecond; ; backoff = min(2*backoff, 50*time.Millisecond) {
 		c, err := dialConn(t, deadline, timeout)
 		if err != nil {
-			return nil, err
+			return nil, transcript{}, err
 		}
-		err = handshake(c, t, digest, flags)
+		tr, err := handshake(c, t, digest, flags, pre)
 		if err == nil {
-			return c, nil
+			return c, tr, nil
 		}
 		_ = c.Close()
 		if err != errBusy {
-			return nil, err
+			return nil, transcript{}, err
 		}
 		if !time.Now().Add(backoff).Before(deadline) {
-			return nil, WrapErr(EIO, err, "open: gave up after %v", timeout)
+			return nil, transcript{}, WrapErr(EIO, err, "open: gave up after %v", timeout)
 		}
 		time.Sleep(backoff)
 	}
@@ -180,26 +204,32 @@ func bindingFlag(t *Ticket) (uint64, error) {
 }
 
 // handshake runs the receiver's half of handshake.go and checks the welcome.
-func handshake(c *conn, t *Ticket, digest [32]byte, flags uint64) error {
+func handshake(c *conn, t *Ticket, digest [32]byte, flags uint64, pre []byte) (transcript, error) {
+	var tr transcript
 	nr, err := newNonce()
 	if err != nil {
-		return err
+		return tr, err
+	}
+	if pre != nil {
+		if err := c.send(pre, -1); err != nil {
+			return tr, pendingError(c, err)
+		}
 	}
 	if err := c.send(helloMsg{RegID: t.RegID, Flags: flags, Nonce: nr}.encode(), -1); err != nil {
 		// A server that refuses us at once hangs up after saying why:
 		// read that rather than report a bare EPIPE.
-		return pendingError(c, err)
+		return tr, pendingError(c, err)
 	}
 	f, err := recvControl(c, "challenge")
 	if err != nil {
 		if errors.Is(err, os.ErrDeadlineExceeded) || isTimeout(err) {
-			return Errorf(EIO, "open: connected, but the exporter did not answer within %v: it may be serving its maximum of receivers at once (the rest wait their turn), or be hung; raise timeout_ms if it is just busy", c.timeout)
+			return tr, Errorf(EIO, "open: connected, but the exporter did not answer within %v: it may be serving its maximum of receivers at once (the rest wait their turn), or be hung; raise timeout_ms if it is just busy", c.timeout)
 		}
-		return err
+		return tr, err
 	}
 	ch, err := parseChallenge(f.Body)
 	if err != nil {
-		return err
+		return tr, err
 	}
 	// The exporter has accepted the connection (it answered): its socket
 	// is a socket now, with its inode and cookie.
@@ -208,33 +238,33 @@ func handshake(c *conn, t *Ticket, digest [32]byte, flags uint64) error {
 		sock, err = exporterSocket(c.raw, roleReceiver)
 	}
 	if errors.Is(err, errNoPeer) {
-		return pendingError(c, err) // evicted after the challenge: "busy"
+		return tr, pendingError(c, err) // evicted after the challenge: "busy"
 	}
 	if err != nil {
-		return WrapErr(EIO, err, "open")
+		return tr, WrapErr(EIO, err, "open")
 	}
-	tr := transcript{
+	tr = transcript{
 		RegID: t.RegID, Flags: flags, Socket: sock,
 		TicketDigest: digest, ReceiverNonce: nr, ServerNonce: ch.Nonce,
 	}
 	if !tr.verify(t.Secret, roleServer, ch.Proof) {
-		return Errorf(EAUTH, "open: the process at %s could not prove that it knows this ticket's secret for this connection: the ticket is corrupted or forged, or another process is impersonating the exporter or relaying to it; nothing was accepted from it", t.Address)
+		return tr, Errorf(EAUTH, "open: the process at %s could not prove that it knows this ticket's secret for this connection: the ticket is corrupted or forged, or another process is impersonating the exporter or relaying to it; nothing was accepted from it", t.Address)
 	}
 	if err := c.send(proofMsg{Proof: tr.proof(t.Secret, roleReceiver)}.encode(), -1); err != nil {
-		return pendingError(c, err)
+		return tr, pendingError(c, err)
 	}
 	f, err = recvControl(c, "welcome")
 	if err != nil {
-		return err
+		return tr, err
 	}
 	w, err := parseWelcome(f.Body)
 	if err != nil {
-		return err
+		return tr, err
 	}
 	if w.Count != t.Count || w.Total != t.Total || w.Kind != t.Kind || w.BufferID != t.BufferID {
-		return Errorf(EINVAL, "protocol: the exporter describes %d chunks / %d bytes / kind %d / buffer %d, the ticket %d / %d / %d / %d", w.Count, w.Total, w.Kind, w.BufferID, t.Count, t.Total, t.Kind, t.BufferID)
+		return tr, Errorf(EINVAL, "protocol: the exporter describes %d chunks / %d bytes / kind %d / buffer %d, the ticket %d / %d / %d / %d", w.Count, w.Total, w.Kind, w.BufferID, t.Count, t.Total, t.Kind, t.BufferID)
 	}
-	return nil
+	return tr, nil
 }
 
 // recvControl receives a message of type want (no descriptor allowed),
@@ -361,25 +391,37 @@ func (s *Stream) finish() error {
 			return err
 		}
 	}
-	lives, err := readDoneAck(s.c)
+	ack, err := readDoneAckFlags(s.c)
 	if err != nil {
 		return err
 	}
-	s.done, s.bufferLives = true, lives
+	if s.hold != 0 {
+		if _, err := adoptHolder(s.t, s.c, s.tr, ack&ackHeld != 0); err != nil {
+			return err
+		}
+		s.adopted.Store(true)
+	}
+	s.done, s.bufferLives = true, ack&ackBufferLives != 0
 	return errEnd
 }
 
 // readDoneAck reads the done-ack and says whether the buffer lives on.
 func readDoneAck(c *conn) (bool, error) {
+	flags, err := readDoneAckFlags(c)
+	return flags&ackBufferLives != 0, err
+}
+
+// readDoneAckFlags reads the done-ack and returns its flags.
+func readDoneAckFlags(c *conn) (uint64, error) {
 	f, err := recvControl(c, "done-ack")
 	if err != nil {
-		return false, WrapErr(EIO, err, "waiting for the exporter to confirm")
+		return 0, WrapErr(EIO, err, "waiting for the exporter to confirm")
 	}
 	ack, err := parseDoneAck(f.Body)
 	if err != nil {
-		return false, err
+		return 0, err
 	}
-	return ack.Flags&ackBufferLives != 0, nil
+	return ack.Flags, nil
 }
 
 // checkChunk verifies that a chunk message is the one we expect and that
@@ -418,7 +460,10 @@ func (s *Stream) Close() error {
 	if !s.closing.CompareAndSwap(false, true) {
 		return Errorf(EBADF, "stream is already closed")
 	}
-	err := s.c.Close()
+	var err error
+	if !s.adopted.Load() { // else the connection is this process's holder session now
+		err = s.c.Close()
+	}
 	s.mu.Lock()
 	s.closed = true
 	s.mu.Unlock()
@@ -429,7 +474,7 @@ func (s *Stream) Close() error {
 // flag, which spends a use without sending anything; it reports whether the
 // buffer lives on after the use.
 func confirm(t *Ticket, timeout time.Duration) (bool, error) {
-	c, err := connect(t, timeout, helloConfirm)
+	c, _, err := connect(t, timeout, helloConfirm, nil)
 	if err != nil {
 		return false, err
 	}

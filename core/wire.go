@@ -71,19 +71,27 @@ const (
 	msgStatusAck uint8 = 12 // server: buffer id, alive
 	msgPullRun   uint8 = 13 // receiver: first index, most chunks wanted in one run
 	msgRun       uint8 = 14 // server: index, count, offset, size, file offset (+ 1 fd)
+	// Holds (wire_holds.go, holds.go).
+	msgHoldFor uint8 = 15 // receiver, before hello: hold this use on the session with this token
+	msgHolding uint8 = 16 // server, after done-ack: this connection is a holder session; its token
+	msgUse     uint8 = 17 // receiver, on a holder session: spend (and hold) a use of a registration
+	msgUseAck  uint8 = 18 // server: registration id, status, done-ack flags, text
+	msgRelease uint8 = 19 // receiver, on a holder session: let go of holds
 )
 
 // Hello flags.
 const (
 	helloConfirm  uint64 = 1 << 0 // the receiver has the buffer; spend a use, send nothing
 	helloPidBound uint64 = 1 << 1 // bind the receiver's pid, not the socket (sockends.go)
-	helloKnown           = helloConfirm | helloPidBound
+	helloHolder   uint64 = 1 << 2 // after the use, this connection is my holder session (holds.go)
+	helloKnown           = helloConfirm | helloPidBound | helloHolder
 )
 
 // Done-ack flags.
 const (
 	ackBufferLives uint64 = 1 << 0 // the buffer outlives this use: a receiver may cache it
-	ackKnown              = ackBufferLives
+	ackHeld        uint64 = 1 << 1 // the use is held until released (holds.go)
+	ackKnown              = ackBufferLives | ackHeld
 )
 
 // Body sizes of the fixed-size messages; an error message has errorHead
@@ -108,6 +116,7 @@ var bodySizes = map[uint8]int{
 	msgChallenge: challengeSize, msgProof: proofMsgSize, msgBusy: 0,
 	msgStatus: statusSize, msgStatusAck: statusAckSize,
 	msgPullRun: pullSize, msgRun: runMsgSize,
+	msgHoldFor: tokenSize, msgHolding: tokenSize, msgUse: useSize, msgUseAck: -1, msgRelease: -1,
 }
 
 var msgNames = map[uint8]string{
@@ -115,6 +124,8 @@ var msgNames = map[uint8]string{
 	msgDone: "done", msgError: "error", msgDoneAck: "done-ack", msgChallenge: "challenge",
 	msgProof: "proof", msgBusy: "busy", msgStatus: "status", msgStatusAck: "status-ack",
 	msgPullRun: "pull-run", msgRun: "run",
+	msgHoldFor: "hold-for", msgHolding: "holding", msgUse: "use", msgUseAck: "use-ack",
+	msgRelease: "release",
 }
 
 func msgName(t uint8) string {
@@ -157,9 +168,9 @@ func parseHeader(b []byte) (header, error) {
 	switch {
 	case !ok:
 		return header{}, Errorf(EINVAL, "protocol: unknown message type %d", h.Type)
-	case h.Type == msgError:
-		if h.Len < errorHead || h.Len > errorHead+maxErrorText {
-			return header{}, Errorf(EINVAL, "protocol: error message body of %d bytes out of range", h.Len)
+	case want < 0:
+		if lo, hi := variableBody(h.Type); h.Len < lo || h.Len > hi {
+			return header{}, Errorf(EINVAL, "protocol: %s message body of %d bytes out of range", msgName(h.Type), h.Len)
 		}
 	case h.Len != uint32(want):
 		return header{}, Errorf(EINVAL, "protocol: %s message body of %d bytes, want %d", msgName(h.Type), h.Len, want)

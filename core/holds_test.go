@@ -1,0 +1,299 @@
+package core
+
+import (
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// holdFixture is an anchor (uses 0) on a host buffer and a way to grant
+// holdable uses of it whose release is observed.
+type holdFixture struct {
+	s      *Server
+	anchor *Ticket
+}
+
+func newHoldFixture(t *testing.T) holdFixture {
+	t.Helper()
+	s := newTestServer(t)
+	a := registerCounting(t, s, cacheSize, 21, RegisterOptions{Uses: 0})
+	return holdFixture{s: s, anchor: a.tk}
+}
+
+// grant registers one more use of the anchor; released flips when its
+// release (the owner's OnRelease) runs.
+func (f holdFixture) grant(t *testing.T, hold bool) (*Ticket, *atomic.Bool) {
+	t.Helper()
+	var released atomic.Bool
+	g, err := f.s.RegisterAgain(f.anchor, RegisterOptions{Uses: 1, Hold: hold, OnRelease: func() { released.Store(true) }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return g, &released
+}
+
+// stillHeld fails unless g's release has not run for a while.
+func stillHeld(t *testing.T, f holdFixture, g *Ticket, what string) {
+	t.Helper()
+	if err := f.s.Wait(g, 100*time.Millisecond); CodeOf(err) != ETIMEDOUT {
+		t.Fatalf("%s: the grant was released (Wait: %v) while a receiver holds it", what, err)
+	}
+}
+
+func releasedSoon(t *testing.T, f holdFixture, g *Ticket, what string) {
+	t.Helper()
+	if err := f.s.Wait(g, 5*time.Second); err != nil {
+		t.Fatalf("%s: the grant was not released: %v", what, err)
+	}
+}
+
+var holdImport = ImportOptions{Hold: true}
+
+// TestHoldKeepsTheSenderUntilLetGo: a holdable grant used by a receiver
+// that holds is used up (no second receiver) but not released until the
+// receiver lets go; a cache hit holds on the same session, with no new
+// connection; the counts on both sides follow.
+func TestHoldKeepsTheSenderUntilLetGo(t *testing.T) {
+	before := cacheTest(t)
+	f := newHoldFixture(t)
+	g1, rel1 := f.grant(t, true)
+	r := importHost(t, g1, holdImport)
+	defer Unmap(r.ID, r.Base)
+	if err := verifyRef(r, 21); err != nil {
+		t.Fatal(err)
+	}
+	stillHeld(t, f, g1, "after the import")
+	if _, err := Import(g1, DeviceHost, holdImport, nil); CodeOf(err) != ENOENT {
+		t.Fatalf("a second use of a used-up held grant: %v, want ENOENT", err)
+	}
+	if f.s.Holds() != 1 || GetCacheInfo().Holds != 1 {
+		t.Fatalf("holds: server %d, receiver %d, want 1 and 1", f.s.Holds(), GetCacheInfo().Holds)
+	}
+	sessions := GetCacheInfo().HolderSessions
+	fdsBefore := ourFDs().now(t)
+
+	g2, rel2 := f.grant(t, true)
+	r2 := importHost(t, g2, holdImport) // a hit: one use message on the session
+	defer Unmap(r2.ID, r2.Base)
+	if d := cacheDelta(before); d.Hits != 1 {
+		t.Fatalf("the second import was not a cache hit: %+v", d)
+	}
+	if got := GetCacheInfo().HolderSessions; got != sessions {
+		t.Fatalf("a hit opened a holder session: %d, had %d", got, sessions)
+	}
+	if now := ourFDs().now(t); now != fdsBefore {
+		t.Fatalf("a held hit changed the descriptors from %d to %d", fdsBefore, now)
+	}
+	stillHeld(t, f, g2, "after the hit")
+	if f.s.Holds() != 2 {
+		t.Fatalf("server holds %d, want 2", f.s.Holds())
+	}
+
+	if err := Release(g1); err != nil {
+		t.Fatal(err)
+	}
+	releasedSoon(t, f, g1, "after Release")
+	stillHeld(t, f, g2, "the other hold after the first was let go")
+	if rel2.Load() || !rel1.Load() {
+		t.Fatalf("released: first %v, second %v; want true, false", rel1.Load(), rel2.Load())
+	}
+	if err := Release(g1); CodeOf(err) != ENOENT {
+		t.Fatalf("releasing twice: %v, want ENOENT", err)
+	}
+	if err := Release(g2); err != nil {
+		t.Fatal(err)
+	}
+	releasedSoon(t, f, g2, "after the second Release")
+	if !waitUntil(5*time.Second, func() bool { return f.s.Holds() == 0 && GetCacheInfo().Holds == 0 }) {
+		t.Fatalf("holds left: server %d, receiver %d", f.s.Holds(), GetCacheInfo().Holds)
+	}
+}
+
+// TestHoldEndsWithTheReceiversConnection: the end of the holder session's
+// connection (what a receiver's death does: the kernel closes it) lets go
+// of every hold on it, however taken.
+func TestHoldEndsWithTheReceiversConnection(t *testing.T) {
+	cacheTest(t)
+	f := newHoldFixture(t)
+	g1, _ := f.grant(t, true)
+	r := importHost(t, g1, holdImport)
+	defer Unmap(r.ID, r.Base)
+	g2, _ := f.grant(t, true)
+	if err := Confirm(g2, holdImport); err != nil {
+		t.Fatal(err)
+	}
+	stillHeld(t, f, g1, "stream")
+	stillHeld(t, f, g2, "confirmation")
+	h := holderFor(g1)
+	if h == nil {
+		t.Fatal("no holder session after a held import")
+	}
+	h.mu.Lock()
+	_ = h.c.Close() // as the kernel does when the receiver dies
+	h.mu.Unlock()
+	releasedSoon(t, f, g1, "after the holder's connection closed")
+	releasedSoon(t, f, g2, "after the holder's connection closed")
+	if f.s.Holds() != 0 {
+		t.Fatalf("server holds %d after the holder closed", f.s.Holds())
+	}
+	// The next use finds the session broken and opens another.
+	g3, _ := f.grant(t, true)
+	if err := Confirm(g3, holdImport); err != nil {
+		t.Fatalf("a use after the holder session broke: %v", err)
+	}
+	stillHeld(t, f, g3, "a use on the new session")
+	if err := Release(g3); err != nil {
+		t.Fatal(err)
+	}
+	releasedSoon(t, f, g3, "release on the new session")
+}
+
+// TestHoldNeedsBothSides: a grant made without Hold is released as soon as
+// it is used up, whoever asks to hold; a receiver that does not ask to hold
+// holds nothing.
+func TestHoldNeedsBothSides(t *testing.T) {
+	cacheTest(t)
+	f := newHoldFixture(t)
+	plain, _ := f.grant(t, false)
+	r := importHost(t, plain, holdImport)
+	defer Unmap(r.ID, r.Base)
+	releasedSoon(t, f, plain, "a grant without Hold")
+	if err := Release(plain); CodeOf(err) != ENOENT {
+		t.Fatalf("releasing a use that was not held: %v, want ENOENT", err)
+	}
+	holdable, _ := f.grant(t, true)
+	if err := Confirm(holdable, ImportOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	releasedSoon(t, f, holdable, "a receiver that did not ask to hold")
+	if f.s.Holds() != 0 {
+		t.Fatalf("server holds %d", f.s.Holds())
+	}
+	var o ImportOptions
+	if err := o.SetFlags(ImportHold | ImportConfirmLater); CodeOf(err) != EINVAL {
+		t.Fatalf("hold with confirm-later: %v, want EINVAL", err)
+	}
+}
+
+// TestNoReceiverReleasesAnothersHold: a second receiver (raw, by hand)
+// with its own holder session cannot let go of the first one's holds,
+// neither with a release of their ids nor with a forged use; a use needs
+// the used registration's own secret.
+func TestNoReceiverReleasesAnothersHold(t *testing.T) {
+	cacheTest(t)
+	f := newHoldFixture(t)
+	victim, _ := f.grant(t, true)
+	if err := Confirm(victim, holdImport); err != nil {
+		t.Fatal(err)
+	}
+	stillHeld(t, f, victim, "the victim's hold")
+
+	mine, _ := f.grant(t, true)
+	s, m := rawHello(t, mine, helloConfirm|helloHolder)
+	defer unix.Close(s.fd)
+	if m.Type != msgChallenge {
+		t.Fatalf("hello answered with %s", describeMsg(m))
+	}
+	if err := rawWrite(s.fd, s.proof(mine.Secret)); err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []uint8{msgWelcome, msgDoneAck, msgHolding} {
+		got, _, err := rawRecv(s.fd, 5*time.Second)
+		if err != nil || got.Type != want {
+			t.Fatalf("expected %s, got %s (%v)", msgName(want), describeMsg(got), err)
+		}
+	}
+	if err := rawWrite(s.fd, releaseMsg{RegIDs: []uint64{victim.RegID, victim.RegID, mine.RegID}}.encode()); err != nil {
+		t.Fatal(err)
+	}
+	releasedSoon(t, f, mine, "the attacker's own hold")
+	stillHeld(t, f, victim, "after another receiver released its id")
+
+	// A use of the victim's registration proved without its secret.
+	tr := s.tr
+	tr.RegID, tr.Flags, tr.TicketDigest = victim.RegID, useProofFlag, mustDigest(t, victim)
+	forged := useMsg{RegID: victim.RegID, Proof: tr.proof(mine.Secret, roleReceiver)}
+	if err := rawWrite(s.fd, forged.encode()); err != nil {
+		t.Fatal(err)
+	}
+	got, _, err := rawRecv(s.fd, 5*time.Second)
+	if err != nil || got.Type != msgUseAck {
+		t.Fatalf("a forged use answered with %s (%v)", describeMsg(got), err)
+	}
+	if ack, err := parseUseAck(got.Body); err != nil || (ack.Code != EAUTH && ack.Code != ENOENT) {
+		t.Fatalf("a forged use: %+v (%v), want EAUTH or ENOENT", ack, err)
+	}
+	stillHeld(t, f, victim, "after a forged use")
+	if f.s.Holds() != 1 {
+		t.Fatalf("server holds %d, want the victim's 1", f.s.Holds())
+	}
+	if err := Release(victim); err != nil {
+		t.Fatal(err)
+	}
+	releasedSoon(t, f, victim, "the victim's own release")
+}
+
+func mustDigest(t *testing.T, tk *Ticket) [32]byte {
+	t.Helper()
+	d, err := tk.Digest()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return d
+}
+
+// TestHeldReleasesInBatches: many holds let go of at once all arrive (in
+// messages of at most maxReleaseBatch ids) and nothing stays held.
+func TestHeldReleasesInBatches(t *testing.T) {
+	cacheTest(t)
+	f := newHoldFixture(t)
+	const n = 3*maxReleaseBatch/2 + 7
+	grants := make([]*Ticket, n)
+	for i := range grants {
+		grants[i], _ = f.grant(t, true)
+		if err := Confirm(grants[i], holdImport); err != nil {
+			t.Fatalf("use %d: %v", i, err)
+		}
+	}
+	if f.s.Holds() != n {
+		t.Fatalf("server holds %d, want %d", f.s.Holds(), n)
+	}
+	for _, g := range grants {
+		if err := Release(g); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, g := range grants {
+		releasedSoon(t, f, g, "a batched release")
+	}
+	if f.s.Holds() != 0 || GetCacheInfo().Holds != 0 {
+		t.Fatalf("holds left: server %d, receiver %d", f.s.Holds(), GetCacheInfo().Holds)
+	}
+}
+
+// TestHoldForAnEndedSession: a stream that names a holder session which no
+// longer lives is refused with ENOENT before anything is spent, and the
+// receiver becomes a holder itself.
+func TestHoldForAnEndedSession(t *testing.T) {
+	cacheTest(t)
+	f := newHoldFixture(t)
+	var token holderToken
+	token[0] = 1
+	fd, err := rawDial(f.anchor.Address)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fd)
+	if err := rawWrite(fd, tokenMsg{Token: token}.encode(msgHoldFor)); err != nil {
+		t.Fatal(err)
+	}
+	got, _, err := rawRecv(fd, 5*time.Second)
+	if err != nil || got.Type != msgError {
+		t.Fatalf("hold-for an unknown session: %s (%v), want an error", describeMsg(got), err)
+	}
+	if em, _ := parseError(got.Body); em.Code != ENOENT {
+		t.Fatalf("hold-for an unknown session: %+v, want ENOENT", em)
+	}
+}
