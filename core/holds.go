@@ -223,3 +223,12 @@ func (ss *session) ackFlags(g *registration, usedUp, held bool) uint64 {
 
 // Holds counts the uses receivers hold now on s's registrations.
 func (s *Server) Holds() int64 { return s.reg.Holds() }
+
+// DefaultHolds reports the holds on the default server's registrations
+// without starting it.
+func DefaultHolds() int64 {
+	if s := StartedServer(); s != nil {
+		return s.Holds()
+	}
+	return 0
+}

@@ -89,6 +89,20 @@ func (o OpenOptions) withDefaults() OpenOptions {
 	return o
 }
 
+// Register flags: the bits of vmmipc_options.register_flags.
+const (
+	RegisterHold       uint32 = 1 << 0 // RegisterOptions.Hold
+	registerKnownFlags        = RegisterHold
+)
+
+// CheckRegisterFlags refuses register_flags bits this library does not know.
+func CheckRegisterFlags(flags uint32) error {
+	if flags&^registerKnownFlags != 0 {
+		return Errorf(EINVAL, "options: register_flags %#x has unknown bits (known: %#x)", flags, registerKnownFlags)
+	}
+	return nil
+}
+
 // Import flags: the bits of vmmipc_options.import_flags.
 const (
 	ImportNoCache      uint32 = 1 << 0 // neither reuse nor keep a cached mapping

@@ -288,6 +288,16 @@ int vmmipc_confirm(const vmmipc_ticket *ticket, const vmmipc_options *opts) {
   return vmmipcgo_confirm((vmmipc_ticket *)ticket, (vmmipc_options *)opts);
 }
 
+int vmmipc_release(const vmmipc_ticket *ticket) {
+  FORK_GUARD("vmmipc_release");
+  return vmmipcgo_release((vmmipc_ticket *)ticket);
+}
+
+int vmmipc_holds(uint64_t *count_out) {
+  FORK_GUARD("vmmipc_holds");
+  return vmmipcgo_holds(count_out);
+}
+
 int vmmipc_open(const vmmipc_ticket *ticket, const vmmipc_options *opts,
                 vmmipc_stream **stream_out) {
   FORK_GUARD("vmmipc_open");

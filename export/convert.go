@@ -23,6 +23,7 @@ type options struct {
 	open   core.OpenOptions
 	access []int32
 	flags  uint32 // import_flags, checked by core
+	hold   bool   // register_flags VMMIPC_REGISTER_HOLD
 }
 
 func readOptions(p *C.vmmipc_options) (options, error) {
@@ -70,11 +71,17 @@ func readOptions(p *C.vmmipc_options) (options, error) {
 	if has(unsafe.Offsetof(p.import_flags), 4) {
 		o.flags = uint32(p.import_flags)
 	}
+	if has(unsafe.Offsetof(p.register_flags), 4) {
+		if err := core.CheckRegisterFlags(uint32(p.register_flags)); err != nil {
+			return o, err
+		}
+		o.hold = uint32(p.register_flags)&core.RegisterHold != 0
+	}
 	return o, nil
 }
 
 func (o options) register() core.RegisterOptions {
-	return core.RegisterOptions{Uses: o.uses, TTL: o.ttl}
+	return core.RegisterOptions{Uses: o.uses, TTL: o.ttl, Hold: o.hold}
 }
 
 func (o options) importOptions() (core.ImportOptions, error) {

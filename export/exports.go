@@ -437,6 +437,28 @@ func vmmipcgo_confirm(ticket *C.vmmipc_ticket, opts *C.vmmipc_options) C.int {
 	})
 }
 
+//export vmmipcgo_release
+func vmmipcgo_release(ticket *C.vmmipc_ticket) C.int {
+	return call("vmmipc_release", func() error {
+		t, err := readTicket(ticket)
+		if err != nil {
+			return err
+		}
+		return core.Release(t)
+	})
+}
+
+//export vmmipcgo_holds
+func vmmipcgo_holds(out *C.uint64_t) C.int {
+	return call("vmmipc_holds", func() error {
+		if out == nil {
+			return core.Errorf(core.EINVAL, "vmmipc_holds: count_out is NULL")
+		}
+		*out = C.uint64_t(core.DefaultHolds())
+		return nil
+	})
+}
+
 //export vmmipcgo_unmap
 func vmmipcgo_unmap(m *C.vmmipc_mapping) C.int {
 	return call("vmmipc_unmap", func() error {
@@ -469,6 +491,7 @@ func vmmipcgo_cache_get_info(out *C.vmmipc_cache_info, size C.size_t) C.int {
 			hits: C.uint64_t(i.Hits), misses: C.uint64_t(i.Misses),
 			evictions: C.uint64_t(i.Evictions), invalidations: C.uint64_t(i.Invalidations),
 			confirms_pending: C.uint64_t(i.ConfirmsPending), confirms_failed: C.uint64_t(i.ConfirmsFailed),
+			holds: C.uint64_t(i.Holds), holder_sessions: C.uint64_t(i.HolderSessions),
 		}
 		n := min(uintptr(size), unsafe.Sizeof(full))
 		copy(unsafe.Slice((*byte)(unsafe.Pointer(out)), n), unsafe.Slice((*byte)(unsafe.Pointer(&full)), n))

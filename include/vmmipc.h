@@ -182,6 +182,14 @@ extern "C" {
                                             use is spent in the background
                                             (vmmipc_import_stream,
                                             vmmipc_confirm) */
+#define VMMIPC_IMPORT_HOLD 0x4u /* hold the use until vmmipc_release or this
+                                   process ends (see "Holds"); not with
+                                   VMMIPC_IMPORT_CONFIRM_LATER */
+
+/* vmmipc_options.register_flags */
+#define VMMIPC_REGISTER_HOLD 0x1u /* a receiver's use that asks to hold keeps
+                                     the registration's release_fn from
+                                     running until it lets go (see "Holds") */
 
 /* A ticket: plain data naming one registration. Copy it freely. It holds the
  * server's socket address, the exporter's pid and process start time and
@@ -220,9 +228,10 @@ typedef struct vmmipc_options {
   const int32_t *access_devices; /* receiver, CUDA: extra device ordinals that
                            get read-write access to the mapping (borrowed for
                            the duration of the call) */
-  uint32_t import_flags; /* receiver, vmmipc_import_stream: VMMIPC_IMPORT_*
-                            bits (default 0: use the import cache) */
-  uint32_t reserved_;    /* zero */
+  uint32_t import_flags; /* receiver, vmmipc_import_stream, vmmipc_confirm:
+                            VMMIPC_IMPORT_* bits (default 0: use the import
+                            cache) */
+  uint32_t register_flags; /* sender: VMMIPC_REGISTER_* bits (default 0) */
 } vmmipc_options;
 
 /* ------------------------------------------------------------------ */
@@ -247,6 +256,33 @@ typedef struct vmmipc_options {
  *   - Registrations of the same memory share one buffer identity (the
  *     ticket's buffer id); the library keeps what it exports from until the
  *     last of them has ended. */
+
+/* Holds: memory a receiver holds is never handed out again.
+ *   A sender that reuses its memory once a registration is used up (an
+ *   allocator that gives a freed block out again: torch's) must not reuse
+ *   it while a receiver still reads it. Register with VMMIPC_REGISTER_HOLD
+ *   in opts->register_flags, and have receivers import (or confirm) with
+ *   VMMIPC_IMPORT_HOLD: each such use is then a *hold*, and release_fn runs
+ *   only once the registration has ended AND every receiver that holds one
+ *   of its uses has let go, by vmmipc_release or by ending (exit, crash,
+ *   SIGKILL: the kernel closes its connection). Uses are counted as ever:
+ *   a registration with uses = 1 still serves one receiver.
+ *   - A receiver keeps one connection (its holder session) to each exporter
+ *     it holds from, opened by its first held use and kept until the
+ *     exporter goes or the receiver ends: later uses of that exporter cost
+ *     one message and its answer on it (no handshake), releases are sent
+ *     in batches by a library thread, off the caller's path. So a sender
+ *     holds one descriptor per receiver process that holds from it (not
+ *     counted against the connections it serves at once, see "Admission").
+ *   - A receiver can let go only of what it holds itself, and a use must be
+ *     proved with that registration's own secret: no receiver can release
+ *     what another holds.
+ *   - Either side without its flag: the use is spent and nothing is held
+ *     (release_fn runs as soon as the registration ends).
+ *   - A forked child shares its parent's holder sessions' descriptors: the
+ *     parent's holds end when both have closed them (exited).
+ *   vmmipc_holds counts the holds on this process's registrations;
+ *   vmmipc_cache_info counts those this process holds as a receiver. */
 
 /* Called by the library's server thread when a receiver asks for chunk
  * `index`. Store a NEW descriptor for that chunk in *fd_out and return 0; the
@@ -645,6 +681,14 @@ typedef struct vmmipc_mapping {
  * soon after a hit waits first until vmmipc_cache_info reports
  * confirms_pending == 0 (the Python package does so at exit).
  *
+ * opts->import_flags VMMIPC_IMPORT_HOLD holds the use (see "Holds"): a miss
+ * streams on a connection of its own and, if this process has no holder
+ * session to the exporter yet, keeps that connection as one; a hit spends
+ * its use with one message and its answer on the holder session. Either
+ * way, once the call returns the use is spent and, for a registration made
+ * with VMMIPC_REGISTER_HOLD, held until vmmipc_release or this process
+ * ends, so the receiver's death (SIGKILL included) cannot leave it pending.
+ *
  * *mapping_out belongs to the caller; drop the reference with vmmipc_unmap.
  * Returns:
  *   VMMIPC_OK      *mapping_out describes the mapping (a new one, or a
@@ -672,9 +716,11 @@ int vmmipc_import_stream(const vmmipc_ticket *ticket, int device,
  * exporter spend the use, as a cache hit of vmmipc_import_stream does; with
  * VMMIPC_IMPORT_CONFIRM_LATER in opts->import_flags it returns at once and a
  * library thread does that (vmmipc_cache_info counts it; see
- * vmmipc_import_stream). Receives no chunk descriptor and makes no driver
- * call; holds one socket to the exporter (and briefly, across namespaces, a
- * netlink socket) while it runs.
+ * vmmipc_import_stream); with VMMIPC_IMPORT_HOLD it spends the use on this
+ * process's holder session to the exporter (opening one if it has none: the
+ * socket then stays open) and holds it (see "Holds"). Receives no chunk
+ * descriptor and makes no driver call; holds one socket to the exporter
+ * (and briefly, across namespaces, a netlink socket) while it runs.
  * Returns:
  *   VMMIPC_OK      the use is spent (or, with the flag, queued)
  *   VMMIPC_EINVAL  NULL ticket, malformed ticket, option out of bounds, or
@@ -682,6 +728,27 @@ int vmmipc_import_stream(const vmmipc_ticket *ticket, int device,
  *   VMMIPC_EAUTH, VMMIPC_ENOENT, VMMIPC_EIO, VMMIPC_ENFILE  as vmmipc_open
  *   VMMIPC_EFORK   called after fork() */
 int vmmipc_confirm(const vmmipc_ticket *ticket, const vmmipc_options *opts);
+
+/* vmmipc_release lets go of one use of the ticket's registration that this
+ * process holds (taken by vmmipc_import_stream or vmmipc_confirm with
+ * VMMIPC_IMPORT_HOLD; see "Holds"). It returns at once: the registration id
+ * is queued and a library thread sends it to the exporter with others. Call
+ * it once the memory is no longer read: a mapping of it may stay (unmap it
+ * when you like), but the sender may write the memory from then on.
+ * Returns:
+ *   VMMIPC_OK      queued; the exporter lets go when it reads it
+ *   VMMIPC_EINVAL  NULL or malformed ticket
+ *   VMMIPC_ENOENT  this process holds no use of it: never held, let go of
+ *                  already, or its exporter ended the connection (exited),
+ *                  which let go of everything held on it
+ *   VMMIPC_EFORK   called after fork() */
+int vmmipc_release(const vmmipc_ticket *ticket);
+
+/* vmmipc_holds stores in *count_out how many uses of this process's
+ * registrations receivers hold now (see "Holds"), without starting the
+ * server.
+ * Returns: VMMIPC_OK, VMMIPC_EINVAL (NULL), VMMIPC_EFORK */
+int vmmipc_holds(uint64_t *count_out);
 
 /* vmmipc_unmap drops the reference *mapping holds and zeroes *mapping. When
  * it was the last reference, the mapping is kept in the import cache (if
@@ -714,6 +781,9 @@ typedef struct vmmipc_cache_info {
                                   queued or in flight */
   uint64_t confirms_failed;    /* ...that failed (the exporter refused the
                                   ticket, or could not be reached) */
+  uint64_t holds;              /* uses this process holds as a receiver
+                                  (VMMIPC_IMPORT_HOLD, not yet released) */
+  uint64_t holder_sessions;    /* connections kept to exporters for them */
 } vmmipc_cache_info;
 
 /* vmmipc_cache_set_limit sets this process's bound on the bytes of

@@ -20,16 +20,17 @@ from ._errors import (AuthError, BadHandleError, BufferInUseError, CudaError, Ex
                       VmmipcTimeoutError, error_for)
 from ._errors import (EAUTH, EBADF, ECUDA, EEXPORT, EFORK, EINTERNAL, EINVAL, EIO, END,
                       ENFILE, ENOENT, ENOMEM, ETIMEDOUT, OK)
-from ._lib import (DEVICE_HOST, DEVICE_SAME, IMPORT_CONFIRM_LATER, IMPORT_NO_CACHE,
+from ._lib import (DEVICE_HOST, DEVICE_SAME, IMPORT_CONFIRM_LATER, IMPORT_HOLD, IMPORT_NO_CACHE,
                    MAX_ACCESS_DEVICES, MAX_CHUNKS, MAX_TTL_MS, MAX_WINDOW, MEMORY_CUDA,
                    MEMORY_HOST, TICKET_SIZE)
 from ._ticket import Ticket, TicketInfo, wait
-from ._register import (live_registrations, register, register_again, register_cuda,
+from ._register import (holds, live_registrations, register, register_again, register_cuda,
                         register_cuda_handles, register_host_file, share, strerror, unregister,
                         version)
 from ._cuda import CudaRange, cuda_query_range
 from ._stream import Chunk, Stream, export_chunks, export_fds, open
-from ._mapping import CacheInfo, Mapping, cache_info, confirm, import_stream, set_cache_limit
+from ._mapping import (CacheInfo, Mapping, cache_info, confirm, import_stream, release,
+                       set_cache_limit)
 from ._host import DEFAULT_CHUNK_SIZE, HostBuffer
 from . import _reductions
 
@@ -49,14 +50,14 @@ __all__ = [
     "AuthError", "BadHandleError", "BufferInUseError", "CacheInfo", "Chunk", "CudaError", "CudaRange",
     "DEFAULT_CHUNK_SIZE", "DEVICE_HOST", "DEVICE_SAME", "EAUTH", "EBADF", "ECUDA", "EEXPORT",
     "EFORK", "EINTERNAL", "EINVAL", "EIO", "END", "ENFILE", "ENOENT", "ENOMEM", "ETIMEDOUT",
-    "ExportError", "HostBuffer", "IMPORT_CONFIRM_LATER", "IMPORT_NO_CACHE", "InternalError", "InvalidError",
+    "ExportError", "HostBuffer", "IMPORT_CONFIRM_LATER", "IMPORT_HOLD", "IMPORT_NO_CACHE", "InternalError", "InvalidError",
     "LibraryNotFoundError", "MAX_ACCESS_DEVICES", "MAX_CHUNKS", "MAX_TTL_MS", "MAX_WINDOW",
     "MEMORY_CUDA", "MEMORY_HOST", "Mapping", "NotFoundError", "OK", "OutOfDescriptorsError",
     "Stream", "TICKET_SIZE", "Ticket", "TicketInfo", "VmmipcError", "VmmipcForkError",
     "VmmipcIOError", "VmmipcMemoryError", "VmmipcTimeoutError", "cache_info", "confirm",
     "cuda_query_range", "error_for", "export_chunks", "export_fds",
     # not "open": `from vmmipc import *` must not shadow the builtin
-    "import_stream", "live_registrations", "register", "register_again", "register_cuda",
-    "register_cuda_handles", "register_host_file", "set_cache_limit", "share", "strerror",
+    "holds", "import_stream", "live_registrations", "register", "register_again", "register_cuda",
+    "register_cuda_handles", "register_host_file", "release", "set_cache_limit", "share", "strerror",
     "unregister", "version", "wait",
 ]

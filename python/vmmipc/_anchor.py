@@ -133,14 +133,16 @@ class Anchor:
         self.retired = False
 
     def grant(self, *, uses: int = 1, ttl: float | None = None, keep=None,
-              limit: int | None = None) -> Ticket:
+              limit: int | None = None, hold: bool = False) -> Ticket:
         """A new registration of the anchor's memory (register_again) for
         `uses` receivers (0 = unlimited) and `ttl` seconds; `keep` (any
         object) stays referenced until the grant ends. limit: at most this
         many grants pending; beyond it the oldest is ended (on the reaper),
         so a receiver that never comes cannot make the sender hold more and
-        more. NotFoundError if the anchor ended (retired, or unregistered at
-        exit)."""
+        more. hold=True: receivers that hold their use (import or confirm
+        with hold=True) keep `keep` referenced until they let go or end
+        (register_again(hold=True)). NotFoundError if the anchor ended
+        (retired, or unregistered at exit)."""
         key = next(self._keys)
         with self._lock:
             if limit is not None and len(self._grants) >= limit:
@@ -153,7 +155,7 @@ class Anchor:
             self._grants[key] = None  # a release that comes first removes it
         release = _Release(self, key, keep)
         try:
-            ticket = register_again(self.ticket, uses=uses, ttl=ttl, release=release)
+            ticket = register_again(self.ticket, uses=uses, ttl=ttl, release=release, hold=hold)
         except BaseException:
             release.keep = None  # never granted: nothing to let go later
             release()

@@ -166,10 +166,11 @@ class HostBuffer(_exported.Buffer, _lib.Closeable):
     @classmethod
     def from_ticket(cls, ticket, chunk_size: int | None = None, *,
                     timeout: float | None = None, cache: bool = True,
-                    confirm_later: bool = False) -> "HostBuffer":
+                    confirm_later: bool = False, hold: bool = False) -> "HostBuffer":
         """Import a host ticket (what unpickling does): a HostBuffer over a
         mapping of the sender's memory (from the import cache if this process
-        has it mapped already; confirm_later as for vmmipc.import_stream)."""
+        has it mapped already; confirm_later and hold as for
+        vmmipc.import_stream)."""
         t = Ticket(ticket, "HostBuffer.from_ticket")
         if chunk_size is None:
             info = t.info()
@@ -179,7 +180,7 @@ class HostBuffer(_exported.Buffer, _lib.Closeable):
             chunk_size = _args.integer(chunk_size, "chunk_size", PAGE_SIZE, sys.maxsize,
                                        "HostBuffer.from_ticket")
         mapping = import_stream(t, _lib.DEVICE_HOST, timeout=timeout, cache=cache,
-                                confirm_later=confirm_later)
+                                confirm_later=confirm_later, hold=hold)
         self = _exported.instance(cls, mapping.addr, mapping.size)  # mapping outlives self
         self._init(mapping.size, chunk_size, 1, None)
         self._fd = -1

@@ -56,6 +56,8 @@ MAX_TTL_MS = 1 << 40
 MAX_CHUNKS = 1 << 26
 IMPORT_NO_CACHE = 0x1
 IMPORT_CONFIRM_LATER = 0x2
+IMPORT_HOLD = 0x4
+REGISTER_HOLD = 0x1
 
 
 class vmmipc_ticket(Structure):
@@ -73,7 +75,7 @@ class vmmipc_options(Structure):
         ("access_device_count", c_uint32),
         ("access_devices", POINTER(c_int32)),
         ("import_flags", c_uint32),
-        ("reserved_", c_uint32),
+        ("register_flags", c_uint32),
     ]
 
 
@@ -129,6 +131,8 @@ class vmmipc_cache_info(Structure):
         ("invalidations", c_uint64),
         ("confirms_pending", c_uint64),
         ("confirms_failed", c_uint64),
+        ("holds", c_uint64),
+        ("holder_sessions", c_uint64),
     ]
 
 
@@ -164,6 +168,8 @@ SIGNATURES = {
     "vmmipc_close": (c_int, [_STREAM]),
     "vmmipc_import_stream": (c_int, [_T, c_int, _O, POINTER(vmmipc_mapping)]),
     "vmmipc_confirm": (c_int, [_T, _O]),
+    "vmmipc_release": (c_int, [_T]),
+    "vmmipc_holds": (c_int, [POINTER(c_uint64)]),
     "vmmipc_unmap": (c_int, [POINTER(vmmipc_mapping)]),
     "vmmipc_cache_set_limit": (c_int, [c_uint64]),
     "vmmipc_cache_get_info": (c_int, [POINTER(vmmipc_cache_info), ctypes.c_size_t]),
@@ -332,7 +338,8 @@ def call(function: str, *args) -> int:
 
 
 def options(function: str, *, uses=None, ttl=None, timeout=None, window=None,
-            memory_kind=None, access_devices=(), import_flags: int = 0) -> vmmipc_options:
+            memory_kind=None, access_devices=(), import_flags: int = 0,
+            register_flags: int = 0) -> vmmipc_options:
     """A vmmipc_options filled with the library's defaults, then the given
     fields. Every field is checked before the library is touched (errors
     name the parameter and `function`). ttl and timeout are seconds; None
@@ -364,6 +371,7 @@ def options(function: str, *, uses=None, ttl=None, timeout=None, window=None,
         o.access_devices = ctypes.cast(arr, POINTER(c_int32))
         o._keep = arr
     o.import_flags = import_flags
+    o.register_flags = register_flags
     return o
 
 

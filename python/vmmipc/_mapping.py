@@ -20,7 +20,8 @@ import weakref
 from typing import NamedTuple
 
 from . import _args, _dlpack, _errors, _exported, _lib
-from ._lib import DEVICE_HOST, DEVICE_SAME, IMPORT_CONFIRM_LATER, IMPORT_NO_CACHE, MEMORY_HOST
+from ._lib import (DEVICE_HOST, DEVICE_SAME, IMPORT_CONFIRM_LATER, IMPORT_HOLD, IMPORT_NO_CACHE,
+                   MEMORY_HOST)
 from ._ticket import as_ticket
 
 log = logging.getLogger("vmmipc")
@@ -221,7 +222,7 @@ class Mapping(_exported.Buffer, _lib.Closeable):
 
 def import_stream(ticket, device: int | None = None, *, timeout: float | None = None,
                   window: int | None = None, access_devices=(), cache: bool = True,
-                  confirm_later: bool = False) -> Mapping:
+                  confirm_later: bool = False, hold: bool = False) -> Mapping:
     """Map the whole buffer named by the ticket (vmmipc_import_stream): reserve
     the range, then receive, map and close one chunk at a time; or, when
     this process has the buffer cached, another reference to that mapping.
@@ -236,14 +237,18 @@ def import_stream(ticket, device: int | None = None, *, timeout: float | None = 
     once and spends its use in the background (VMMIPC_IMPORT_CONFIRM_LATER:
     only for tickets from a channel trusted for the data itself; at exit
     this process waits for those still queued, EXIT_CONFIRM_SECONDS at
-    most).
+    most). hold=True (VMMIPC_IMPORT_HOLD): the use is held until
+    release(ticket) or this process ends, so a sender that registered with
+    hold=True keeps the memory from reuse meanwhile (not with
+    confirm_later).
     VmmipcMemoryError if the address range cannot be reserved."""
     fn = "vmmipc_import_stream"
     t = as_ticket(ticket, fn)
     if device is not None:
         device = _args.integer(device, "device", DEVICE_SAME, _args.I32_MAX, fn,
                                "DEVICE_HOST = -1, DEVICE_SAME = -2, or a CUDA ordinal")
-    flags = (0 if cache else IMPORT_NO_CACHE) | (IMPORT_CONFIRM_LATER if confirm_later else 0)
+    flags = ((0 if cache else IMPORT_NO_CACHE) | (IMPORT_CONFIRM_LATER if confirm_later else 0)
+             | (IMPORT_HOLD if hold else 0))
     opts = _lib.options(fn, timeout=timeout, window=window, access_devices=access_devices,
                         import_flags=flags)
     if device is None:
@@ -253,17 +258,29 @@ def import_stream(ticket, device: int | None = None, *, timeout: float | None = 
     return Mapping(out)
 
 
-def confirm(ticket, *, later: bool = False, timeout: float | None = None) -> None:
+def confirm(ticket, *, later: bool = False, hold: bool = False,
+            timeout: float | None = None) -> None:
     """Spend one use of a ticket without importing anything
     (vmmipc_confirm): for a receiver that has the memory mapped already,
     through another ticket of the same buffer, so that the sender's
     registration ends. later=True returns at once and a library thread
-    confirms (VMMIPC_IMPORT_CONFIRM_LATER; cache_info counts it)."""
+    confirms (VMMIPC_IMPORT_CONFIRM_LATER; cache_info counts it).
+    hold=True holds the use, as import_stream(hold=True) does: one message
+    and its answer on this process's kept connection to the exporter."""
     fn = "vmmipc_confirm"
     t = as_ticket(ticket, fn)
-    opts = _lib.options(fn, timeout=timeout,
-                        import_flags=IMPORT_CONFIRM_LATER if later else 0)
+    flags = (IMPORT_CONFIRM_LATER if later else 0) | (IMPORT_HOLD if hold else 0)
+    opts = _lib.options(fn, timeout=timeout, import_flags=flags)
     _lib.call(fn, ctypes.byref(t._c()), ctypes.byref(opts))
+
+
+def release(ticket) -> None:
+    """Let go of a use of `ticket` this process holds (import_stream or
+    confirm with hold=True): returns at once, a library thread tells the
+    exporter with others. NotFoundError if this process holds none (let go
+    of already, or its exporter has gone)."""
+    fn = "vmmipc_release"
+    _lib.call(fn, ctypes.byref(as_ticket(ticket, fn)._c()))
 
 
 class CacheInfo(NamedTuple):
@@ -277,6 +294,8 @@ class CacheInfo(NamedTuple):
     invalidations: int       # mappings undone because the buffer ended or the exporter exited
     confirms_pending: int    # confirm_later confirmations queued or in flight
     confirms_failed: int     # ...that failed
+    holds: int               # uses this process holds (hold=True), not yet released
+    holder_sessions: int     # connections kept to exporters for them
 
 
 def set_cache_limit(nbytes: int) -> None:

@@ -41,11 +41,12 @@ def reduce_host_buffer(hb: HostBuffer):
 
 
 def rebuild_host_buffer(ticket, chunk_size):
-    """Unpickling side of a HostBuffer: map the sender's memory. A pickle is
-    the channel the data comes through, so a buffer mapped here already
-    (the import cache) is returned at once and its ticket confirmed in the
-    background (confirm_later)."""
-    return HostBuffer.from_ticket(ticket, chunk_size, confirm_later=True)
+    """Unpickling side of a HostBuffer: map the sender's memory. A buffer
+    mapped here already (the import cache) spends its ticket's use with one
+    message on this process's kept connection to the sender (hold=True;
+    HostBuffer grants hold nothing), before this returns: a receiver killed
+    right after unpickling cannot leave the sender's grant pending."""
+    return HostBuffer.from_ticket(ticket, chunk_size, hold=True)
 
 
 def init_reductions() -> None:

@@ -206,18 +206,22 @@ def register_cuda_handles(handles, sizes, *, uses: int = 1, ttl: float | None = 
 
 
 def register_again(ticket, *, uses: int = 1, ttl: float | None = None,
-                   release: Callable[[], None] | None = None) -> Ticket:
+                   release: Callable[[], None] | None = None, hold: bool = False) -> Ticket:
     """A new registration of the memory named by `ticket`, a live
     registration of this process (vmmipc_register_again): a new ticket with
     its own uses, ttl and secret and the same buffer identity, so a receiver
     that has the buffer cached imports it in one round trip. Opens no
     descriptor and makes no driver call. The memory stays exported while any
     registration made from it lives, even after `ticket` itself has ended.
+    hold=True (VMMIPC_REGISTER_HOLD): a receiver that imports or confirms
+    with hold=True holds its use, and `release` runs only once every such
+    receiver has let go (vmmipc.release) or ended (see the header, "Holds").
     NotFoundError if `ticket` is not a live registration of this process."""
     fn = "vmmipc_register_again"
     t = as_ticket(ticket, fn)
     _callable(release, "release", fn)
-    opts = _lib.options(fn, uses=uses, ttl=ttl)
+    opts = _lib.options(fn, uses=uses, ttl=ttl,
+                        register_flags=_lib.REGISTER_HOLD if hold else 0)
 
     def do(release_fn, user, out):
         _lib.call(fn, ctypes.byref(t._c()), release_fn, user, ctypes.byref(opts), out)
@@ -236,6 +240,14 @@ def live_registrations() -> int:
     """Registrations of this process that have not ended yet."""
     n = c_uint64()
     _lib.call("vmmipc_live_registrations", ctypes.byref(n))
+    return n.value
+
+
+def holds() -> int:
+    """Uses of this process's registrations that receivers hold now
+    (register_again(hold=True); see the header, "Holds")."""
+    n = c_uint64()
+    _lib.call("vmmipc_holds", ctypes.byref(n))
     return n.value
 
 

@@ -3,13 +3,20 @@ open_tensors.
 
 A receiver maps each run anchor once (_MappedRun) and makes every storage a
 zero-copy view at its offset (torch.as_tensor over __cuda_array_interface__).
-Each grant (one per anchor per pickle) is redeemed once: the first storage
-of a run not mapped here imports the run with it (vmmipc.import_stream:
-streamed on a miss, from the import cache on a hit); a grant whose run is
-mapped here already is confirmed in the background (vmmipc.confirm(later=
-True)), so a re-sent model costs no connection, no handshake and no driver
-call on the path of any tensor. The sender keeps the storages until that
-confirmation reaches it.
+Each grant (one per anchor per pickle) is redeemed once, and held: the
+first storage of a run not mapped here imports the run with it
+(vmmipc.import_stream(hold=True): streamed on a miss, from the import cache
+on a hit); a grant whose run is mapped here already is confirmed
+(vmmipc.confirm(hold=True): one message and its answer on this process's
+kept connection to the sender, no handshake, no driver call).
+
+The lifetime rule (torch.multiprocessing's): the sender keeps every storage
+of a grant alive, out of its allocator's reach, while this process holds
+the grant (the header's "Holds"). A received storage needs only its newest
+grant held: _Holds counts, per grant, the live storages whose newest grant
+it is, and lets go of a grant (vmmipc.release, batched by the library) when
+that count falls to zero: when those storages die, or a later pickle of the
+same storages took over. This process's end lets go of everything.
 
 A weak cache of received storages, keyed by (anchor id, offset, size,
 device), gives a storage that arrives again (another view, another send)
@@ -29,9 +36,9 @@ import threading
 import uuid
 import weakref
 
-from . import _args, _lib
+from . import _args, _errors, _lib
 from ._anchor import after_fork
-from ._mapping import confirm, import_stream
+from ._mapping import confirm, import_stream, release
 from ._ticket import Ticket
 from ._torch_env import torch_module
 
@@ -143,14 +150,76 @@ class _Redeemed:
             self._seen.pop(grant, None)
 
 
+class _Holds:
+    """Which held grant keeps each received storage safe, and how many live
+    storages each held grant keeps: a grant is let go of when none is left.
+    A storage's newest grant takes over from its older one (the sender
+    keeps the same memory for both: within a live anchor, one offset and
+    size is one storage of the sender's)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._count: dict = {}  # grant -> live storages whose newest grant it is
+        self._of: dict = {}     # id(cell) -> cell; a cell is [grant] of one storage
+
+    def attach(self, storage, grant) -> None:
+        """storage is (also) covered by grant, which this process holds."""
+        cell = self._cell_of(storage)
+        old = None
+        with self._lock:
+            if cell[0] == grant:
+                return
+            old, cell[0] = cell[0], grant
+            self._count[grant] = self._count.get(grant, 0) + 1
+        if old is not None:
+            self._drop(old)
+
+    def _cell_of(self, storage):
+        key = id(storage)
+        with self._lock:
+            cell = self._of.get(key)
+            if cell is not None and cell[1]() is storage:
+                return cell
+            cell = [None, weakref.ref(storage)]
+            self._of[key] = cell
+        weakref.finalize(storage, self._storage_died, key, cell).atexit = False
+        return cell
+
+    def _storage_died(self, key, cell) -> None:
+        with self._lock:
+            if self._of.get(key) is cell:
+                del self._of[key]
+            grant, cell[0] = cell[0], None
+        if grant is not None:
+            self._drop(grant)
+
+    def _drop(self, grant) -> None:
+        with self._lock:
+            n = self._count.get(grant, 0) - 1
+            if n > 0:
+                self._count[grant] = n
+                return
+            self._count.pop(grant, None)
+        try:
+            release(grant)  # queued: a library thread tells the sender
+        except _errors.VmmipcError:
+            pass  # not held (an old sender's grant), or its sender has gone: nothing held
+
+    def held(self) -> int:
+        """Grants this process holds for live storages (for tests)."""
+        with self._lock:
+            return len(self._count)
+
+
 _runs = _WeakTable()      # (anchor id, target) -> _MappedRun
 _received = _WeakTable()  # (anchor id, offset, nbytes, target) -> torch storage
 _redeemed = _Redeemed()
+_holds = _Holds()
 
 
 def _reset_after_fork() -> None:
-    global _runs, _received, _redeemed
-    _runs, _received, _redeemed = _WeakTable(), _WeakTable(), _Redeemed()
+    global _runs, _received, _redeemed, _holds
+    _runs, _received, _redeemed, _holds = _WeakTable(), _WeakTable(), _Redeemed(), _Holds()
 
 
 after_fork(_reset_after_fork)
@@ -199,9 +268,9 @@ def _mapped_run(torch, grant, anchor_id, target) -> tuple[_MappedRun, bool]:
         return run, False
     device = _lib.DEVICE_SAME if target is None else target
     # A miss streams the run with this grant; a hit (the import cache kept
-    # the run mapped) returns at once and confirms the grant in the
-    # background.
-    mapping = import_stream(grant, device, confirm_later=True)
+    # the run mapped) spends it with one message on the kept connection.
+    # Either way the grant is held.
+    mapping = import_stream(grant, device, hold=True)
     made = _MappedRun(mapping)
     run = _runs.add(key, made)
     if run is not made:  # another thread mapped it first: ours goes
@@ -223,12 +292,13 @@ def rebuild_storage(grant, anchor_id, offset, nbytes, exporter_device, event_han
     if _redeemed.add(grant):  # the first storage of this grant here
         try:
             if not redeemed:
-                confirm(grant, later=True)
+                confirm(grant, hold=True)
             if event_handle is not None:  # None: the sender synchronized instead
                 _wait_event(storage, grant, exporter_device, event_handle, target)
         except BaseException:
             _redeemed.forget(grant)
             raise
+    _holds.attach(storage, grant)
     return storage
 
 

@@ -9,9 +9,11 @@ reduce_tensor itself. A batch
   - plans anchors first, for every CUDA tensor and storage it can find in
     the object (dicts, lists and tuples, nested): storages sent together are
     registered together, one anchor per run of chunks (_torch_runs);
-  - makes ONE grant per anchor it uses (vmmipc.register_again, uses=1),
-    which keeps every storage of that anchor in this batch alive until the
-    receiver has it (the receiver imports the run with it, or confirms it);
+  - makes ONE grant per anchor it uses (vmmipc.register_again, uses=1,
+    hold=True), which keeps every storage of that anchor in this batch
+    alive, out of torch's allocator's reach, until the receiver has let go
+    of every storage it rebuilt from it, or has died (torch's lifetime rule;
+    the header's "Holds"; _torch_receive counts them);
   - records ONE interprocess event per device, on the current stream of the
     thread that pickles, which the receiver's current stream waits on.
 
@@ -138,7 +140,7 @@ class Batch:
         if entry is None:
             keep: list = []
             entry = (run.anchor.grant(uses=1, ttl=self.ttl, keep=keep,
-                                      limit=MAX_PENDING_PICKLES), keep)
+                                      limit=MAX_PENDING_PICKLES, hold=True), keep)
             self._grants[run] = entry
         entry[1].append(storage)
         return entry[0]

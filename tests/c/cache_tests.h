@@ -41,7 +41,7 @@ static int test_cache_api(void) {
   CHECK_RC(vmmipc_cache_set_limit(full.limit_bytes), VMMIPC_OK);
 
   START_SENDER(s, t, "file", 4, 4096, 1, -1, 0);
-  const uint32_t bad_flags[] = {0x4, 0x7, 0x80000000u};
+  const uint32_t bad_flags[] = {0x8, 0x7, 0x80000000u};
   for (size_t k = 0; k < sizeof bad_flags / sizeof bad_flags[0]; k++) {
     vmmipc_options o = default_options();
     o.import_flags = bad_flags[k];

@@ -88,7 +88,7 @@ def test_struct_layout_matches_header(tmp_path):
     fields = {  # every field, in the header's order
         "vmmipc_options": ["struct_size", "uses", "ttl_ms", "timeout_ms", "window",
                            "memory_kind", "access_device_count", "access_devices",
-                           "import_flags", "reserved_"],
+                           "import_flags", "register_flags"],
         "vmmipc_ticket_info": ["memory_kind", "exporter_pid", "chunk_count", "total_size",
                                "device_uuid"],
         "vmmipc_chunk": ["index", "offset", "size", "fd", "reserved_", "file_offset"],
@@ -97,7 +97,8 @@ def test_struct_layout_matches_header(tmp_path):
         "vmmipc_cuda_range_info": ["base", "size", "handle_types", "device"],
         "vmmipc_cache_info": ["limit_bytes", "entries", "referenced_bytes",
                               "unreferenced_bytes", "hits", "misses", "evictions",
-                              "invalidations", "confirms_pending", "confirms_failed"],
+                              "invalidations", "confirms_pending", "confirms_failed", "holds",
+                              "holder_sessions"],
     }
     lines = []
     for struct, names in fields.items():

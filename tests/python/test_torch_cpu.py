@@ -74,6 +74,7 @@ class FakeVmmipc:
         self.queries = []        # (ptr, size)
         self.shared = []         # (base, size, uses)
         self.again = []          # (anchor ticket, uses, ttl, release)
+        self.holds = []          # the hold flag of each register_again, in order
         self.unregistered = []
         self.fail_again = 0      # register_again raises NotFoundError this many times
         self.ended = set()       # anchor tickets whose register_again raises NotFoundError
@@ -93,11 +94,12 @@ class FakeVmmipc:
         self.shared.append((base, size, uses))
         return f"anchor-{len(self.shared)}"
 
-    def register_again(self, ticket, *, uses=1, ttl=None, release=None):
+    def register_again(self, ticket, *, uses=1, ttl=None, release=None, hold=False):
         if self.fail_again or ticket in self.ended:
             self.fail_again = max(0, self.fail_again - 1)
             raise vmmipc.NotFoundError("it ended", vmmipc.ENOENT, "vmmipc_register_again")
         self.again.append((ticket, uses, ttl, release))
+        self.holds.append(hold)
         return f"pickle-{len(self.again)}"
 
     def unregister(self, ticket):
