@@ -1,0 +1,54 @@
+"""Code that runs in the child processes of test_holds.py (kept apart from
+the test module so children import only this and vmmipc)."""
+
+import os
+import time
+
+import vmmipc
+
+
+def holding_child(ticket: bytes, results, commands) -> None:
+    """Import `ticket` holding its use, read it, say so, then do what the
+    parent says: "release" (then say so), "release-other <hex>" (try to let
+    go of a ticket this process never held), "exit", or nothing at all
+    (wait to be killed)."""
+    try:
+        m = vmmipc.import_stream(ticket, hold=True)
+        first = bytes(m.view[:4])
+        results.put(("held", os.getpid(), first, vmmipc.cache_info().holds))
+    except BaseException as e:  # noqa: BLE001 - the parent reports it
+        results.put(("error", repr(e)))
+        return
+    while True:
+        cmd = commands.get()
+        if cmd == "release":
+            vmmipc.release(ticket)
+            results.put(("released", vmmipc.cache_info().holds))
+        elif isinstance(cmd, tuple) and cmd[0] == "release-other":
+            try:
+                vmmipc.release(cmd[1])
+                results.put(("release-other", "accepted"))
+            except vmmipc.NotFoundError as e:
+                results.put(("release-other", e.message))
+        elif cmd == "exit":
+            return
+
+
+def touch(hb) -> int:
+    """A Pool task: read the buffer this worker was sent."""
+    return hb[0] + hb[len(hb) - 1]
+
+
+def slow_touch(hb) -> int:
+    time.sleep(0.05)
+    return touch(hb)
+
+
+def read_many(q, done, n: int) -> None:
+    """Take the buffer n times from q (a cache hit after the first), say
+    the sum of what was read, then wait to be killed."""
+    total = 0
+    for _ in range(n):
+        total += touch(q.get())
+    done.put(total)
+    time.sleep(3600)

@@ -1,0 +1,155 @@
+"""Holds (vmmipc.h, "Holds"): a grant registered with hold=True keeps what
+its sender lends until every receiver that holds it has let go or died; and
+receivers killed by Pool.terminate leave nothing pending.
+
+A CPU stand-in for vmmipc.torch's lifetime rule: there, what the sender
+lends is a sent tensor's storage, kept from torch's allocator while a
+receiver holds it; here it is a release callback that must not run."""
+
+import fcntl
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+import _hold_helpers as hh
+import _mp_helpers as h
+import vmmipc
+
+TIMEOUT = 30
+SIZE = 1 << 20
+
+
+@pytest.fixture
+def anchor():
+    """An anchor (uses 0) over a sealed memfd whose first bytes are known."""
+    fd = os.memfd_create("test-holds", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, SIZE)
+    os.pwrite(fd, b"HOLD", 0)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    t = vmmipc.register_host_file(fd, SIZE, SIZE, uses=0)
+    os.close(fd)
+    yield t
+    vmmipc.unregister(t)
+
+
+def held_grant(anchor):
+    """A hold=True grant of the anchor and the event its release sets."""
+    released = threading.Event()
+    return vmmipc.register_again(anchor, uses=1, hold=True, release=released.set), released
+
+
+def start_holder(ctx, ticket):
+    results, commands = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=hh.holding_child, args=(bytes(ticket), results, commands))
+    p.start()
+    r = results.get(timeout=TIMEOUT)
+    assert r[0] == "held", r
+    assert r[2] == b"HOLD" and r[3] == 1, r
+    return p, results, commands
+
+
+def expect_kept(released, what):
+    assert not released.wait(0.3), f"{what}: the sender's grant was released while a receiver holds it"
+
+
+@pytest.mark.parametrize("end", ["release", "exit", "SIGTERM", "SIGKILL"])
+def test_a_hold_keeps_the_sender_until_the_receiver_lets_go(anchor, end):
+    ctx = mp.get_context("spawn")
+    holds = vmmipc.holds()
+    grant, released = held_grant(anchor)
+    p, results, commands = start_holder(ctx, grant)
+    expect_kept(released, "after the receiver imported")
+    assert vmmipc.holds() == holds + 1
+    if end == "release":
+        commands.put("release")
+        assert results.get(timeout=TIMEOUT) == ("released", 0)
+    elif end == "exit":
+        commands.put("exit")
+    else:
+        os.kill(p.pid, getattr(signal, end))
+    assert released.wait(5), f"the sender's grant was still held 5 s after the receiver's {end}"
+    assert h.wait_for(lambda: vmmipc.holds() == holds), vmmipc.holds()
+    if end == "release":
+        commands.put("exit")
+    p.join(TIMEOUT)
+
+
+def test_no_receiver_lets_go_of_what_another_holds(anchor):
+    ctx = mp.get_context("spawn")
+    victim_grant, victim_released = held_grant(anchor)
+    other_grant, other_released = held_grant(anchor)
+    victim, vres, vcmd = start_holder(ctx, victim_grant)
+    other, ores, ocmd = start_holder(ctx, other_grant)
+    ocmd.put(("release-other", bytes(victim_grant)))
+    what, msg = ores.get(timeout=TIMEOUT)
+    assert what == "release-other" and "holds no use" in msg, msg
+    ocmd.put("exit")
+    assert other_released.wait(5)
+    expect_kept(victim_released, "after another receiver tried to let go of it and ended")
+    vcmd.put("release")
+    assert vres.get(timeout=TIMEOUT)[0] == "released"
+    assert victim_released.wait(5)
+    vcmd.put("exit")
+    for p in (victim, other):
+        p.join(TIMEOUT)
+
+
+def test_a_grant_without_hold_is_released_when_used(anchor):
+    ctx = mp.get_context("spawn")
+    released = threading.Event()
+    grant = vmmipc.register_again(anchor, uses=1, release=released.set)
+    results, commands = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=hh.holding_child, args=(bytes(grant), results, commands))
+    p.start()
+    r = results.get(timeout=TIMEOUT)
+    assert r[0] == "held" and r[3] == 0, r  # nothing held: the sender did not ask
+    assert released.wait(5)
+    commands.put("exit")
+    p.join(TIMEOUT)
+
+
+def test_pool_workers_terminated_leave_nothing_pending():
+    """Ten buffers, each sent to a pool's workers many times (cache hits
+    after the first), the pool terminated (Pool.__exit__: SIGTERM), the
+    buffer closed: every registration ends within a few seconds."""
+    ctx = mp.get_context("spawn")
+    live = vmmipc.live_registrations()
+    for i in range(10):
+        hb = vmmipc.HostBuffer(16 << 20, chunk_size=1 << 20)
+        hb.view[0], hb.view[-1] = 1, 2
+        with ctx.Pool(4) as pool:
+            assert pool.map(hh.touch, [hb] * 16, chunksize=1) == [3] * 16
+        hb.close()
+    assert h.wait_for(lambda: vmmipc.live_registrations() == live, timeout=6), \
+        f"{vmmipc.live_registrations() - live} registrations still live 6 s after the pools ended"
+
+
+def test_receivers_killed_after_cache_hits_leave_nothing_pending():
+    """As above with SIGKILL (a Pool cannot be terminated after its workers
+    were SIGKILLed: one may die holding its task queue's lock), so plain
+    processes reading a Queue: each gets the buffer 16 times, says so, and
+    is killed."""
+    ctx = mp.get_context("spawn")
+    live = vmmipc.live_registrations()
+    for i in range(5):
+        hb = vmmipc.HostBuffer(16 << 20, chunk_size=1 << 20)
+        hb.view[0], hb.view[-1] = 1, 2
+        q, done = ctx.Queue(), ctx.Queue()
+        procs = [ctx.Process(target=hh.read_many, args=(q, done, 16)) for _ in range(4)]
+        for p in procs:
+            p.start()
+        for _ in range(16 * len(procs)):
+            q.put(hb)
+        assert sorted(done.get(timeout=TIMEOUT) for _ in procs) == [3 * 16] * len(procs)
+        for p in procs:
+            os.kill(p.pid, signal.SIGKILL)
+            p.join(TIMEOUT)
+        hb.close()
+        q.close()
+        done.close()
+    assert h.wait_for(lambda: vmmipc.live_registrations() == live, timeout=6), \
+        f"{vmmipc.live_registrations() - live} registrations still live 6 s after the receivers died"
