@@ -580,6 +580,12 @@ static int test_argument_messages(void) {
   CHECK_SAYS(vmmipc_register(sizes, 2, export_memfd, NULL, NULL, &o, &t), VMMIPC_EINVAL,
              "opts->struct_size is 0, smaller than the 4 bytes of struct_size itself", NULL);
   CHECK(strstr(vmmipc_last_error(), "vmmipc_options_init"), "the message does not say to call vmmipc_options_init");
+  /* Fields a register call does not use are checked all the same (vmmipc.h,
+   * vmmipc_options). */
+  o = default_options();
+  o.access_device_count = 1;
+  CHECK_SAYS(vmmipc_register(sizes, 2, export_memfd, NULL, NULL, &o, &t), VMMIPC_EINVAL,
+             "access_devices is NULL but access_device_count is 1", NULL);
   CHECK_SAYS(vmmipc_register(sizes, 0, export_memfd, NULL, NULL, NULL, &t), VMMIPC_EINVAL,
              "vmmipc_register: count is 0: register at least one chunk", "limit");
   CHECK_SAYS(vmmipc_register(NULL, 0, export_memfd, NULL, NULL, NULL, &t), VMMIPC_EINVAL,

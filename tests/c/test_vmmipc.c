@@ -432,6 +432,11 @@ static int test_cuda_without_driver(void) {
   CHECK_RC(vmmipc_cuda_query_range(0x10000, 4096, NULL), VMMIPC_EINVAL);
   CHECK_RC(vmmipc_cuda_query_range(0x10000, 0, &info), VMMIPC_EINVAL);
   CHECK_RC(vmmipc_cuda_query_range(~0ull - 100, 4096, &info), VMMIPC_EINVAL);
+  /* vmmipc_register_cuda's Returns: dptr 0, size 0 and a range that
+   * overflows are VMMIPC_EINVAL, driver or not. */
+  CHECK_SAYS(vmmipc_register_cuda(0, 4096, NULL, &t), VMMIPC_EINVAL, "dptr is 0", NULL);
+  CHECK_SAYS(vmmipc_register_cuda(0x10000, 0, NULL, &t), VMMIPC_EINVAL, "size is 0", NULL);
+  CHECK_SAYS(vmmipc_register_cuda(~0ull - 100, 4096, NULL, &t), VMMIPC_EINVAL, "overflows", NULL);
   unsetenv("VMMIPC_LIBCUDA");
   return 0;
 }
