@@ -30,11 +30,13 @@ lib: ## same as all
 	cmake --build $(CMAKE_DIR) --target vmmipc_go
 
 # deps checks the tools a fresh machine must have, and installs what it may
-# lack (pkg-config, the Go modules, pytest), saying so first; nothing present
-# is touched. pip gets --user outside a virtual environment (inside one,
+# lack (pkg-config, the Go modules, pytest, numpy), saying so first; nothing
+# present is touched. numpy is for the numpy rows of tests/python (a
+# HostBuffer seen by numpy without a copy); torch is not installed (a large
+# download): its rows skip, saying so (make test-python lists every skip). pip gets --user outside a virtual environment (inside one,
 # --user is refused).
 PIP_INSTALL = $(PYTHON) -m pip install --quiet$(shell $(PYTHON) -c 'import sys; print("" if sys.prefix != sys.base_prefix else " --user")' 2>/dev/null)
-deps: ## check the toolchain; install only what is missing (pkg-config, Go modules, pytest), saying so first
+deps: ## check the toolchain; install only what is missing (pkg-config, Go modules, pytest, numpy), saying so first
 	@for t in $(GO) $(CC) cmake nm bash $(PYTHON); do \
 	  command -v $$t >/dev/null || { echo "make: missing $$t: install it (see README.md, Two commands)"; exit 1; }; done
 	@command -v pkg-config >/dev/null || \
@@ -47,6 +49,9 @@ deps: ## check the toolchain; install only what is missing (pkg-config, Go modul
 	@$(PYTHON) -c 'import pytest' 2>/dev/null || { \
 	  echo "make: installing pytest (missing) with: $(PIP_INSTALL) pytest"; $(PIP_INSTALL) pytest; } || { \
 	  echo "make: could not install pytest: install it yourself (Debian/Ubuntu: apt-get install python3-pytest)"; exit 1; }
+	@$(PYTHON) -c 'import numpy' 2>/dev/null || { \
+	  echo "make: installing numpy (missing; the numpy rows of tests/python need it) with: $(PIP_INSTALL) numpy"; $(PIP_INSTALL) numpy; } || { \
+	  echo "make: could not install numpy: install it yourself (Debian/Ubuntu: apt-get install python3-numpy)"; exit 1; }
 	@$(PYTHON) -c 'import venv, ensurepip' 2>/dev/null || { \
 	  echo "make: $(PYTHON) has no venv/ensurepip (make test-wheel and test-editable need it): install it (Debian/Ubuntu: apt-get install python3-venv)"; exit 1; }
 
@@ -63,8 +68,11 @@ test-c: ## build the C tests with CMake and run them with ctest
 	cmake --build $(CMAKE_DIR) -j2
 	ctest --test-dir $(CMAKE_DIR) --output-on-failure --no-tests=error
 
-test-python: lib ## Python shim tests (pytest)
-	$(PYTHON) -m pytest -q tests/python
+# deps installs numpy, and VMMIPC_TESTS_REQUIRE makes its tests fail rather
+# than skip without it; -rs lists every test skipped, with its reason (those
+# that need torch, where it is not installed): nothing is skipped silently.
+test-python: deps lib ## Python shim tests (pytest; numpy required, lists what it skipped and why)
+	VMMIPC_TESTS_REQUIRE=numpy $(PYTHON) -m pytest -q -rs tests/python
 
 # The C suite again, against a library built with GOEXPERIMENT=cgocheck2 (full
 # checks of pointers passed between Go and C). The C tests use RUNPATH, so

@@ -465,7 +465,10 @@ def plot(by_config, host, png):
         for r in rs:
             if r.label not in labels:
                 labels.append(r.label)
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 0.45 * len(labels) * len(by_config) + 1.8), sharey=True)
+    # Constrained layout leaves room for the figure's title above the panels'
+    # titles (tight_layout set the two on top of each other).
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 0.45 * len(labels) * len(by_config) + 1.8), sharey=True,
+                                   layout="constrained")
     height = 0.8 / max(1, len(by_config))
     for k, ((n, chunk), rs) in enumerate(by_config.items()):
         by_label = {r.label: r for r in rs}
@@ -492,7 +495,6 @@ def plot(by_config, host, png):
         ax.legend(fontsize=8, loc="lower right")
     fig.suptitle("libvmmipc benchmark, " + ("host memory (memfd chunks; the GPU targets do not apply)" if host
                                             else "CUDA VMM memory"))
-    fig.tight_layout()
     fig.savefig(png, dpi=110)
     return True
 

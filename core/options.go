@@ -159,10 +159,14 @@ func TTLFromMillis(ms uint64) (time.Duration, error) {
 	return time.Duration(ms) * time.Millisecond, nil
 }
 
-// CheckCount checks a chunk count before anything of that size is copied.
-func CheckCount(n uint64, what string) error {
-	if n == 0 || n > MaxChunks {
-		return Errorf(EINVAL, "%s: count %d is 0 or above the limit of %d", what, n, MaxChunks)
+// CheckCount checks the chunk count of a register call (fn names it)
+// before anything of that size is copied.
+func CheckCount(n uint64, fn string) error {
+	if n == 0 {
+		return Errorf(EINVAL, "%s: count is 0: register at least one chunk", fn)
+	}
+	if n > MaxChunks {
+		return Errorf(EINVAL, "%s: count %d is above the limit of %d chunks (VMMIPC_MAX_CHUNKS): register the buffer in fewer, larger chunks", fn, n, MaxChunks)
 	}
 	return nil
 }

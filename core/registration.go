@@ -42,7 +42,7 @@ type BufferSpec struct {
 
 // validate checks the spec and returns the chunks' offsets and total size.
 func (s *BufferSpec) validate() (offsets []uint64, total uint64, err error) {
-	if err := CheckCount(uint64(len(s.Sizes)), "register: chunks"); err != nil {
+	if err := CheckCount(uint64(len(s.Sizes)), "register"); err != nil {
 		return nil, 0, err
 	}
 	switch {

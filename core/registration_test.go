@@ -289,10 +289,18 @@ func TestOptionBounds(t *testing.T) {
 	}
 	_, err := TTLFromMillis(1<<40 + 1)
 	refused("ttl_ms past the bound", err, "ttl_ms 1099511627777 is larger than 1099511627776")
-	refused("0 chunks", CheckCount(0, "x"), "count 0")
+	// Each count message says which of the two is wrong, and nothing of the
+	// other (not "count 0 is 0 or above the limit").
+	refused("0 chunks", CheckCount(0, "vmmipc_register"), "vmmipc_register: count is 0: register at least one chunk")
+	if err := CheckCount(0, "x"); strings.Contains(err.Error(), "limit") {
+		t.Errorf("0 chunks: %v, speaks of the limit", err)
+	}
 	ok("1 chunk", CheckCount(1, "x"))
 	ok("chunks at the bound", CheckCount(MaxChunks, "x"))
-	refused("chunks past the bound", CheckCount(MaxChunks+1, "x"), "above the limit of 67108864")
+	refused("chunks past the bound", CheckCount(MaxChunks+1, "x"), "x: count 67108865 is above the limit of 67108864 chunks (VMMIPC_MAX_CHUNKS)")
+	if err := CheckCount(MaxChunks+1, "x"); strings.Contains(err.Error(), " 0 ") {
+		t.Errorf("chunks past the bound: %v, speaks of 0", err)
+	}
 	for _, k := range []uint32{1, 2} {
 		if got, err := KindOf(k); err != nil || got != uint8(k) {
 			t.Errorf("KindOf(%d) = %d, %v", k, got, err)
@@ -339,7 +347,7 @@ func TestBufferSpecChecks(t *testing.T) {
 		spec BufferSpec
 		says string
 	}{
-		{"no chunks", BufferSpec{Kind: MemoryHost, Exporter: exp}, "count 0"},
+		{"no chunks", BufferSpec{Kind: MemoryHost, Exporter: exp}, "register: count is 0: register at least one chunk"},
 		{"no exporter", BufferSpec{Sizes: []uint64{4096}, Kind: MemoryHost}, "no exporter"},
 		{"unknown kind", BufferSpec{Sizes: []uint64{4096}, Kind: 3, Exporter: exp}, "unknown memory kind 3"},
 		{"host with a UUID", BufferSpec{Sizes: []uint64{4096}, Kind: MemoryHost, DeviceUUID: [16]byte{1}, Exporter: exp}, "no device UUID"},

@@ -144,16 +144,22 @@ func (t *Ticket) validate() error {
 		return Errorf(EINVAL, "ticket: total size %d is smaller than the chunk count %d", t.Total, t.Count)
 	case t.Pid == 0:
 		return Errorf(EINVAL, "ticket: exporter pid is 0")
-	case t.RegID == 0 || t.BufferID == 0:
-		return Errorf(EINVAL, "ticket: registration id %d or buffer id %d is 0", t.RegID, t.BufferID)
+	case t.RegID == 0:
+		return Errorf(EINVAL, "ticket: registration id is 0 (corrupted ticket?)")
+	case t.BufferID == 0:
+		return Errorf(EINVAL, "ticket: buffer id is 0 (corrupted ticket?)")
 	case t.Kind == MemoryHost && t.DeviceUUID != [16]byte{}:
 		return Errorf(EINVAL, "ticket: a host-memory ticket carries a device UUID (corrupted ticket?)")
 	case t.NS.Dev == 0 && t.NS != Namespaces{}:
 		return Errorf(EINVAL, "ticket: namespaces without their device (corrupted ticket?)")
 	}
-	addr := strings.TrimPrefix(t.Address, "@")
-	if addr == "" || len(addr) > maxAddrLen || strings.IndexByte(addr, 0) >= 0 {
-		return Errorf(EINVAL, "ticket: socket address %q is empty, longer than %d bytes or contains NUL", t.Address, maxAddrLen)
+	switch addr := strings.TrimPrefix(t.Address, "@"); {
+	case addr == "":
+		return Errorf(EINVAL, "ticket: socket address %q is empty", t.Address)
+	case len(addr) > maxAddrLen:
+		return Errorf(EINVAL, "ticket: socket address %q is %d bytes, longer than the %d a ticket holds", t.Address, len(addr), maxAddrLen)
+	case strings.IndexByte(addr, 0) >= 0:
+		return Errorf(EINVAL, "ticket: socket address %q contains a NUL byte", t.Address)
 	}
 	// DecodeTicket refuses relative paths, so Marshal must too: a ticket
 	// that encodes must decode.
@@ -166,8 +172,11 @@ func (t *Ticket) validate() error {
 // DecodeTicket parses a ticket. Anything truncated, malformed or of another
 // format version is rejected with EINVAL and a message saying which.
 func DecodeTicket(b []byte) (*Ticket, error) {
-	if len(b) != TicketSize {
-		return nil, Errorf(EINVAL, "ticket: truncated or oversized: got %d bytes, want %d", len(b), TicketSize)
+	if len(b) < TicketSize {
+		return nil, Errorf(EINVAL, "ticket: %d bytes, fewer than the %d of a ticket (truncated)", len(b), TicketSize)
+	}
+	if len(b) > TicketSize {
+		return nil, Errorf(EINVAL, "ticket: %d bytes, more than the %d of a ticket", len(b), TicketSize)
 	}
 	if [8]byte(b[offMagic:offMagic+8]) != ticketMagic {
 		return nil, Errorf(EINVAL, "ticket: wrong magic: these bytes are not a vmmipc ticket")

@@ -255,7 +255,7 @@ func checkHandleSize(h C.CUmemGenericAllocationHandle, size, gran uint64) error 
 	}
 	larger := size + gran
 	if larger < size {
-		return core.Errorf(core.EINVAL, "size %d is too large", size)
+		return core.Errorf(core.EINVAL, "size %d is too large: adding the allocation granularity %d to it overflows 64 bits", size, gran)
 	}
 	var va C.CUdeviceptr
 	if err := check("cuMemAddressReserve", C.vcu_mem_address_reserve(&va, C.size_t(larger), C.size_t(gran), 0)); err != nil {

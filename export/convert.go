@@ -33,7 +33,7 @@ func readOptions(p *C.vmmipc_options) (options, error) {
 	}
 	n := uintptr(p.struct_size)
 	if n < unsafe.Sizeof(p.struct_size) {
-		return o, core.Errorf(core.EINVAL, "options: struct_size %d is too small; call vmmipc_options_init first", n)
+		return o, core.Errorf(core.EINVAL, "options: opts->struct_size is %d, smaller than the %d bytes of struct_size itself, so no field can be read: fill the struct with vmmipc_options_init(opts, sizeof *opts) first, or pass NULL for the defaults", n, unsafe.Sizeof(p.struct_size))
 	}
 	has := func(off, size uintptr) bool { return off+size <= n }
 	if has(unsafe.Offsetof(p.uses), 4) {
@@ -90,9 +90,10 @@ func (o options) importOptions() (core.ImportOptions, error) {
 	return io, err
 }
 
-func readTicket(p *C.vmmipc_ticket) (*core.Ticket, error) {
+// readTicket decodes the ticket argument of call fn.
+func readTicket(fn string, p *C.vmmipc_ticket) (*core.Ticket, error) {
 	if p == nil {
-		return nil, core.Errorf(core.EINVAL, "ticket is NULL")
+		return nil, core.Errorf(core.EINVAL, "%s: ticket is NULL", fn)
 	}
 	return core.DecodeTicket(C.GoBytes(unsafe.Pointer(&p.bytes[0]), C.VMMIPC_TICKET_SIZE))
 }
@@ -106,13 +107,11 @@ func writeTicket(t *core.Ticket, out *C.vmmipc_ticket) error {
 	return nil
 }
 
-// u64s copies a C array of n uint64s, once core has accepted the count.
+// u64s copies a C array of n uint64s (what names it), once
+// core.CheckCount has accepted n.
 func u64s(p *C.uint64_t, n C.uint64_t, what string) ([]uint64, error) {
 	if p == nil {
 		return nil, core.Errorf(core.EINVAL, "%s is NULL", what)
-	}
-	if err := core.CheckCount(uint64(n), what); err != nil {
-		return nil, err
 	}
 	return append([]uint64(nil), unsafe.Slice((*uint64)(unsafe.Pointer(p)), int(n))...), nil
 }

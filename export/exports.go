@@ -48,8 +48,13 @@ func init() {
 //export vmmipcgo_options_init
 func vmmipcgo_options_init(opts *C.vmmipc_options, size C.size_t) C.int {
 	return call("vmmipc_options_init", func() error {
-		if opts == nil || uintptr(size) < unsafe.Offsetof(opts.ttl_ms) {
-			return core.Errorf(core.EINVAL, "vmmipc_options_init: opts is NULL or size %d is too small; pass sizeof *opts", uint64(size))
+		if opts == nil {
+			return core.Errorf(core.EINVAL, "vmmipc_options_init: opts is NULL: pass the address of a vmmipc_options (vmmipc_options o; vmmipc_options_init(&o, sizeof o))")
+		}
+		// The least we fill is struct_size and uses: a struct without uses
+		// would read as uses = 0, "unlimited" (see vmmipc.h).
+		if least := unsafe.Offsetof(opts.ttl_ms); uintptr(size) < least {
+			return core.Errorf(core.EINVAL, "vmmipc_options_init: size is %d, smaller than the %d bytes of struct_size and uses, the least this library fills: pass sizeof *opts", uint64(size), least)
 		}
 		// Fill a full struct of ours, then copy only what the caller's holds.
 		d := C.vmmipc_options{uses: 1, timeout_ms: C.uint32_t(core.DefaultTimeout.Milliseconds()), memory_kind: C.VMMIPC_MEMORY_HOST}
@@ -96,6 +101,9 @@ func registerArgs(fn string, opts *C.vmmipc_options, out *C.vmmipc_ticket, count
 	o, err := readOptions(opts)
 	if err == nil && out == nil {
 		err = core.Errorf(core.EINVAL, "%s: ticket_out is NULL", fn)
+	}
+	if err == nil && len(arrays) > 0 {
+		err = core.CheckCount(uint64(count), fn) // before any array is read: count 0 may come with NULL arrays
 	}
 	copies := make([][]uint64, len(arrays))
 	for i, p := range arrays {
@@ -203,7 +211,7 @@ func vmmipcgo_register_cuda_handles(handles, sizes *C.uint64_t, count C.uint64_t
 
 // ownTicket reads a ticket of this process's own, and its server.
 func ownTicket(fn string, ticket *C.vmmipc_ticket) (*core.Server, *core.Ticket, error) {
-	t, err := readTicket(ticket)
+	t, err := readTicket(fn, ticket)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -298,7 +306,7 @@ func vmmipcgo_ticket_decode(ticket *C.vmmipc_ticket, info *C.vmmipc_ticket_info)
 		if info == nil {
 			return core.Errorf(core.EINVAL, "vmmipc_ticket_decode: info_out is NULL")
 		}
-		t, err := readTicket(ticket)
+		t, err := readTicket("vmmipc_ticket_decode", ticket)
 		if err != nil {
 			return err
 		}
@@ -316,7 +324,7 @@ func vmmipcgo_ticket_decode(ticket *C.vmmipc_ticket, info *C.vmmipc_ticket_info)
 //export vmmipcgo_open
 func vmmipcgo_open(ticket *C.vmmipc_ticket, opts *C.vmmipc_options, out **C.vmmipc_stream) C.int {
 	return call("vmmipc_open", func() error {
-		t, o, err := receiveArgs("vmmipc_open: stream_out", ticket, opts, out == nil)
+		t, o, err := receiveArgs("vmmipc_open", "stream_out", ticket, opts, out == nil)
 		if err != nil {
 			return err
 		}
@@ -329,13 +337,13 @@ func vmmipcgo_open(ticket *C.vmmipc_ticket, opts *C.vmmipc_options, out **C.vmmi
 	})
 }
 
-// receiveArgs reads the ticket and options of a receiver call, after
-// checking its output pointer (what names it; isNil says it is NULL).
-func receiveArgs(what string, ticket *C.vmmipc_ticket, opts *C.vmmipc_options, isNil bool) (*core.Ticket, options, error) {
+// receiveArgs reads the ticket and options of receiver call fn, after
+// checking its output pointer (out names it; isNil says it is NULL).
+func receiveArgs(fn, out string, ticket *C.vmmipc_ticket, opts *C.vmmipc_options, isNil bool) (*core.Ticket, options, error) {
 	if isNil {
-		return nil, options{}, core.Errorf(core.EINVAL, "%s is NULL", what)
+		return nil, options{}, core.Errorf(core.EINVAL, "%s: %s is NULL", fn, out)
 	}
-	t, err := readTicket(ticket)
+	t, err := readTicket(fn, ticket)
 	if err != nil {
 		return nil, options{}, err
 	}
@@ -343,18 +351,30 @@ func receiveArgs(what string, ticket *C.vmmipc_ticket, opts *C.vmmipc_options, i
 	return t, o, err
 }
 
-func streamOf(h C.uintptr_t) (*core.Stream, error) {
+// streamOf finds the live stream behind handle h of call fn.
+func streamOf(fn string, h C.uintptr_t) (*core.Stream, error) {
 	s, _ := lookupHandle(uintptr(h)).(*core.Stream)
 	if s == nil {
-		return nil, core.Errorf(core.EBADF, "stream handle %#x is NULL, stale or closed", uintptr(h))
+		return nil, badStream(fn, uintptr(h))
 	}
 	return s, nil
+}
+
+// badStream says which of NULL, closed or unknown handle h is.
+func badStream(fn string, h uintptr) error {
+	switch {
+	case h == 0:
+		return core.Errorf(core.EBADF, "%s: stream is NULL: pass a stream from vmmipc_open", fn)
+	case handleClosed(h):
+		return core.Errorf(core.EBADF, "%s: stream %#x is closed (vmmipc_close was called on it): open another with vmmipc_open", fn, h)
+	}
+	return core.Errorf(core.EBADF, "%s: %#x is not a stream of this process: not from vmmipc_open, or closed long ago", fn, h)
 }
 
 //export vmmipcgo_stream_info
 func vmmipcgo_stream_info(stream C.uintptr_t, count, total *C.uint64_t) C.int {
 	return call("vmmipc_stream_info", func() error {
-		s, err := streamOf(stream)
+		s, err := streamOf("vmmipc_stream_info", stream)
 		if err != nil {
 			return err
 		}
@@ -371,7 +391,7 @@ func vmmipcgo_stream_info(stream C.uintptr_t, count, total *C.uint64_t) C.int {
 //export vmmipcgo_pull_next
 func vmmipcgo_pull_next(stream C.uintptr_t, out *C.vmmipc_chunk) C.int {
 	return call("vmmipc_pull_next", func() error {
-		s, err := streamOf(stream)
+		s, err := streamOf("vmmipc_pull_next", stream)
 		if err != nil {
 			return err
 		}
@@ -393,7 +413,7 @@ func vmmipcgo_close(stream C.uintptr_t) C.int {
 	return call("vmmipc_close", func() error {
 		s, _ := takeHandle(uintptr(stream)).(*core.Stream)
 		if s == nil {
-			return core.Errorf(core.EBADF, "vmmipc_close: stream handle %#x is NULL, stale or already closed", uintptr(stream))
+			return badStream("vmmipc_close", uintptr(stream))
 		}
 		_ = s.Close()
 		return nil
@@ -403,7 +423,7 @@ func vmmipcgo_close(stream C.uintptr_t) C.int {
 //export vmmipcgo_import_stream
 func vmmipcgo_import_stream(ticket *C.vmmipc_ticket, device C.int, opts *C.vmmipc_options, out *C.vmmipc_mapping) C.int {
 	return call("vmmipc_import_stream", func() error {
-		t, o, err := receiveArgs("vmmipc_import_stream: mapping_out", ticket, opts, out == nil)
+		t, o, err := receiveArgs("vmmipc_import_stream", "mapping_out", ticket, opts, out == nil)
 		if err != nil {
 			return err
 		}
@@ -425,7 +445,7 @@ func vmmipcgo_import_stream(ticket *C.vmmipc_ticket, device C.int, opts *C.vmmip
 //export vmmipcgo_confirm
 func vmmipcgo_confirm(ticket *C.vmmipc_ticket, opts *C.vmmipc_options) C.int {
 	return call("vmmipc_confirm", func() error {
-		t, o, err := receiveArgs("", ticket, opts, false)
+		t, o, err := receiveArgs("vmmipc_confirm", "", ticket, opts, false)
 		if err != nil {
 			return err
 		}

@@ -53,6 +53,20 @@ func lookupHandle(h uintptr) any {
 	return slot.obj
 }
 
+// handleClosed says whether h was a handle that has been closed (and is
+// still quarantined), as opposed to a value never handed out.
+func handleClosed(h uintptr) bool {
+	handlesMu.Lock()
+	slot := given[h]
+	handlesMu.Unlock()
+	if slot == nil {
+		return false
+	}
+	slot.mu.Lock()
+	defer slot.mu.Unlock()
+	return slot.obj == nil
+}
+
 // takeHandle marks h closed and returns what it held (nil if stale).
 func takeHandle(h uintptr) any {
 	handlesMu.Lock()

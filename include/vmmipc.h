@@ -206,7 +206,12 @@ typedef struct vmmipc_ticket {
  * Pass NULL for all defaults.
  * struct_size lets the struct grow: the library reads only the fields that
  * fit in struct_size. Fields marked "sender" matter to register calls,
- * "receiver" to open and import calls; the others are ignored. */
+ * "receiver" to open and import calls; the others are ignored, but checked:
+ * every call that takes opts refuses with VMMIPC_EINVAL ("an option out of
+ * bounds" in the Returns lists) a struct_size under 4, a ttl_ms, memory_kind
+ * or access_device_count beyond its bound, and access_devices NULL with
+ * access_device_count above 0; receiver calls (open, import, confirm) also
+ * a window beyond its bound. */
 typedef struct vmmipc_options {
   uint32_t struct_size; /* sizeof(vmmipc_options) */
   uint32_t uses;        /* sender: receivers allowed to finish (default 1;
@@ -311,6 +316,7 @@ typedef void (*vmmipc_release_fn)(void *user);
  * Returns:
  *   VMMIPC_OK
  *   VMMIPC_EINVAL  opts is NULL, or size is smaller than struct_size and uses
+ *                  (8 bytes)
  *   VMMIPC_EFORK   called after fork() */
 int vmmipc_options_init(vmmipc_options *opts, size_t size);
 
@@ -387,11 +393,12 @@ int vmmipc_register_host_file(int fd, uint64_t size, uint64_t chunk_size,
  * buffer identity. Opens no descriptor. Needs no current context.
  * Returns:
  *   VMMIPC_OK      *ticket_out is filled
- *   VMMIPC_EINVAL  NULL ticket_out, size 0, range not on allocation
- *                  boundaries, allocations on more than one GPU, an
- *                  allocation not exportable as a POSIX fd (the message
- *                  names the handle types it allows), or an option out of
- *                  bounds
+ *   VMMIPC_EINVAL  NULL ticket_out, dptr 0, size 0, a range that overflows,
+ *                  range not on allocation boundaries, more than
+ *                  VMMIPC_MAX_CHUNKS allocations, allocations on more than
+ *                  one GPU or not on a GPU, an allocation not exportable as
+ *                  a POSIX fd (the message names the handle types it
+ *                  allows), or an option out of bounds
  *   VMMIPC_ECUDA   libcuda.so.1 not found, dptr is not VMM memory, or a
  *                  driver call failed
  *   VMMIPC_EIO     the server could not start (as vmmipc_register)
@@ -409,8 +416,9 @@ int vmmipc_register_cuda(uint64_t dptr, uint64_t size,
  * (the library holds no reference of its own to compare by); use
  * vmmipc_register_again for another ticket of the same one.
  * Returns: as vmmipc_register_cuda, and VMMIPC_EINVAL for NULL arrays,
- * count 0 or above VMMIPC_MAX_CHUNKS, or a size that does not match the
- * handle's allocation (release_fn is not called on any error). */
+ * count 0 or above VMMIPC_MAX_CHUNKS, a handle that is not a live
+ * allocation, or a size that does not match the handle's allocation
+ * (release_fn is not called on any error). */
 int vmmipc_register_cuda_handles(const uint64_t *handles,
                                  const uint64_t *sizes, uint64_t count,
                                  vmmipc_release_fn release_fn, void *user,
@@ -693,16 +701,24 @@ typedef struct vmmipc_mapping {
  * Returns:
  *   VMMIPC_OK      *mapping_out describes the mapping (a new one, or a
  *                  cached one)
- *   VMMIPC_EINVAL  NULL argument, malformed ticket, device that does not fit
- *                  the ticket's memory kind, option out of bounds, a host
- *                  chunk that is not a sealed memfd, a bad VMMIPC_CACHE_BYTES
+ *   VMMIPC_EINVAL  NULL argument, malformed ticket, a device that does not
+ *                  fit the ticket (VMMIPC_DEVICE_HOST for CUDA memory or
+ *                  another for host memory, VMMIPC_DEVICE_SAME for a ticket
+ *                  that names no GPU, a value below -2, an ordinal this
+ *                  process does not see, or a device, also among
+ *                  access_devices, without peer access to the exporter's
+ *                  GPU), access_devices on a host ticket, unknown
+ *                  import_flags bits, an option out of bounds, a host chunk
+ *                  that is not a sealed memfd, a bad VMMIPC_CACHE_BYTES
  *                  value, or a protocol violation
  *   VMMIPC_EAUTH, VMMIPC_ENOENT, VMMIPC_EIO, VMMIPC_ENFILE  as vmmipc_open
  *   VMMIPC_ENOMEM  the range cannot be reserved: RLIMIT_AS leaves too little
  *                  room (the message gives the figures), or the driver has
  *                  no virtual address space left
  *   VMMIPC_EEXPORT the sender failed to export chunk k (named)
- *   VMMIPC_ECUDA   a driver call failed for chunk k (named), or no driver
+ *   VMMIPC_ECUDA   a driver call failed for chunk k (named), no driver, or
+ *                  (VMMIPC_DEVICE_SAME) the exporter's GPU is not among the
+ *                  devices this process sees
  *   VMMIPC_EFORK   called after fork() */
 int vmmipc_import_stream(const vmmipc_ticket *ticket, int device,
                          const vmmipc_options *opts,
@@ -723,8 +739,9 @@ int vmmipc_import_stream(const vmmipc_ticket *ticket, int device,
  * (and briefly, across namespaces, a netlink socket) while it runs.
  * Returns:
  *   VMMIPC_OK      the use is spent (or, with the flag, queued)
- *   VMMIPC_EINVAL  NULL ticket, malformed ticket, option out of bounds, or
- *                  the exporter broke the protocol (as vmmipc_open)
+ *   VMMIPC_EINVAL  NULL ticket, malformed ticket, option out of bounds,
+ *                  unknown import_flags bits, or the exporter broke the
+ *                  protocol (as vmmipc_open)
  *   VMMIPC_EAUTH, VMMIPC_ENOENT, VMMIPC_EIO, VMMIPC_ENFILE  as vmmipc_open
  *   VMMIPC_EFORK   called after fork() */
 int vmmipc_confirm(const vmmipc_ticket *ticket, const vmmipc_options *opts);

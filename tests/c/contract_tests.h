@@ -561,6 +561,54 @@ static int test_status_names(void) {
   CHECK(u && strstr(u, "UNKNOWN"), "strerror(-99) = \"%s\"", u ? u : "(null)");
   return 0;
 }
+/* A bad argument is refused with a message that says which argument and
+ * what is wrong with the value given: "opts is NULL" or "size is 4", never
+ * "opts is NULL or size 4 is too small"; "count is 0" or "count N is above
+ * the limit", never "count 0 is 0 or above the limit". Nothing is
+ * registered. */
+static int test_argument_messages(void) {
+  uint64_t live0 = 0, live1 = 0;
+  CHECK_RC(vmmipc_live_registrations(&live0), VMMIPC_OK);
+  vmmipc_options o;
+  CHECK_SAYS(vmmipc_options_init(NULL, sizeof o), VMMIPC_EINVAL, "vmmipc_options_init: opts is NULL", " or ");
+  CHECK_SAYS(vmmipc_options_init(&o, 4), VMMIPC_EINVAL,
+             "vmmipc_options_init: size is 4, smaller than the 8 bytes of struct_size and uses", "NULL");
+  o = default_options();
+  o.struct_size = 0; /* a struct that vmmipc_options_init never filled */
+  uint64_t sizes[2] = {4096, 4096}, handles[2] = {1, 2};
+  vmmipc_ticket t;
+  CHECK_SAYS(vmmipc_register(sizes, 2, export_memfd, NULL, NULL, &o, &t), VMMIPC_EINVAL,
+             "opts->struct_size is 0, smaller than the 4 bytes of struct_size itself", NULL);
+  CHECK(strstr(vmmipc_last_error(), "vmmipc_options_init"), "the message does not say to call vmmipc_options_init");
+  /* Fields a register call does not use are checked all the same (vmmipc.h,
+   * vmmipc_options). */
+  o = default_options();
+  o.access_device_count = 1;
+  CHECK_SAYS(vmmipc_register(sizes, 2, export_memfd, NULL, NULL, &o, &t), VMMIPC_EINVAL,
+             "access_devices is NULL but access_device_count is 1", NULL);
+  CHECK_SAYS(vmmipc_register(sizes, 0, export_memfd, NULL, NULL, NULL, &t), VMMIPC_EINVAL,
+             "vmmipc_register: count is 0: register at least one chunk", "limit");
+  CHECK_SAYS(vmmipc_register(NULL, 0, export_memfd, NULL, NULL, NULL, &t), VMMIPC_EINVAL,
+             "vmmipc_register: count is 0", "NULL");
+  CHECK_SAYS(vmmipc_register(sizes, VMMIPC_MAX_CHUNKS + 1, export_memfd, NULL, NULL, NULL, &t), VMMIPC_EINVAL,
+             "vmmipc_register: count 67108865 is above the limit of 67108864 chunks", "is 0");
+  CHECK_SAYS(vmmipc_register(NULL, 2, export_memfd, NULL, NULL, NULL, &t), VMMIPC_EINVAL,
+             "vmmipc_register: sizes is NULL", "count");
+  CHECK_SAYS(vmmipc_register_cuda_handles(handles, sizes, 0, NULL, NULL, NULL, &t), VMMIPC_EINVAL,
+             "vmmipc_register_cuda_handles: count is 0", "limit");
+  CHECK_SAYS(vmmipc_register_cuda_handles(handles, NULL, 2, NULL, NULL, NULL, &t), VMMIPC_EINVAL,
+             "vmmipc_register_cuda_handles: sizes is NULL", NULL);
+  vmmipc_stream *st = NULL;
+  vmmipc_ticket_info info;
+  CHECK_SAYS(vmmipc_open(NULL, NULL, &st), VMMIPC_EINVAL, "vmmipc_open: ticket is NULL", NULL);
+  CHECK_SAYS(vmmipc_ticket_decode(NULL, &info), VMMIPC_EINVAL, "vmmipc_ticket_decode: ticket is NULL", NULL);
+  CHECK_SAYS(vmmipc_confirm(NULL, NULL), VMMIPC_EINVAL, "vmmipc_confirm: ticket is NULL", NULL);
+  CHECK_SAYS(vmmipc_wait(NULL, 0), VMMIPC_EINVAL, "vmmipc_wait: ticket is NULL", NULL);
+  CHECK_RC(vmmipc_live_registrations(&live1), VMMIPC_OK);
+  CHECK(live1 == live0, "live registrations %llu -> %llu", (unsigned long long)live0, (unsigned long long)live1);
+  return 0;
+}
+
 /* vmmipc_last_error (Conventions): "" before this thread's first failure;
  * after one, its detail, which successful calls (VMMIPC_OK and VMMIPC_END)
  * and other threads' failures leave as it was and only this thread's next

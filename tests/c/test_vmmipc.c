@@ -319,12 +319,16 @@ static int test_handles_and_early_close(void) {
   CHECK_RC(vmmipc_pull_next(st, &c), VMMIPC_OK);
   close(c.fd);
   CHECK_RC(vmmipc_close(st), VMMIPC_OK);
-  CHECK_RC(vmmipc_close(st), VMMIPC_EBADF);
-  CHECK_RC(vmmipc_pull_next(st, &c), VMMIPC_EBADF);
-  CHECK_RC(vmmipc_pull_next(NULL, &c), VMMIPC_EBADF);
-  CHECK_RC(vmmipc_stream_info(NULL, NULL, NULL), VMMIPC_EBADF);
+  /* Each EBADF says which of NULL, closed or unknown the handle is. */
+  CHECK_SAYS(vmmipc_close(st), VMMIPC_EBADF, "vmmipc_close: stream 0x", "NULL");
+  CHECK(strstr(vmmipc_last_error(), "is closed (vmmipc_close was called on it)"), "closed twice: %s", vmmipc_last_error());
+  CHECK_SAYS(vmmipc_pull_next(st, &c), VMMIPC_EBADF, "vmmipc_pull_next: stream 0x", "NULL");
+  CHECK(strstr(vmmipc_last_error(), "is closed"), "pull after close: %s", vmmipc_last_error());
+  CHECK_SAYS(vmmipc_pull_next(NULL, &c), VMMIPC_EBADF, "vmmipc_pull_next: stream is NULL", "closed");
+  CHECK_SAYS(vmmipc_stream_info(NULL, NULL, NULL), VMMIPC_EBADF, "vmmipc_stream_info: stream is NULL", "closed");
+  CHECK_SAYS(vmmipc_close(NULL), VMMIPC_EBADF, "vmmipc_close: stream is NULL", "closed");
   void *bogus = malloc(16);
-  CHECK_RC(vmmipc_pull_next((vmmipc_stream *)bogus, &c), VMMIPC_EBADF);
+  CHECK_SAYS(vmmipc_pull_next((vmmipc_stream *)bogus, &c), VMMIPC_EBADF, "is not a stream of this process", "NULL");
   free(bogus);
   /* Values no pointer could be: EBADF, and the Go runtime never holds them
    * in a pointer type (it would abort when it moves a stack). */
@@ -334,11 +338,11 @@ static int test_handles_and_early_close(void) {
     CHECK_RC(vmmipc_close((vmmipc_stream *)v), VMMIPC_EBADF);
   }
   CHECK_RC(vmmipc_unmap(NULL), VMMIPC_EINVAL);
-  CHECK_RC(vmmipc_open(&t, NULL, NULL), VMMIPC_EINVAL);
+  CHECK_SAYS(vmmipc_open(&t, NULL, NULL), VMMIPC_EINVAL, "vmmipc_open: stream_out is NULL", NULL);
   CHECK_RC(vmmipc_register(NULL, 3, NULL, NULL, NULL, NULL, NULL), VMMIPC_EINVAL);
   vmmipc_options o = default_options();
   o.struct_size = 2;
-  CHECK_RC(vmmipc_open(&t, &o, &st), VMMIPC_EINVAL);
+  CHECK_SAYS(vmmipc_open(&t, &o, &st), VMMIPC_EINVAL, "opts->struct_size is 2", NULL);
   /* A caller built against an older, smaller vmmipc_options: the library
    * writes no byte past the size it is given, and reads no field past it. */
   struct {
@@ -428,6 +432,11 @@ static int test_cuda_without_driver(void) {
   CHECK_RC(vmmipc_cuda_query_range(0x10000, 4096, NULL), VMMIPC_EINVAL);
   CHECK_RC(vmmipc_cuda_query_range(0x10000, 0, &info), VMMIPC_EINVAL);
   CHECK_RC(vmmipc_cuda_query_range(~0ull - 100, 4096, &info), VMMIPC_EINVAL);
+  /* vmmipc_register_cuda's Returns: dptr 0, size 0 and a range that
+   * overflows are VMMIPC_EINVAL, driver or not. */
+  CHECK_SAYS(vmmipc_register_cuda(0, 4096, NULL, &t), VMMIPC_EINVAL, "dptr is 0", NULL);
+  CHECK_SAYS(vmmipc_register_cuda(0x10000, 0, NULL, &t), VMMIPC_EINVAL, "size is 0", NULL);
+  CHECK_SAYS(vmmipc_register_cuda(~0ull - 100, 4096, NULL, &t), VMMIPC_EINVAL, "overflows", NULL);
   unsetenv("VMMIPC_LIBCUDA");
   return 0;
 }
@@ -570,6 +579,7 @@ static const struct {
     {"option_bounds", test_option_bounds},
     {"status_names", test_status_names},
     {"last_error_kept", test_last_error_kept},
+    {"argument_messages", test_argument_messages},
     {"cache_api", test_cache_api},
     {"confirm", test_confirm},
     {"cache_env", test_cache_env},

@@ -48,6 +48,21 @@ extern char **environ;
           rc_, vmmipc_strerror(rc_), (want), vmmipc_last_error());              \
   } while (0)
 
+/* CHECK_SAYS checks that call returned status want and that its message
+ * holds says and not not_says (NULL: anything else goes). */
+static inline int message_lacks(const char *msg, const char *not_says) {
+  return !not_says || !strstr(msg, not_says);
+}
+#define CHECK_SAYS(call, want, says, not_says)                                                             \
+  do {                                                                                                     \
+    int rc_ = (call);                                                                                      \
+    const char *e_ = vmmipc_last_error(), *not_ = (not_says);                                              \
+    CHECK(rc_ == (want) && strstr(e_, (says)) && message_lacks(e_, not_),                                  \
+          "%s returned %d (%s), want %d saying \"%s\"%s%s: %s", #call, rc_, vmmipc_strerror(rc_), (want), \
+          (says), not_ ? " and not " : "", not_ ? not_ : "", e_);                                          \
+    printf("  %-14.*s -> %s\n", (int)strcspn(vmmipc_strerror(rc_), ":"), vmmipc_strerror(rc_), e_);      \
+  } while (0)
+
 static inline double now_ms(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);

@@ -1,11 +1,19 @@
 """HostBuffer and host Mappings are buffers (python/vmmipc/_exported.py):
 memoryview, bytes, numpy and torch see their memory without a copy, a
 receiver process sees writes made through them, and close() says which
-views still hold the memory instead of unmapping it under them."""
+views still hold the memory instead of unmapping it under them.
+
+The numpy tests need numpy, which `make deps` (part of `make test` and
+`make test-python`) installs; under make (VMMIPC_TESTS_REQUIRE=numpy) a
+missing numpy fails them instead of skipping them, elsewhere they skip
+saying so. The torch test needs torch, which nothing installs (a large
+download): without it, it skips with a reason that says so (`make
+test-python` lists every skip)."""
 
 import gc
 import mmap
 import multiprocessing as mp
+import os
 import pickle
 import sys
 
@@ -16,6 +24,21 @@ from _mp_helpers import buffer_child
 
 PAGE = mmap.PAGESIZE
 PEP688 = sys.version_info >= (3, 12)
+NO_NUMPY = "numpy is not installed: `make deps` (part of `make test`) installs it, or pip install numpy"
+NO_TORCH = ("torch is not installed: `make test` does not install it (a large download); "
+            "pip install torch (the CPU build will do) to run this test")
+
+
+def numpy_or_skip():
+    """numpy; where the runner requires it (make: VMMIPC_TESTS_REQUIRE has
+    numpy), its absence is a failure, never a silent skip."""
+    if "numpy" in os.environ.get("VMMIPC_TESTS_REQUIRE", "").split(","):
+        try:
+            import numpy
+        except ImportError as e:
+            pytest.fail(f"VMMIPC_TESTS_REQUIRE names numpy, but it does not import ({e}): run make deps")
+        return numpy
+    return pytest.importorskip("numpy", reason=NO_NUMPY)
 pytestmark = pytest.mark.usefixtures("server_running")
 
 
@@ -70,7 +93,7 @@ def test_bytes_is_one_copy(hb, monkeypatch):
 
 
 def test_numpy_sees_the_memory_without_a_copy(buf, hb):
-    np = pytest.importorskip("numpy")
+    np = numpy_or_skip()
     a = np.frombuffer(buf, dtype=np.uint8)
     assert a.dtype == np.uint8 and a.shape == (hb.size,) and a.flags.writeable
     a[3] = 77
@@ -85,7 +108,7 @@ def test_numpy_sees_the_memory_without_a_copy(buf, hb):
 
 
 def test_torch_sees_the_memory_without_a_copy(hb):
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip("torch", reason=NO_TORCH)
     t = torch.frombuffer(hb, dtype=torch.uint8)
     assert t.shape == (hb.size,)
     t[9] = 99
@@ -142,7 +165,7 @@ def test_close_names_what_holds_the_memory():
 
 
 def test_close_with_a_numpy_view(hb):
-    np = pytest.importorskip("numpy")
+    np = numpy_or_skip()
     b = vmmipc.HostBuffer(4 * PAGE)
     addr = np.frombuffer(b.view, np.uint8).ctypes.data
     a = np.frombuffer(b.view, np.uint8)  # made from view: seen on every Python

@@ -14,6 +14,12 @@ shown; every C block compiles as printed (cc -fsyntax-only -Wall -Wextra
 -Werror against include/vmmipc.h; one that includes <cuda.h> only where
 cuda.h is found, else it says so) and every Python block parses.
 
+A block of program output names the C program that prints it on the line
+before, and each of its lines must be one that a printf of that program can
+print (its format, with any number or text where a conversion stands):
+
+    <!-- output: tests/c/demo.c -->
+
     python3 tests/readme/check_snippets.py            # check
     python3 tests/readme/check_snippets.py --update   # copy the excerpts into README.md
 """
@@ -34,6 +40,7 @@ README = os.path.join(ROOT, "README.md")
 EXAMPLES = os.path.join(ROOT, "examples")
 
 MARKER = re.compile(r"^<!-- snippet: (\S+) (\S+) -->$")
+OUTPUT_MARKER = re.compile(r"^<!-- output: (\S+) -->$")
 FENCE = re.compile(r"^```(\w*)$")
 REGION_BEGIN = re.compile(r"readme-snippet: (\S+)")
 REGION_END = "end readme-snippet"
@@ -103,6 +110,67 @@ def blocks(lines: list[str]) -> list[Block]:
                            (marker.group(1), marker.group(2)) if marker else None))
         i = end + 1
     return found
+
+
+def printf_lines(path: str) -> list[tuple[str, re.Pattern]]:
+    """(format, pattern) for each line a printf(...) of a C file prints; the
+    format's adjacent string literals joined, split at each \\n. Formats with
+    no text of their own ("%s\\n") would match anything and are left out."""
+    with open(path, encoding="utf-8") as f:
+        source = f.read()
+    literal = r'"((?:[^"\\\n]|\\.)*)"'
+    found = []
+    for call in re.finditer(r"(?<![\w.])printf\(\s*((?:" + literal + r"\s*)+)", source):
+        text = "".join(m.group(1) for m in re.finditer(literal, call.group(1)))
+        text = re.sub(r'\\(.)', lambda m: {"n": "\n", "t": "\t"}.get(m.group(1), m.group(1)), text)
+        for line in text.split("\n"):
+            if line and CONVERSION.sub("", line).strip():
+                found.append((line, re.compile(format_pattern(line))))
+    return found
+
+
+CONVERSION = re.compile(r"%[-+ #0]*(?:\d+|\*)?(?:\.(?:\d+|\*))?(?:hh|h|ll|l|z|j|t|L)?([diouxXeEfgGcsp%])")
+
+
+def format_pattern(fmt: str) -> str:
+    """A regular expression matching what printf prints for fmt."""
+    kinds = {"d": r" *-?\d+", "i": r" *-?\d+", "u": r" *\d+", "o": r" *[0-7]+", "x": r" *[0-9a-f]+",
+             "X": r" *[0-9A-F]+", "c": ".", "s": ".*?", "p": r"0x[0-9a-f]+|\(nil\)", "%": "%"}
+    number = r" *-?(?:\d+(?:\.\d*)?(?:e[+-]?\d+)?|inf|nan)"
+    out, at = [], 0
+    for m in CONVERSION.finditer(fmt):
+        out.append(re.escape(fmt[at:m.start()]))
+        out.append("(?:" + kinds.get(m.group(1), number) + ")")
+        at = m.end()
+    out.append(re.escape(fmt[at:]))
+    return "".join(out)
+
+
+def output_problems(lines: list[str]) -> tuple[int, list[str]]:
+    """Output blocks checked, and what is wrong with them."""
+    checked, problems = 0, []
+    for i, line in enumerate(lines[:-1]):
+        marker = OUTPUT_MARKER.match(line.rstrip("\n"))
+        if not marker:
+            continue
+        program = os.path.join(ROOT, marker.group(1))
+        if not os.path.exists(program):
+            problems.append(f"README.md:{i + 1}: no program {marker.group(1)}")
+            continue
+        if lines[i + 1].rstrip("\n") != "```":
+            problems.append(f"README.md:{i + 1}: the output marker is not followed by a ``` block")
+            continue
+        formats = printf_lines(program)
+        end = i + 2
+        while end < len(lines) and lines[end].rstrip("\n") != "```":
+            printed = lines[end].rstrip("\n")
+            if printed and not any(p.fullmatch(printed) for _, p in formats):
+                problems.append(f"README.md:{end + 1}: {marker.group(1)} prints no such line:\n  {printed}\n"
+                                "its lines:\n" + "".join(f"  {f}\n" for f, _ in formats)
+                                + "  run it and paste what it prints")
+            end += 1
+        checked += 1
+    return checked, problems
 
 
 def cuda_include() -> str | None:
@@ -185,12 +253,15 @@ def main(update: bool) -> int:
             errors.append(problem)
         else:
             compiled += 1
+    outputs, problems = output_problems(lines)
+    errors += problems
     for error in errors:
         print(f"readme: {error}", file=sys.stderr)
     if errors:
         return 1
     print(f"readme: the {compiled + skipped} code blocks of README.md are excerpts of examples/; "
-          f"{compiled} compile (C) or parse (Python) as printed, {skipped} not compiled here")
+          f"{compiled} compile (C) or parse (Python) as printed, {skipped} not compiled here; "
+          f"the {outputs} output block(s) are lines their program prints")
     return 0
 
 
