@@ -2,6 +2,7 @@ package core
 
 import (
 	"bytes"
+	"errors"
 	"strconv"
 	"strings"
 	"testing"
@@ -9,8 +10,8 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// Host files a peer can use against us (issue 27): huge pages,
-// descriptors that refuse a read-write mapping. Each is
+// Host files a peer can use against us (issue 27): huge pages, seals a
+// receiver adds, descriptors that refuse a read-write mapping. Each is
 // refused where it is registered and again where a receiver maps it, since
 // a sender with its own export_fn never passes the registration's checks.
 // The attacks that kill a receiver run in a receiver process of their own
@@ -138,6 +139,84 @@ func TestHostFilesRefusedBothWays(t *testing.T) {
 			expectNoMemfdMappings(t, "after the refused import")
 			ourFDs().waitFor(t, fdsBefore, "after the refused import (the registration's exporter holds none)")
 		})
+	}
+}
+
+// TestRegisteringSealsTheFile: a registration adds F_SEAL_SEAL to a memfd
+// that lacks it, so that no receiver can seal it; a memfd sealed already
+// registers as before; a refused memfd stays sealable.
+func TestRegisteringSealsTheFile(t *testing.T) {
+	s := newTestServer(t)
+	fd := memfdSealed(t, 4096, 1, unix.F_SEAL_GROW) // with F_SEAL_SHRINK from newMemfd
+	registerFile(t, s, fd, 4096, 4096, RegisterOptions{})
+	if got, want := getSeals(t, fd), unix.F_SEAL_SHRINK|unix.F_SEAL_GROW|unix.F_SEAL_SEAL; got != want {
+		t.Errorf("after registering, seals %#x, want %#x (F_SEAL_SEAL added, nothing else)", got, want)
+	}
+	sealed := memfdSealed(t, 4096, 1, unix.F_SEAL_SEAL)
+	registerFile(t, s, sealed, 4096, 4096, RegisterOptions{})
+	registerFile(t, s, sealed, 4096, 4096, RegisterOptions{}) // again: already sealed
+
+	unsealed, err := unix.MemfdCreate(testMemfdName, unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(unsealed)
+	if err := unix.Ftruncate(unsealed, 4096); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := HostFile(unsealed, 4096, 4096); CodeOf(err) != EINVAL {
+		t.Fatalf("an unsealed memfd: %v, want EINVAL", err)
+	}
+	if seals := getSeals(t, unsealed); seals != 0 {
+		t.Fatalf("a refused memfd got seals %#x", seals)
+	}
+	if _, err := unix.FcntlInt(uintptr(unsealed), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK); err != nil {
+		t.Fatalf("a refused memfd can no longer be sealed against shrinking: %v", err)
+	}
+	registerFile(t, s, unsealed, 4096, 4096, RegisterOptions{})
+}
+
+// TestReceiverCannotSealTheFile: a receiver holds a read-write descriptor
+// of a registered memfd (any receiver of the low-level stream does, and
+// keeps it as long as it likes). Before, it could add F_SEAL_FUTURE_WRITE
+// (or, once no writable mapping was left, F_SEAL_WRITE) and F_SEAL_SEAL,
+// after which every later receiver was refused ("mmap: operation not
+// permitted"). Now the registration sealed the file with F_SEAL_SEAL: every
+// seal is refused (EPERM), and later receivers map and read it.
+func TestReceiverCannotSealTheFile(t *testing.T) {
+	const size = 4 * 4096
+	s := newTestServer(t)
+	fd := newMemfd(t, size, pattern(size, 41))
+	tk := registerFile(t, s, fd, size, 4096, RegisterOptions{Uses: 0})
+	unix.Close(fd) // the owner is gone: no writable mapping is left anywhere
+	st, err := Open(tk, OpenOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := st.Next()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(c.FD)
+	st.Close()
+	for _, seal := range []struct {
+		name string
+		bits int
+	}{
+		{"F_SEAL_FUTURE_WRITE|F_SEAL_SEAL", unix.F_SEAL_FUTURE_WRITE | unix.F_SEAL_SEAL},
+		{"F_SEAL_WRITE", unix.F_SEAL_WRITE},
+		{"F_SEAL_FUTURE_WRITE", unix.F_SEAL_FUTURE_WRITE},
+		{"F_SEAL_GROW", unix.F_SEAL_GROW},
+		{"F_SEAL_SEAL", unix.F_SEAL_SEAL},
+	} {
+		if _, err := unix.FcntlInt(uintptr(c.FD), unix.F_ADD_SEALS, seal.bits); !errors.Is(err, unix.EPERM) {
+			t.Errorf("a receiver adding %s to the registered memfd: %v, want EPERM", seal.name, err)
+		}
+	}
+	for i := range 2 {
+		if err := importVerified(tk, ImportOptions{NoCache: true}, 41); err != nil {
+			t.Fatalf("receiver %d after the sealing attempts: %v", i+2, err)
+		}
 	}
 }
 

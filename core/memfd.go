@@ -29,6 +29,11 @@ import (
 //   - open for reading and writing and not sealed against writing: receivers
 //     map it read-write shared, which such a file refuses (mmap says EACCES
 //     or EPERM, which would read as an I/O failure, not as a bad file).
+//
+// A registered file also gets F_SEAL_SEAL (sealForSharing): a receiver holds
+// a read-write descriptor of it, and without that seal could add
+// F_SEAL_WRITE or F_SEAL_FUTURE_WRITE and so make every later receiver's
+// mapping fail.
 
 // pageSize is the host page size: host chunks (all but the last), their
 // offsets and their file offsets are multiples of it, as mmap demands.
@@ -123,6 +128,30 @@ func shrinkSealMissing(fd, seals int) error {
 		return Errorf(EINVAL, "fd %d is a memfd that is not sealed against shrinking and can no longer be (created without MFD_ALLOW_SEALING, or F_SEAL_SEAL is set): create it with MFD_ALLOW_SEALING and add F_SEAL_SHRINK", fd)
 	}
 	return Errorf(EINVAL, "fd %d is a memfd that is not sealed against shrinking: seal it with fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK) so that it can never be truncated under a mapping", fd)
+}
+
+// sealForSharing adds F_SEAL_SEAL to a file checkHostFile accepted, so that
+// no receiver of a descriptor of it can add a seal that refuses later
+// receivers (see above), and checks the seals it ends with: someone else
+// may have sealed it meanwhile.
+func sealForSharing(fd int) error {
+	seals, err := unix.FcntlInt(uintptr(fd), unix.F_GET_SEALS, 0)
+	if err != nil {
+		return Errorf(EINVAL, "fd %d: fcntl F_GET_SEALS: %w", fd, err)
+	}
+	if seals&unix.F_SEAL_SEAL == 0 {
+		// EPERM: sealed by someone else since; the check below judges.
+		if _, err := unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, unix.F_SEAL_SEAL); err != nil && err != unix.EPERM {
+			return Errorf(EINVAL, "fd %d: adding F_SEAL_SEAL: %w", fd, err)
+		}
+	}
+	if seals, err = checkSeals(fd); err != nil {
+		return err
+	}
+	if seals&unix.F_SEAL_SEAL == 0 {
+		return Errorf(EINVAL, "fd %d: F_SEAL_SEAL did not stay added (seals %#x)", fd, seals)
+	}
+	return nil
 }
 
 // isMemfd tells a memfd from other tmpfs files: its /proc link reads

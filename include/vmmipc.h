@@ -141,6 +141,15 @@
  *   one, and a holder that punches a hole and takes the free huge pages
  *   makes the receiver's next touch of the hole SIGBUS. Transparent huge
  *   pages that the kernel gives a memfd are fine.
+ *   Seals: every receiver gets a read-write descriptor of the file. Were
+ *   the file without F_SEAL_SEAL, one could seal it against writing, and
+ *   every later receiver would be refused. So registering seals the file:
+ *   vmmipc_register_host_file adds F_SEAL_SEAL to it (if it lacks it) once
+ *   the file passed the checks, after which no one can add or change a
+ *   seal; add any seal you want (F_SEAL_GROW) before registering. A file
+ *   the checks refuse is left as it was. An export_fn (vmmipc_register)
+ *   makes its own descriptors: seal a file you hand out more than once with
+ *   F_SEAL_SEAL yourself.
  */
 #ifndef VMMIPC_H
 #define VMMIPC_H
@@ -275,7 +284,10 @@ typedef struct vmmipc_options {
  * of the descriptor. For VMMIPC_MEMORY_HOST the descriptor must be a memfd
  * sealed with F_SEAL_SHRINK, open O_RDWR, not of huge pages and not sealed
  * against writing: receivers refuse any other (VMMIPC_EINVAL; see "Host
- * memory"), because a file that can shrink could kill them with SIGBUS. Return
+ * memory"), because a file that can shrink could kill them with SIGBUS. If
+ * receivers get the same file more than once, seal it with F_SEAL_SEAL too
+ * (after F_SEAL_SHRINK), or one of them could seal it against writing and
+ * so refuse the later ones. Return
  * non-zero to fail this chunk: the receiver gets VMMIPC_EEXPORT naming the
  * chunk and the value returned. Called from any thread, one call at a time
  * per receiver (several receivers may call concurrently). Never called after
@@ -334,7 +346,11 @@ int vmmipc_register(const uint64_t *sizes, uint64_t count,
  * file that cannot be sealed (a /dev/shm or disk file), a memfd of huge
  * pages (MFD_HUGETLB), a descriptor not open O_RDWR and a file sealed with
  * F_SEAL_WRITE or F_SEAL_FUTURE_WRITE are refused with a message that says
- * why (see "Host memory"). chunk_size must be a multiple of the page size.
+ * why (see "Host memory"). Registering seals the file: once it passed these
+ * checks, the library adds F_SEAL_SEAL to it (if it lacks it), so that no
+ * receiver can add a seal that would refuse later receivers; add any seal
+ * you want before registering. chunk_size must be a multiple of the page
+ * size.
  * Descriptors: the library keeps ONE duplicate of fd (F_DUPFD_CLOEXEC) per
  * registered file, whatever the chunk count, until the last registration of
  * that file has ended; the caller's fd stays the caller's and may be closed
@@ -354,7 +370,7 @@ int vmmipc_register(const uint64_t *sizes, uint64_t count,
  *                  is not sealed against shrinking or cannot be sealed, a
  *                  file of huge pages, fd not open O_RDWR, a file sealed
  *                  against writing, or an option out of bounds (release_fn
- *                  is not called)
+ *                  is not called; the file is left as it was)
  *   VMMIPC_EIO     the server could not start (as vmmipc_register)
  *   VMMIPC_ENFILE  no descriptor free for the duplicate or the server
  *   VMMIPC_EFORK   called after fork() */
