@@ -45,7 +45,10 @@ func (h *HostImporter) Map(c Chunk) error {
 	if c.Offset%pageSize != 0 || c.FileOffset%pageSize != 0 {
 		return Errorf(EINVAL, "offset %d / file offset %d not page aligned (host chunks must be multiples of %d bytes)", c.Offset, c.FileOffset, pageSize)
 	}
-	if c.Size == 0 || c.Offset+c.Size < c.Offset || c.Offset+c.Size > uint64(h.size) {
+	if c.Size == 0 {
+		return Errorf(EINVAL, "chunk at offset %d has no bytes", c.Offset)
+	}
+	if c.Offset+c.Size < c.Offset || c.Offset+c.Size > uint64(h.size) {
 		return Errorf(EINVAL, "chunk [%d, %d) outside the reserved %d bytes", c.Offset, c.Offset+c.Size, h.size)
 	}
 	end := c.FileOffset + c.Size
