@@ -21,8 +21,11 @@ type FileExporter struct {
 // HostFile validates a memfd registration of bytes [0, size) in chunks of
 // chunkSize and returns what to register. The spec's Key names the file (its
 // inode) and the chunking, so registering the same memfd again while a
-// registration of it lives shares the buffer. On success the spec's
-// exporter holds one duplicate of fd until the buffer ends.
+// registration of it lives shares the buffer. On success the file carries
+// F_SEAL_SEAL (added here if it did not: no receiver of it can add a seal
+// that would refuse later receivers; memfd.go) and the spec's exporter
+// holds one duplicate of fd until the buffer ends. A file the checks refuse
+// is left as it was.
 func HostFile(fd int, size, chunkSize uint64) (BufferSpec, error) {
 	if chunkSize == 0 || chunkSize%pageSize != 0 {
 		return BufferSpec{}, Errorf(EINVAL, "register: chunk size %d is not a positive multiple of the page size %d", chunkSize, pageSize)
@@ -39,6 +42,9 @@ func HostFile(fd int, size, chunkSize uint64) (BufferSpec, error) {
 	}
 	st, err := checkHostFile(fd, size)
 	if err != nil {
+		return BufferSpec{}, WrapErr(EINVAL, err, "register")
+	}
+	if err := sealForSharing(fd); err != nil {
 		return BufferSpec{}, WrapErr(EINVAL, err, "register")
 	}
 	dup, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)

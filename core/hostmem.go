@@ -33,13 +33,22 @@ func (h *HostImporter) Reserve(total uint64) (uint64, error) {
 	return uint64(uintptr(p)), nil
 }
 
-// Map checks the chunk's descriptor (a sealed memfd big enough for the
-// chunk: memfd.go) and maps it in place.
+// Map checks the chunk's descriptor (a memfd of tmpfs, sealed against
+// shrinking, open and unsealed for writing, big enough for the chunk:
+// memfd.go) and maps it in place. Only the offsets must be page aligned:
+// the kernel rounds the length up to a whole page, which stays inside the
+// page-aligned reservation, and the file's pages up to that rounded end
+// start below its (unshrinkable) end, so touching them never faults. That
+// holds for tmpfs pages only: a hugetlbfs file would round up to a huge
+// page, past the reservation, and is refused.
 func (h *HostImporter) Map(c Chunk) error {
 	if c.Offset%pageSize != 0 || c.FileOffset%pageSize != 0 {
 		return Errorf(EINVAL, "offset %d / file offset %d not page aligned (host chunks must be multiples of %d bytes)", c.Offset, c.FileOffset, pageSize)
 	}
-	if c.Offset+c.Size > uint64(h.size) {
+	if c.Size == 0 {
+		return Errorf(EINVAL, "chunk at offset %d has no bytes", c.Offset)
+	}
+	if c.Offset+c.Size < c.Offset || c.Offset+c.Size > uint64(h.size) {
 		return Errorf(EINVAL, "chunk [%d, %d) outside the reserved %d bytes", c.Offset, c.Offset+c.Size, h.size)
 	}
 	end := c.FileOffset + c.Size
@@ -56,6 +65,11 @@ func (h *HostImporter) Map(c Chunk) error {
 	at := unsafe.Add(h.base, c.Offset)
 	if _, err := unix.MmapPtr(c.FD, int64(c.FileOffset), at, uintptr(c.Size),
 		unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED|unix.MAP_FIXED); err != nil {
+		if err == unix.EPERM || err == unix.EACCES {
+			// Checked a moment ago: someone holding the file (that did
+			// not seal it with F_SEAL_SEAL) sealed it against writing since.
+			return &Error{Code: EINVAL, Msg: "mmap: the sender's memfd refuses a read-write mapping (sealed against writing after it was checked; its sender must add F_SEAL_SEAL before sharing it)", Err: err}
+		}
 		return &Error{Code: ioCode(err), Msg: "mmap", Err: err}
 	}
 	return nil

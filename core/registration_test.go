@@ -438,7 +438,7 @@ func unsealableSays(t *testing.T, f *os.File) string {
 	if fs.Type == unix.TMPFS_MAGIC {
 		return "cannot be sealed (a tmpfs file such as one in /dev/shm, not a memfd)"
 	}
-	return "cannot be sealed (not a memfd: a /dev/shm or disk file?)"
+	return "cannot be sealed (not a memfd: a disk file?"
 }
 
 // TestSizesRoundDown: a refusal's figures never round up to what was

@@ -120,6 +120,36 @@
  *   retries within its timeout_ms. So idle connections cannot lock
  *   authenticated receivers out. Peers of a foreign uid are told why and
  *   dropped at once (at most 64 at a time; beyond that, without a word).
+ *
+ * Host memory
+ *   Host chunks travel as descriptors of memfds, which every receiver maps
+ *   read-write and shared into its reserved range. A descriptor is input:
+ *   the registration (vmmipc_register_host_file) and every receiver check
+ *   it, and refuse with VMMIPC_EINVAL, saying why and what to do, anything
+ *   but a memfd of ordinary shared memory (tmpfs, not MFD_HUGETLB) that is
+ *   sealed with F_SEAL_SHRINK, open O_RDWR, not sealed with F_SEAL_WRITE or
+ *   F_SEAL_FUTURE_WRITE, and holds the bytes mapped. Then nothing another
+ *   holder of the file does can crash a receiver: the file cannot shrink
+ *   under a mapping (which is SIGBUS); a hole punched in it (fallocate
+ *   FALLOC_FL_PUNCH_HOLE, which F_SEAL_SHRINK allows) reads back as zeros,
+ *   its pages allocated afresh when touched as in any sparse file; a mapping
+ *   covers the chunk's own pages (a last chunk's length rounded up to a
+ *   page) and never more; and seals added later leave a mapping made as it
+ *   is (the kernel refuses F_SEAL_WRITE while it exists). Huge pages
+ *   (hugetlbfs) are refused, since that cannot be promised for them: their
+ *   mappings cover whole huge pages, past a chunk that is not a multiple of
+ *   one, and a holder that punches a hole and takes the free huge pages
+ *   makes the receiver's next touch of the hole SIGBUS. Transparent huge
+ *   pages that the kernel gives a memfd are fine.
+ *   Seals: every receiver gets a read-write descriptor of the file. Were
+ *   the file without F_SEAL_SEAL, one could seal it against writing, and
+ *   every later receiver would be refused. So registering seals the file:
+ *   vmmipc_register_host_file adds F_SEAL_SEAL to it (if it lacks it) once
+ *   the file passed the checks, after which no one can add or change a
+ *   seal; add any seal you want (F_SEAL_GROW) before registering. A file
+ *   the checks refuse is left as it was. An export_fn (vmmipc_register)
+ *   makes its own descriptors: seal a file you hand out more than once with
+ *   F_SEAL_SEAL yourself.
  */
 #ifndef VMMIPC_H
 #define VMMIPC_H
@@ -293,8 +323,12 @@ typedef struct vmmipc_options {
  * `index`. Store a NEW descriptor for that chunk in *fd_out and return 0; the
  * library sends it and closes it. The chunk's bytes must start at offset 0
  * of the descriptor. For VMMIPC_MEMORY_HOST the descriptor must be a memfd
- * sealed with F_SEAL_SHRINK: receivers refuse any other (VMMIPC_EINVAL),
- * because a file that can shrink could kill them with SIGBUS. Return
+ * sealed with F_SEAL_SHRINK, open O_RDWR, not of huge pages and not sealed
+ * against writing: receivers refuse any other (VMMIPC_EINVAL; see "Host
+ * memory"), because a file that can shrink could kill them with SIGBUS. If
+ * receivers get the same file more than once, seal it with F_SEAL_SEAL too
+ * (after F_SEAL_SHRINK), or one of them could seal it against writing and
+ * so refuse the later ones. Return
  * non-zero to fail this chunk: the receiver gets VMMIPC_EEXPORT naming the
  * chunk and the value returned. Called from any thread, one call at a time
  * per receiver (several receivers may call concurrently). Never called after
@@ -351,8 +385,14 @@ int vmmipc_register(const uint64_t *sizes, uint64_t count,
  * ceil(size / chunk_size) chunks of host memory. The memfd must be sealed
  * against shrinking (memfd_create with MFD_ALLOW_SEALING, then fcntl
  * F_ADD_SEALS F_SEAL_SHRINK), so that no receiver can ever see SIGBUS; a
- * file that cannot be sealed (a /dev/shm or disk file) is refused with a
- * message that says so. chunk_size must be a multiple of the page size.
+ * file that cannot be sealed (a /dev/shm or disk file), a memfd of huge
+ * pages (MFD_HUGETLB), a descriptor not open O_RDWR and a file sealed with
+ * F_SEAL_WRITE or F_SEAL_FUTURE_WRITE are refused with a message that says
+ * why (see "Host memory"). Registering seals the file: once it passed these
+ * checks, the library adds F_SEAL_SEAL to it (if it lacks it), so that no
+ * receiver can add a seal that would refuse later receivers; add any seal
+ * you want before registering. chunk_size must be a multiple of the page
+ * size.
  * Descriptors: the library keeps ONE duplicate of fd (F_DUPFD_CLOEXEC) per
  * registered file, whatever the chunk count, until the last registration of
  * that file has ended; the caller's fd stays the caller's and may be closed
@@ -369,8 +409,10 @@ int vmmipc_register(const uint64_t *sizes, uint64_t count,
  *   VMMIPC_EINVAL  NULL ticket_out, fd not open or not a regular file, size
  *                  0, size larger than the file, chunk_size 0 or not page
  *                  aligned, more than VMMIPC_MAX_CHUNKS chunks, a file that
- *                  is not sealed against shrinking or cannot be sealed, or an
- *                  option out of bounds (release_fn is not called)
+ *                  is not sealed against shrinking or cannot be sealed, a
+ *                  file of huge pages, fd not open O_RDWR, a file sealed
+ *                  against writing, or an option out of bounds (release_fn
+ *                  is not called; the file is left as it was)
  *   VMMIPC_EIO     the server could not start (as vmmipc_register)
  *   VMMIPC_ENFILE  no descriptor free for the duplicate or the server
  *   VMMIPC_EFORK   called after fork() */
@@ -642,7 +684,8 @@ typedef struct vmmipc_mapping {
  * reservation is released, the descriptor in hand is closed, and the
  * message names the chunk and the call that failed.
  *   device = VMMIPC_DEVICE_HOST for host tickets (read-write shared mapping;
- *   each chunk must be a memfd sealed with F_SEAL_SHRINK);
+ *   each chunk must be a memfd sealed with F_SEAL_SHRINK, as "Host memory"
+ *   says);
  *   device >= 0 or VMMIPC_DEVICE_SAME for CUDA tickets: the mapping gets
  *   read-write access for that device (and opts->access_devices). Works with
  *   or without a current context on the calling thread and leaves it as it
@@ -708,9 +751,12 @@ typedef struct vmmipc_mapping {
  *                  process does not see, or a device, also among
  *                  access_devices, without peer access to the exporter's
  *                  GPU), access_devices on a host ticket, unknown
- *                  import_flags bits, an option out of bounds, a host chunk
- *                  that is not a sealed memfd, a bad VMMIPC_CACHE_BYTES
- *                  value, or a protocol violation
+ *                  import_flags bits (or HOLD with CONFIRM_LATER), an
+ *                  option out of bounds, a host chunk the receiver refuses
+ *                  to map (not a memfd sealed against shrinking, of huge
+ *                  pages, not open O_RDWR, or sealed against writing: see
+ *                  "Host memory"), a bad VMMIPC_CACHE_BYTES value, or a
+ *                  protocol violation
  *   VMMIPC_EAUTH, VMMIPC_ENOENT, VMMIPC_EIO, VMMIPC_ENFILE  as vmmipc_open
  *   VMMIPC_ENOMEM  the range cannot be reserved: RLIMIT_AS leaves too little
  *                  room (the message gives the figures), or the driver has

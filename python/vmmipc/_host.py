@@ -47,7 +47,12 @@ def _memfd(name: str, size: int) -> int:
     try:
         os.ftruncate(fd, size)
         # A receiver must never see SIGBUS: the file can no longer shrink.
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        # And no seal can be added any more: a receiver gets a read-write
+        # descriptor of it, and could otherwise add F_SEAL_WRITE or
+        # F_SEAL_FUTURE_WRITE, refusing every later receiver of the
+        # registrations already pickled (registering would add F_SEAL_SEAL
+        # anyway; include/vmmipc.h).
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
     except BaseException:
         os.close(fd)
         raise
