@@ -109,12 +109,24 @@
  *
  * Limits of a sender
  *   A sender serves at most C receivers at once, C = its soft RLIMIT_NOFILE
- *   / 4 (read at each connection), clamped to [16, 1024]. Receivers beyond C
+ *   / 4 (read at each connection), clamped to [16, 1024], and never more
+ *   than its free descriptors allow: a connection takes a socket and, while
+ *   a chunk is sent, that chunk's descriptor, so another is accepted only
+ *   while two descriptors are free for it beside one for each connection
+ *   held (at a soft limit up to 4096, the process's open descriptors are
+ *   counted at each connection, without opening one: at a small limit, such
+ *   as 16, that allows fewer than C; above 4096, C connections take at most
+ *   half the limit). Receivers beyond that
  *   wait in the listen backlog (the system's maximum, net.core.somaxconn)
- *   and are served in turn as others finish; a receiver whose connect finds
- *   the backlog full retries with back-off until its timeout_ms. Connections
- *   that have not yet authenticated have a bound of their own, max(4, C/4),
- *   and must authenticate within 2 seconds; when that bound is full, the
+ *   and are served in turn as others finish or descriptors free (counted
+ *   again with back-off, up to every 200 ms); a sender with no descriptor
+ *   free serves nobody until one frees, and its receivers wait within their
+ *   timeout_ms. Descriptors that other threads of the host take after the
+ *   count can still make a chunk's export fail (VMMIPC_EEXPORT, saying so). A
+ *   receiver whose connect finds the backlog full retries with back-off
+ *   until its timeout_ms. Connections that have not yet authenticated have
+ *   a bound of their own, max(4, C/4), and must authenticate within 2
+ *   seconds; when that bound is full, the
  *   oldest of them (if older than 100 ms) is dropped. A connection dropped
  *   either way is told "busy" first, and a libvmmipc receiver told so
  *   retries within its timeout_ms. So idle connections cannot lock
