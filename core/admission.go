@@ -14,9 +14,17 @@ import (
 //
 //   - At most connLimit() connections are held at once (a quarter of the
 //     host's soft RLIMIT_NOFILE, between minConns and maxConns), so that a
-//     flood of receivers cannot take the host's descriptors. At the limit
-//     the server stops accepting: the rest wait in the listen backlog and
-//     are served in turn (receivers retry a full backlog themselves).
+//     flood of receivers cannot take the host's descriptors; and no more
+//     than the descriptors free allow: each connection takes a socket and,
+//     while a chunk is sent, the chunk's descriptor, so one more is
+//     admitted only while the process has two free for it and one for each
+//     held (counted at each connection where the soft limit is at most
+//     maxCountedLimit: at a soft limit of 16 the cap alone is more than the
+//     process can hold; above, the cap is at most half). At the limit the
+//     server stops accepting: the rest wait in the listen backlog and are
+//     served in turn (receivers retry a full backlog themselves). An accept
+//     that fails for want of a descriptor (another thread of the host took
+//     it) leaves its connection in the backlog, and is retried with back-off.
 //   - Connections that have not authenticated yet are "pending": at most
 //     pendingLimit() of them, each with handshakeTimeout to prove itself.
 //     When that bound (or the whole limit) is full, the oldest pending one,
@@ -33,6 +41,10 @@ var (
 	minConns         = 16
 	maxConns         = 1024
 	maxRefusing      = 64
+	// How long the accept loop waits, doubling from the first to the
+	// last, for a descriptor to free: nothing tells it when one does.
+	fdWaitFirst = 5 * time.Millisecond
+	fdWaitMost  = 200 * time.Millisecond
 )
 
 // connLimit is how many connections the server holds at once.
@@ -47,6 +59,65 @@ func connLimit() int {
 // pendingLimit is how many unauthenticated connections may be held.
 func pendingLimit(limit int) int { return max(4, limit/4) }
 
+// maxCountedLimit is the largest soft RLIMIT_NOFILE at which the server
+// counts the descriptors open before admitting a connection. Above it the
+// cap alone keeps the server's connections (at most maxConns, two
+// descriptors each) to half the limit or less, and a count would cost
+// more (a poll entry per descriptor number).
+const maxCountedLimit = 4096
+
+// fdsFree is how many more descriptors the process may open now: its soft
+// RLIMIT_NOFILE less those open. ok is false where it does not count (a
+// soft limit above maxCountedLimit, or poll failed): then only connLimit
+// bounds the server. It counts with one poll over every descriptor number
+// below the limit (POLLNVAL marks those not open), so that it opens no
+// descriptor itself: a host that counts its own (as tests do) never sees
+// one come and go. poll is the buffer, kept between calls.
+func fdsFree(poll *[]unix.PollFd) (free int, ok bool) {
+	var lim unix.Rlimit
+	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &lim); err != nil || lim.Cur > maxCountedLimit {
+		return 0, false
+	}
+	n := int(lim.Cur)
+	if cap(*poll) < n {
+		*poll = make([]unix.PollFd, n)
+	}
+	fds := (*poll)[:n]
+	for i := range fds {
+		fds[i] = unix.PollFd{Fd: int32(i)}
+	}
+	for {
+		_, err := unix.Poll(fds, 0)
+		if err == unix.EINTR {
+			continue
+		}
+		if err != nil { // EINVAL: the limit was lowered meanwhile
+			return 0, false
+		}
+		break
+	}
+	open := 0
+	for _, p := range fds {
+		if p.Revents&unix.POLLNVAL == 0 {
+			open++
+		}
+	}
+	return n - open, true
+}
+
+// backoff is a wait that doubles from first to most, and starts over after
+// reset.
+type backoff struct {
+	first, most, next time.Duration
+}
+
+func (b *backoff) wait() time.Duration {
+	b.next = min(max(b.first, 2*b.next), b.most)
+	return b.next
+}
+
+func (b *backoff) reset() { b.next = 0 }
+
 type admission struct {
 	mu       sync.Mutex
 	cond     *sync.Cond
@@ -55,7 +126,10 @@ type admission struct {
 	pending  *list.List // of *pendingConn, oldest first
 	refusing int
 	closed   bool
-	wake     *time.Timer // rouses room() when the oldest pending may be evicted
+	wake     *time.Timer // rouses room() when the oldest pending may be evicted, or to count descriptors again
+	fdWait   backoff     // room()'s wait for descriptors to free
+	free     func() (int, bool)
+	poll     []unix.PollFd // fdsFree's buffer
 }
 
 // pendingConn is a held connection; elem is set while it is unauthenticated.
@@ -67,7 +141,8 @@ type pendingConn struct {
 }
 
 func newAdmission() *admission {
-	a := &admission{pending: list.New()}
+	a := &admission{pending: list.New(), fdWait: backoff{first: fdWaitFirst, most: fdWaitMost}}
+	a.free = func() (int, bool) { return fdsFree(&a.poll) } // called with a.mu held
 	a.cond = sync.NewCond(&a.mu)
 	return a
 }
@@ -79,21 +154,39 @@ func (a *admission) room() bool {
 	defer a.mu.Unlock()
 	for !a.closed {
 		limit := connLimit()
-		if a.held-a.leaving < limit && a.pending.Len() < pendingLimit(limit) {
+		below := a.held-a.leaving < limit && a.pending.Len() < pendingLimit(limit)
+		fds := below && a.descriptorsFree()
+		if fds {
+			a.fdWait.reset()
 			return true
+		}
+		var wake time.Duration
+		if below { // only descriptors are short: count again later
+			wake = a.fdWait.wait()
 		}
 		if front := a.pending.Front(); front != nil {
 			p := front.Value.(*pendingConn)
 			if age := time.Since(p.since); age >= evictAge {
 				a.evict(p)
 				continue
-			} else {
-				a.wakeIn(evictAge - age)
+			} else if wake == 0 || evictAge-age < wake {
+				wake = evictAge - age
 			}
+		}
+		if wake > 0 {
+			a.wakeIn(wake)
 		}
 		a.cond.Wait()
 	}
 	return false
+}
+
+// descriptorsFree reports whether the process has descriptors free for one
+// more connection (its socket and a chunk in hand) beside a chunk for each
+// held one. Called with a.mu held.
+func (a *admission) descriptorsFree() bool {
+	free, ok := a.free()
+	return !ok || free >= a.held+2
 }
 
 func (a *admission) wakeIn(d time.Duration) {
@@ -193,16 +286,20 @@ func (a *admission) close() {
 }
 
 func (s *Server) acceptLoop() {
+	retry := backoff{first: fdWaitFirst, most: fdWaitMost}
 	for s.adm.room() {
 		uc, err := s.ln.AcceptUnix()
 		if err != nil {
 			if errors.Is(err, net.ErrClosed) {
 				return
 			}
-			// EMFILE and friends: back off instead of spinning.
-			time.Sleep(10 * time.Millisecond)
+			// EMFILE and friends (the host took the descriptor room()
+			// counted): the connection stays in the backlog; wait for a
+			// descriptor to free instead of spinning.
+			time.Sleep(retry.wait())
 			continue
 		}
+		retry.reset()
 		// The uid is checked before the connection is counted: abstract
 		// sockets have no permissions, so a process of any uid can
 		// connect, and its connections must not take the slots of ours.

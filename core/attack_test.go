@@ -212,23 +212,31 @@ var forkListenerCases = []struct {
 }
 
 // forkListener has a sender helper fork such a child and then close its
-// listener or exit (exited tells when it has); it returns the child's pid.
-func (h *helper) forkListener(mode, then string, exited func() bool) int {
+// listener or exit (exited tells when it has).
+// The child and the sender share stdout, so the child's "listening" may
+// come before the sender's "forked". A child in our PID namespace is killed
+// when the test ends, first, whatever fails: it holds the sender's stdout,
+// and would outlive the test. (One in a container dies with its pid 1.)
+func (h *helper) forkListener(mode, then string, exited func() bool) {
 	h.t.Helper()
 	h.send("fork-listener " + mode + " " + then)
-	child, err := strconv.Atoi(h.expect("forked ", faultTimeout))
-	if err != nil {
-		h.t.Fatal(err)
-	}
+	lines := []string{"forked ", "listening "}
 	if then == "close" {
-		h.expectAll(faultTimeout, "listening ", "closed")
-		return child
+		lines = append(lines, "closed")
 	}
-	h.expect("listening ", faultTimeout)
-	if !waitUntil(faultTimeout, exited) {
+	got := map[string]string{}
+	h.t.Cleanup(func() { // registered after the sender's kill, so run before it
+		if child, err := strconv.Atoi(got["forked "]); err == nil && child > 0 && !h.inNS {
+			_ = unix.Kill(child, unix.SIGKILL)
+		}
+	})
+	h.expectAll(faultTimeout, got, lines...)
+	if child, err := strconv.Atoi(got["forked "]); err != nil || child <= 0 {
+		h.t.Fatalf("the sender said it forked %q", got["forked "])
+	}
+	if then == "exit" && !waitUntil(faultTimeout, exited) {
 		h.t.Fatal("the exporter did not exit")
 	}
-	return child
 }
 
 // TestImpostorInheritsListener: a child of the exporter holds a duplicate
@@ -251,8 +259,7 @@ func TestImpostorInheritsListener(t *testing.T) {
 					return false
 				}
 			}
-			child := sender.forkListener(tc.mode, tc.then, exited)
-			t.Cleanup(func() { _ = unix.Kill(child, unix.SIGKILL) }) // before the sender's cleanup
+			sender.forkListener(tc.mode, tc.then, exited)
 			o := tryImport(t, tk)
 			expectCode(t, o, tc.want, tc.code)
 			impostorLearnedNothing(t, sender, tk, tc.conns)

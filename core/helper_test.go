@@ -3,6 +3,7 @@ package core
 import (
 	"bufio"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -215,25 +216,32 @@ func execAs(s *Server, part string, args []string) error {
 	if err != nil {
 		return err
 	}
-	// Unlike os/exec, execve keeps the first of duplicate variables: drop
-	// ours before setting them anew.
-	var env []string
-	for _, kv := range os.Environ() {
-		if k, _, _ := strings.Cut(kv, "="); k != helperPartEnv && k != envAddr && k != envListenMode && k != envReplay {
-			env = append(env, kv)
-		}
-	}
+	var set []string
 	switch {
 	case part == partSender && len(args) == 0:
 	case part == partImpostor && len(args) == 1:
-		env = append(env, envAddr+"="+s.Addr(), envListenMode+"="+args[0])
+		set = []string{envAddr + "=" + s.Addr(), envListenMode + "=" + args[0]}
 	case part == partImpostor && len(args) == 2:
-		env = append(env, envAddr+"="+s.Addr(), envListenMode+"="+args[0], envReplay+"="+args[1])
+		set = []string{envAddr + "=" + s.Addr(), envListenMode + "=" + args[0], envReplay + "=" + args[1]}
 	default:
 		return fmt.Errorf("exec %s %v: not a part and arguments to exec as", part, args)
 	}
-	env = append(env, helperPartEnv+"="+part)
-	return syscall.Exec(exe, os.Args, env) // returns only on failure
+	return syscall.Exec(exe, os.Args, helperEnv(part, set...)) // returns only on failure
+}
+
+// helperEnv is our environment for a helper playing part, with set
+// (key=value) added. Unlike os/exec, execve keeps the first of duplicate
+// variables: ours that a helper reads are dropped before they are set anew.
+func helperEnv(part string, set ...string) []string {
+	var env []string
+	for _, kv := range os.Environ() {
+		switch k, _, _ := strings.Cut(kv, "="); k {
+		case helperPartEnv, envAddr, envListenFD, envListenMode, envReplay:
+		default:
+			env = append(env, kv)
+		}
+	}
+	return append(append(env, set...), helperPartEnv+"="+part)
 }
 
 // forkListener starts a child holding a duplicate of the server's listening
@@ -241,24 +249,33 @@ func execAs(s *Server, part string, args []string) error {
 // it stdin. Then the exporter stops listening (leaving its socket file and
 // lock in place) and lives on without reading stdin ("close"), or exits
 // ("exit").
+//
+// The child is started with syscall.ForkExec, not os/exec: ExtraFiles
+// passes (*os.File).Fd, which puts the descriptor in blocking mode, and
+// O_NONBLOCK belongs to the open file description that the server's own
+// listener shares. Until the child's net.FileListener set it back, an
+// accept() of the server's accept loop blocked in the kernel, and closing
+// the listener then waited for it forever: the sender never said "closed"
+// (a rare failure of TestImpostorInheritsListener/close under load).
 func forkListener(s *Server, out *lineWriter, mode, then string) error {
-	f, err := s.ln.File()
-	if err != nil {
-		return err
-	}
 	exe, err := os.Executable()
 	if err != nil {
 		return err
 	}
-	cmd := exec.Command(exe, "-test.run=^TestHelperProcess$", "-test.timeout=5m")
-	cmd.Env = append(os.Environ(), helperPartEnv+"="+partImpostor, envListenFD+"=3", envListenMode+"="+mode)
-	cmd.ExtraFiles = []*os.File{f}
-	cmd.Stdin, cmd.Stdout, cmd.Stderr = os.Stdin, os.Stdout, os.Stderr
-	if err := cmd.Start(); err != nil {
+	rc, err := s.ln.SyscallConn()
+	if err != nil {
 		return err
 	}
-	f.Close()
-	out.printf("forked %d", cmd.Process.Pid)
+	attr := &syscall.ProcAttr{Env: helperEnv(partImpostor, envListenFD+"=3", envListenMode+"="+mode)}
+	var pid int
+	cerr := rc.Control(func(fd uintptr) {
+		attr.Files = []uintptr{0, 1, 2, fd} // stdin, stdout, stderr, the listener as fd 3
+		pid, err = syscall.ForkExec(exe, []string{exe, "-test.run=^TestHelperProcess$", "-test.timeout=5m"}, attr)
+	})
+	if err = errors.Join(cerr, err); err != nil {
+		return err
+	}
+	out.printf("forked %d", pid)
 	switch then {
 	case "close":
 		s.adm.close()
@@ -639,6 +656,7 @@ type helper struct {
 	cmd   *exec.Cmd
 	stdin *os.File
 	lines chan string   // closed once every writer of its stdout is gone
+	inNS  bool          // started by a wrapper (another PID namespace): its pids mean nothing here
 	done  chan struct{} // closed once the process was reaped
 	mu    sync.Mutex
 	err   error // its exit status
@@ -680,7 +698,7 @@ func startHelper(t testing.TB, part string, o helperOpts) *helper {
 		outR.Close()
 		t.Fatalf("starting the %s helper: %v", part, err)
 	}
-	h := &helper{t: t, cmd: cmd, stdin: inW, lines: make(chan string, 1024), done: make(chan struct{})}
+	h := &helper{t: t, cmd: cmd, stdin: inW, lines: make(chan string, 1024), done: make(chan struct{}), inNS: len(o.wrap) > 0}
 	go func() {
 		sc := bufio.NewScanner(outR)
 		sc.Buffer(nil, 1<<20)
@@ -725,8 +743,10 @@ func (h *helper) expect(prefix string, timeout time.Duration) string {
 	}
 }
 
-// expectAll waits for lines starting with each of prefixes, in any order.
-func (h *helper) expectAll(timeout time.Duration, prefixes ...string) {
+// expectAll waits for lines starting with each of prefixes, in any order,
+// and puts the rest of each into got as it comes (so that a cleanup can use
+// what came before a failure).
+func (h *helper) expectAll(timeout time.Duration, got map[string]string, prefixes ...string) {
 	h.t.Helper()
 	deadline := time.After(timeout)
 	missing := map[string]bool{}
@@ -736,8 +756,9 @@ func (h *helper) expectAll(timeout time.Duration, prefixes ...string) {
 	for len(missing) > 0 {
 		l := h.nextLine(deadline, timeout, fmt.Sprint(missing))
 		for p := range missing {
-			if strings.HasPrefix(l, p) {
+			if rest, ok := strings.CutPrefix(l, p); ok {
 				delete(missing, p)
+				got[p] = strings.TrimSpace(rest)
 			}
 		}
 	}

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io/fs"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 )
@@ -119,10 +120,20 @@ func sameClock(t *Ticket) bool {
 // holds its lock next to it. The lock is a POSIX record lock: the kernel
 // drops it when the process exits or execs, and a forked child never
 // inherits it, so it answers in every namespace that sees the directory.
+//
+// First it checks the directory's path as the exporter did (checkPath): a
+// path that another uid could re-point would lead to a lock and a socket
+// of theirs, which could say "exited" of a live exporter, or answer in its
+// place. A path it cannot follow (not mounted here, say) is left to the
+// dial, which then says it cannot connect.
 func checkLockHeld(t *Ticket) error {
 	path, ok := lockPathFor(t.Address)
 	if !ok {
 		return nil
+	}
+	var unsafe *unsafePathError
+	if _, err := checkPath(filepath.Dir(path)); errors.As(err, &unsafe) {
+		return Errorf(EIO, "open: the exporter's socket directory %s cannot be trusted here: %s (then set %s for the exporter to such a path)", filepath.Dir(path), unsafe.msg, SocketDirEnv)
 	}
 	switch held, holder := probeLock(path); {
 	case held == lockFree:

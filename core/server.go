@@ -28,13 +28,13 @@ const SocketDirEnv = "VMMIPC_SOCKET_DIR"
 // This file holds its life and its registering side; admission.go the
 // listener and its limits; session.go one receiver's session.
 type Server struct {
-	reg  *Registry
-	ln   *net.UnixListener
-	addr string      // "@name" or a filesystem path
-	lock *serverLock // held next to a filesystem socket; nil for abstract ones
-	pid  uint32
-	uid  int
-	adm  *admission
+	reg   *Registry
+	ln    *net.UnixListener
+	addr  string       // "@name" or a filesystem path
+	files *serverFiles // the socket and lock in a socket directory; nil for abstract sockets
+	pid   uint32
+	uid   int
+	adm   *admission
 }
 
 var (
@@ -76,42 +76,44 @@ func NewServer(dir string) (*Server, error) {
 	ns := selfNamespaces()
 	name := fmt.Sprintf("%s%d-%d-%s", fileNamePrefix, ns.PID, os.Getpid(), hex.EncodeToString(tag[:]))
 	addr := "@" + name
-	var lock *serverLock
+	var files *serverFiles
 	if dir != "" {
-		abs, err := checkSocketDir(dir)
+		d, err := openSocketDir(dir)
 		if err != nil {
 			return nil, err
 		}
-		base := filepath.Join(abs, name)
-		if addr = base + socketSuffix; len(addr) > maxAddrLen {
+		if addr = filepath.Join(d.path, name) + socketSuffix; len(addr) > maxAddrLen {
+			d.close()
 			return nil, Errorf(EIO, "server: socket path %q is longer than %d bytes; use a shorter %s", addr, maxAddrLen, SocketDirEnv)
 		}
-		removeStale(abs)
-		if lock, err = createLock(base); err != nil {
+		d.removeStale()
+		if files, err = createLock(d, name); err != nil {
+			d.close()
 			return nil, err
 		}
 	}
-	ln, err := listenPrivate(addr)
+	ln, err := listenPrivate(addr, files)
 	if err != nil {
-		if lock != nil {
-			lock.release()
+		if files != nil {
+			files.release()
 		}
 		return nil, err
 	}
 	pid := uint32(os.Getpid())
 	s := &Server{
-		reg: newRegistry(addr, pid, selfStartTime(), ns), ln: ln, addr: addr, lock: lock,
+		reg: newRegistry(addr, pid, selfStartTime(), ns), ln: ln, addr: addr, files: files,
 		pid: pid, uid: os.Getuid(), adm: newAdmission(),
 	}
 	go s.acceptLoop()
 	return s, nil
 }
 
-// listenPrivate binds addr, makes a filesystem socket mode 0600, and only
-// then listens, with the system's largest backlog, so that nobody can
-// connect before the mode is set and a burst of receivers waits in the
-// queue instead of being refused.
-func listenPrivate(addr string) (*net.UnixListener, error) {
+// listenPrivate binds addr, makes a filesystem socket (in files' directory)
+// mode 0600, and only then listens, with the system's largest backlog, so
+// that nobody can connect before the mode is set and a burst of receivers
+// waits in the queue instead of being refused. On error the caller removes
+// a socket file it may have left (files.release).
+func listenPrivate(addr string, files *serverFiles) (*net.UnixListener, error) {
 	fd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC|unix.SOCK_NONBLOCK, 0)
 	if err != nil {
 		return nil, &Error{Code: ioCode(err), Msg: "server: socket", Err: err}
@@ -127,9 +129,10 @@ func listenPrivate(addr string) (*net.UnixListener, error) {
 	if err := unix.Bind(fd, sa); err != nil {
 		return fail("bind", err)
 	}
-	if addr[0] != '@' {
-		if err := os.Chmod(addr, 0o600); err != nil {
-			_ = os.Remove(addr)
+	if files != nil {
+		// Through the directory checked: the path leads there unless we
+		// or root changed it since, and then this fails.
+		if err := unix.Fchmodat(files.dir.fd, files.name+socketSuffix, 0o600, 0); err != nil {
 			return fail("chmod", err)
 		}
 	}
@@ -143,7 +146,7 @@ func listenPrivate(addr string) (*net.UnixListener, error) {
 		return nil, &Error{Code: ioCode(err), Msg: "server: listener " + addr, Err: err}
 	}
 	ul := l.(*net.UnixListener)
-	ul.SetUnlinkOnClose(addr[0] != '@')
+	ul.SetUnlinkOnClose(false) // Close removes the file through the directory's descriptor
 	return ul, nil
 }
 
@@ -165,13 +168,26 @@ func listenBacklog() int {
 func (s *Server) Addr() string { return s.addr }
 
 // Files lists the files the server made in its socket directory (socket
-// first, then lock), which the process should remove when it exits; none
-// for an abstract socket.
+// first, then lock), as named by the directory's path; none for an
+// abstract socket.
 func (s *Server) Files() []string {
-	if s.lock == nil {
+	if s.files == nil {
 		return nil
 	}
-	return []string{s.addr, s.lock.path}
+	return []string{s.files.socketPath(), s.files.lockPath()}
+}
+
+// DirFiles gives what the process should remove when it exits: a
+// descriptor of the socket directory the server checked (the server's, and
+// closed by Close: duplicate it to keep it), and the names of its socket
+// and lock there; dirfd is -1 for an abstract socket. Removing them
+// through the descriptor never touches another directory, wherever the
+// path leads by then.
+func (s *Server) DirFiles() (dirfd int, names []string) {
+	if s.files == nil {
+		return -1, nil
+	}
+	return s.files.dir.fd, []string{s.files.name + socketSuffix, s.files.name + lockSuffix}
 }
 
 // Close stops accepting receivers and removes a filesystem socket and its
@@ -179,8 +195,8 @@ func (s *Server) Files() []string {
 func (s *Server) Close() error {
 	s.adm.close()
 	err := s.ln.Close()
-	if s.lock != nil {
-		s.lock.release()
+	if s.files != nil {
+		s.files.release()
 	}
 	return err
 }

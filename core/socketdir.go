@@ -13,11 +13,18 @@ import (
 // The socket directory (VMMIPC_SOCKET_DIR) is how receivers in other
 // namespaces reach an exporter, and it is a security boundary: whoever may
 // replace a file in it may put a socket of its own at an exporter's
-// address. So:
+// address, and whoever may re-point the path may make both sides use
+// another directory. So:
 //
-//   - the directory, and every directory above it, must belong to us or
-//     root and be writable by nobody else unless it has the sticky bit
-//     (then only a file's owner may rename or remove it);
+//   - nobody but us and root may change where the path leads
+//     (socketpath.go): the exporter checks this when it starts
+//     (openSocketDir), and a receiver before it trusts a lock or dials
+//     (liveness.go);
+//   - the exporter holds a descriptor of the directory it checked and
+//     makes, scans and removes its files through it, so even a path that
+//     changed later (we or root could) never makes it delete in another
+//     directory (export/abi.c removes its files at exit through a
+//     duplicate);
 //   - an exporter's files are vmmipc-<pidns>-<pid>-<random>.sock, its
 //     socket (mode 0600), and .lock, a file on which it holds a POSIX
 //     write lock for its whole life: the kernel drops that lock when the
@@ -26,7 +33,7 @@ import (
 //     left behind or held by a child (liveness.go);
 //   - a starting exporter removes the files of ours whose lock is free
 //     (a crashed exporter's), and the library removes its own at exit
-//     (Server.Files, export/abi.c).
+//     (Server.DirFiles, export/abi.c).
 
 const (
 	fileNamePrefix = "vmmipc-"
@@ -34,67 +41,64 @@ const (
 	lockSuffix     = ".lock"
 )
 
-// checkSocketDir resolves dir and checks that nobody but us and root can
-// replace what is in it.
-func checkSocketDir(dir string) (string, error) {
-	fail := func(format string, args ...any) (string, error) {
-		return "", Errorf(EIO, "server: %s=%q: "+format, append([]any{SocketDirEnv, dir}, args...)...)
+// socketDir is a checked socket directory: the path as named, which goes
+// into tickets (receivers in other mount namespaces use the same path),
+// and a descriptor of the directory it led to when checked.
+type socketDir struct {
+	path string // absolute, as named
+	fd   int    // O_PATH; closed by close
+}
+
+// openSocketDir checks dir (checkPath) and opens the directory it leads
+// to.
+func openSocketDir(dir string) (*socketDir, error) {
+	fail := func(format string, args ...any) (*socketDir, error) {
+		return nil, Errorf(EIO, "server: %s=%q: "+format, append([]any{SocketDirEnv, dir}, args...)...)
 	}
 	abs, err := filepath.Abs(dir)
 	if err != nil {
 		return fail("%w", err)
 	}
-	real, err := filepath.EvalSymlinks(abs)
-	if errors.Is(err, os.ErrNotExist) {
+	real, err := checkPath(abs)
+	switch {
+	case errors.Is(err, unix.ENOENT):
 		return fail("no such directory: create it (mode 0700) or mount the shared volume there, at the same path on both sides")
-	}
-	if err != nil {
-		return fail("%w", err)
-	}
-	var st unix.Stat_t
-	if err := unix.Stat(real, &st); err != nil {
-		return fail("%w", err)
-	}
-	if st.Mode&unix.S_IFMT != unix.S_IFDIR {
+	case errors.Is(err, unix.ENOTDIR):
 		return fail("not a directory")
+	case err != nil:
+		return fail("%w", err)
 	}
-	// The directories as named (a symlink's own directory decides who can
-	// change where it points) and as resolved.
-	for _, p := range []string{filepath.Dir(abs), real} {
-		if err := checkDirChain(p); err != nil {
-			return fail("%w", err)
-		}
+	fd, err := unix.Open(real, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return fail("opening %s: %w", real, err)
 	}
-	return abs, nil
+	// Only we or root could have changed the path since the check; if one
+	// did, say so rather than work in a directory the path no longer names.
+	var held, named unix.Stat_t
+	if err := unix.Fstat(fd, &held); err != nil || unix.Stat(abs, &named) != nil || held.Dev != named.Dev || held.Ino != named.Ino {
+		_ = unix.Close(fd)
+		return fail("it changed while being checked; start again")
+	}
+	return &socketDir{path: abs, fd: fd}, nil
 }
 
-// checkDirChain checks dir and each directory above it.
-func checkDirChain(dir string) error {
-	uid := uint32(os.Geteuid())
-	for p := dir; ; p = filepath.Dir(p) {
-		var st unix.Stat_t
-		if err := unix.Lstat(p, &st); err != nil {
-			return err
-		}
-		if st.Mode&unix.S_IFMT == unix.S_IFDIR {
-			switch {
-			case st.Uid != uid && st.Uid != 0:
-				return Errorf(EIO, "%s belongs to uid %d, who could replace the exporter's socket; use a directory of uid %d (ours) or root", p, st.Uid, uid)
-			case st.Mode&0o022 != 0 && st.Mode&unix.S_ISVTX == 0:
-				return Errorf(EIO, "%s is writable by other users (mode %04o) and has no sticky bit, so any of them could replace the exporter's socket; use a directory only this user can write (chmod 0700), or set the sticky bit (chmod +t), as /tmp has", p, st.Mode&0o7777)
-			}
-		}
-		if p == "/" { // only absolute paths come here
-			return nil
-		}
-	}
-}
+func (d *socketDir) close() { _ = unix.Close(d.fd) }
 
-// serverLock is the lock an exporter holds next to its socket.
-type serverLock struct {
-	fd       int
-	path     string
+// serverFiles are the files a server made in its socket directory: its
+// socket and its lock, held.
+type serverFiles struct {
+	dir      *socketDir
+	name     string // of the socket and lock, less their suffixes
+	lockFD   int
 	released sync.Once
+}
+
+func (f *serverFiles) socketPath() string {
+	return filepath.Join(f.dir.path, f.name+socketSuffix)
+}
+
+func (f *serverFiles) lockPath() string {
+	return filepath.Join(f.dir.path, f.name+lockSuffix)
 }
 
 // ownLocks are the lock files this process holds. The process must never
@@ -124,37 +128,43 @@ func setOwnLock(path string, own bool) {
 	}
 }
 
-// createLock creates base.lock, locked: it is made and locked under a
-// temporary name and then linked into place, so that no scan ever sees it
+// createLock creates name.lock in dir, locked: it is made and locked under
+// a temporary name and then linked into place, so that no scan ever sees it
 // unlocked.
-func createLock(base string) (*serverLock, error) {
-	tmp, path := base+".new", base+lockSuffix
-	fd, err := unix.Open(tmp, unix.O_RDWR|unix.O_CREAT|unix.O_EXCL|unix.O_CLOEXEC|unix.O_NOFOLLOW, 0o600)
+func createLock(dir *socketDir, name string) (*serverFiles, error) {
+	f := &serverFiles{dir: dir, name: name}
+	tmp, lock, path := name+".new", name+lockSuffix, f.lockPath()
+	fd, err := unix.Openat(dir.fd, tmp, unix.O_RDWR|unix.O_CREAT|unix.O_EXCL|unix.O_CLOEXEC|unix.O_NOFOLLOW, 0o600)
 	if err != nil {
-		return nil, &Error{Code: ioCode(err), Msg: "server: creating the lock " + tmp, Err: err}
+		return nil, &Error{Code: ioCode(err), Msg: "server: creating the lock " + filepath.Join(dir.path, tmp), Err: err}
 	}
-	defer unix.Unlink(tmp)
+	defer unix.Unlinkat(dir.fd, tmp, 0)
 	lk := unix.Flock_t{Type: unix.F_WRLCK}
 	if err := unix.FcntlFlock(uintptr(fd), unix.F_SETLK, &lk); err != nil {
 		_ = unix.Close(fd)
-		return nil, &Error{Code: EIO, Msg: "server: locking " + tmp + " (the socket directory's file system must support POSIX locks)", Err: err}
+		return nil, &Error{Code: EIO, Msg: "server: locking " + filepath.Join(dir.path, tmp) + " (the socket directory's file system must support POSIX locks)", Err: err}
 	}
 	setOwnLock(path, true)
-	if err := unix.Link(tmp, path); err != nil {
+	if err := unix.Linkat(dir.fd, tmp, dir.fd, lock, 0); err != nil {
 		setOwnLock(path, false)
 		_ = unix.Close(fd)
 		return nil, &Error{Code: EIO, Msg: "server: creating the lock " + path, Err: err}
 	}
-	return &serverLock{fd: fd, path: path}, nil
+	f.lockFD = fd
+	return f, nil
 }
 
-// release removes the lock file and drops the lock, once: a second Close
-// of the server must not close whatever descriptor took the number.
-func (l *serverLock) release() {
-	l.released.Do(func() {
-		_ = unix.Unlink(l.path)
-		_ = unix.Close(l.fd)
-		setOwnLock(l.path, false)
+// release removes the socket (if there is one) and the lock file, in that
+// order, through the directory's descriptor, drops the lock and closes the
+// directory, once: a second Close of the server must not close whatever
+// descriptors took the numbers.
+func (f *serverFiles) release() {
+	f.released.Do(func() {
+		_ = unix.Unlinkat(f.dir.fd, f.name+socketSuffix, 0)
+		_ = unix.Unlinkat(f.dir.fd, f.name+lockSuffix, 0)
+		_ = unix.Close(f.lockFD)
+		setOwnLock(f.lockPath(), false)
+		f.dir.close()
 	})
 }
 
@@ -171,10 +181,16 @@ const (
 // probeLock tells whether some process holds a lock on path and, if the
 // kernel can name it in our PID namespace, which (else 0).
 func probeLock(path string) (lockState, int32) {
+	return probeLockAt(unix.AT_FDCWD, path, path)
+}
+
+// probeLockAt is probeLock of name in the directory dirfd; path names the
+// same file for ownsLock.
+func probeLockAt(dirfd int, name, path string) (lockState, int32) {
 	if ownsLock(path) {
 		return lockHeld, int32(os.Getpid())
 	}
-	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_CLOEXEC|unix.O_NOFOLLOW|unix.O_NONBLOCK, 0)
+	fd, err := unix.Openat(dirfd, name, unix.O_RDONLY|unix.O_CLOEXEC|unix.O_NOFOLLOW|unix.O_NONBLOCK, 0)
 	if err == unix.ENOENT {
 		return lockMissing, 0
 	}
@@ -204,17 +220,19 @@ func lockPathFor(addr string) (string, bool) {
 	return strings.TrimSuffix(addr, socketSuffix) + lockSuffix, true
 }
 
-// removeStale removes our uid's exporter files in dir whose exporter is
+// removeStale removes our uid's exporter files in d whose exporter is
 // gone: sockets whose lock is free (or missing, with nothing listening),
 // and free locks with no socket.
-func removeStale(dir string) {
-	entries, err := os.ReadDir(dir)
+func (d *socketDir) removeStale() {
+	dfd, err := unix.Openat(d.fd, ".", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return
 	}
+	f := os.NewFile(uintptr(dfd), d.path)
+	names, _ := f.Readdirnames(-1)
+	_ = f.Close()
 	uid := uint32(os.Geteuid())
-	for _, e := range entries {
-		name := e.Name()
+	for _, name := range names {
 		base, isSocket := strings.CutSuffix(name, socketSuffix)
 		if !isSocket {
 			var isLock bool
@@ -225,22 +243,23 @@ func removeStale(dir string) {
 		if !strings.HasPrefix(name, fileNamePrefix) {
 			continue
 		}
-		path, lock, sock := filepath.Join(dir, name), filepath.Join(dir, base+lockSuffix), filepath.Join(dir, base+socketSuffix)
+		lock, sock := base+lockSuffix, base+socketSuffix
+		lockPath := filepath.Join(d.path, lock)
 		var st unix.Stat_t
-		if unix.Lstat(path, &st) != nil || st.Uid != uid || ownsLock(lock) {
+		if unix.Fstatat(d.fd, name, &st, unix.AT_SYMLINK_NOFOLLOW) != nil || st.Uid != uid || ownsLock(lockPath) {
 			continue
 		}
-		state, _ := probeLock(lock)
+		state, _ := probeLockAt(d.fd, lock, lockPath)
 		switch {
 		case isSocket && st.Mode&unix.S_IFMT != unix.S_IFSOCK:
-		case isSocket && (state == lockFree || (state == lockMissing && !listening(sock))):
-			_ = unix.Unlink(sock)
+		case isSocket && (state == lockFree || (state == lockMissing && !listening(filepath.Join(d.path, sock)))):
+			_ = unix.Unlinkat(d.fd, sock, 0)
 			if state == lockFree {
-				_ = unix.Unlink(lock)
+				_ = unix.Unlinkat(d.fd, lock, 0)
 			}
 		case !isSocket && st.Mode&unix.S_IFMT == unix.S_IFREG && state == lockFree:
-			if unix.Access(sock, unix.F_OK) == unix.ENOENT {
-				_ = unix.Unlink(lock)
+			if unix.Fstatat(d.fd, sock, &st, unix.AT_SYMLINK_NOFOLLOW) == unix.ENOENT {
+				_ = unix.Unlinkat(d.fd, lock, 0)
 			}
 		}
 	}

@@ -122,25 +122,41 @@ __attribute__((constructor)) static void vmmipc_abi_after_go(void) {
 /* ---- files removed at exit ----
  * A server in VMMIPC_SOCKET_DIR leaves a socket and a lock file there. At
  * exit() they are removed here, in C: no Go code runs while the process
- * exits. _exit, a fatal signal or a crash leave them; the next exporter in
- * the directory removes those (core/socketdir.go). A forked child's exit
- * removes nothing: the files are its parent's. */
+ * exits. They are removed by name through a duplicate of the server's
+ * descriptor of the directory it checked when it started, never through
+ * the path: whatever the path leads to by then (a symlink re-pointed, a
+ * directory renamed), nothing in another directory is touched. _exit, a
+ * fatal signal or a crash leave them; the next exporter in the directory
+ * removes those (core/socketdir.go). A forked child's exit removes
+ * nothing: the files are its parent's. */
 
-static char *exit_files[2];
+static int exit_dirfd = -1;
+static char *exit_names[2];
 static pthread_mutex_t exit_mu = PTHREAD_MUTEX_INITIALIZER;
 
 static void remove_files_at_exit(void) {
   if (getpid() != load_pid) return;
   for (int i = 0; i < 2; i++)
-    if (exit_files[i]) unlink(exit_files[i]);
+    if (exit_names[i]) unlinkat(exit_dirfd, exit_names[i], 0);
 }
 
-void vmmipc_abi_remove_at_exit(const char *socket_path, const char *lock_path) {
+void vmmipc_abi_remove_at_exit(int dirfd, const char *socket_name, const char *lock_name) {
   pthread_mutex_lock(&exit_mu);
-  if (!exit_files[0]) {
-    exit_files[0] = strdup(socket_path);
-    exit_files[1] = strdup(lock_path);
-    atexit(remove_files_at_exit);
+  if (exit_dirfd < 0) {
+    /* Ours for the process's life (the server may close its own). Without
+     * a descriptor free the files stay, as after a crash. */
+    int fd = fcntl(dirfd, F_DUPFD_CLOEXEC, 3);
+    char *sock = strdup(socket_name), *lock = strdup(lock_name);
+    if (fd >= 0 && sock && lock) {
+      exit_dirfd = fd;
+      exit_names[0] = sock;
+      exit_names[1] = lock;
+      atexit(remove_files_at_exit);
+    } else {
+      if (fd >= 0) close(fd);
+      free(sock);
+      free(lock);
+    }
   }
   pthread_mutex_unlock(&exit_mu);
 }

@@ -29,7 +29,9 @@ VMMIPC_INTERNAL void vmmipc_abi_set_runtime_headroom(unsigned long long bytes);
  * loading constructor return. */
 VMMIPC_INTERNAL void vmmipc_abi_go_init_done(void);
 
-/* Records the files of the server in VMMIPC_SOCKET_DIR (copied) for
- * removal when the process calls exit(); the first call counts. */
-VMMIPC_INTERNAL void vmmipc_abi_remove_at_exit(const char *socket_path, const char *lock_path);
+/* Records the files of the server in VMMIPC_SOCKET_DIR for removal when
+ * the process calls exit(): their names (copied) in the directory dirfd
+ * (duplicated), the descriptor of the directory the server checked. The
+ * first call counts. */
+VMMIPC_INTERNAL void vmmipc_abi_remove_at_exit(int dirfd, const char *socket_name, const char *lock_name);
 #endif

@@ -121,9 +121,9 @@ func register(spec core.BufferSpec, o core.RegisterOptions, out *C.vmmipc_ticket
 		return err
 	}
 	removeAtExit.Do(func() {
-		if f := srv.Files(); len(f) == 2 {
-			sock, lock := C.CString(f[0]), C.CString(f[1])
-			C.vmmipc_abi_remove_at_exit(sock, lock)
+		if dirfd, names := srv.DirFiles(); dirfd >= 0 && len(names) == 2 {
+			sock, lock := C.CString(names[0]), C.CString(names[1])
+			C.vmmipc_abi_remove_at_exit(C.int(dirfd), sock, lock)
 			C.free(unsafe.Pointer(sock))
 			C.free(unsafe.Pointer(lock))
 		}

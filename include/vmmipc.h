@@ -84,13 +84,23 @@
  *   same kernel (host), that directory, uids that are the same user on both
  *   sides (or root), and for CUDA memory the same GPU's device nodes.
  *   The directory: the exporter's first register call fails (VMMIPC_EIO,
- *   saying why) if the directory is missing, belongs to another uid (but
- *   root), or it or a directory above it is writable by others without the
- *   sticky bit. The exporter creates its socket there with mode 0600 under
- *   a name that cannot collide across namespaces (vmmipc-<PID namespace>-
- *   <pid>-<64 random bits>.sock), holds a POSIX lock on the .lock file next
- *   to it for its whole life, removes both at exit(), and at start removes
- *   those of its uid whose lock is free (left by a crashed exporter).
+ *   saying why) if the directory is missing, or if a uid other than its own
+ *   and root could change where the path leads: a directory or symlink on
+ *   the path (as named, and where its symlinks lead) belongs to another uid
+ *   (but root), or a directory on it is writable by others without the
+ *   sticky bit. So a symlink of another user in /tmp is refused: its owner
+ *   may replace it there. The exporter checks the path when it starts and
+ *   keeps a descriptor of the directory it led to; through it, it creates
+ *   its socket there with mode 0600 under a name that cannot collide across
+ *   namespaces (vmmipc-<PID namespace>-<pid>-<64 random bits>.sock), and a
+ *   .lock file next to it, on which it holds a POSIX lock for its whole
+ *   life; at start it removes those of its uid whose lock is free (left by
+ *   a crashed exporter), and at exit() its own, through a duplicate of
+ *   that descriptor, kept for the purpose: in that directory, wherever the
+ *   path leads by then. A receiver checks the ticket's socket directory the
+ *   same way (its own uid and root) before it trusts the lock or dials, and
+ *   refuses a path another uid could re-point (VMMIPC_EIO, at once, naming
+ *   the entry and its owner).
  *   Promised in every namespace: all of "Trust"; a receiver is told at once
  *   (VMMIPC_EIO "has exited") that the exporter of a socket in the
  *   directory is gone when its lock is free (it exited, crashed or exec'd;
@@ -109,12 +119,24 @@
  *
  * Limits of a sender
  *   A sender serves at most C receivers at once, C = its soft RLIMIT_NOFILE
- *   / 4 (read at each connection), clamped to [16, 1024]. Receivers beyond C
+ *   / 4 (read at each connection), clamped to [16, 1024], and never more
+ *   than its free descriptors allow: a connection takes a socket and, while
+ *   a chunk is sent, that chunk's descriptor, so another is accepted only
+ *   while two descriptors are free for it beside one for each connection
+ *   held (at a soft limit up to 4096, the process's open descriptors are
+ *   counted at each connection, without opening one: at a small limit, such
+ *   as 16, that allows fewer than C; above 4096, C connections take at most
+ *   half the limit). Receivers beyond that
  *   wait in the listen backlog (the system's maximum, net.core.somaxconn)
- *   and are served in turn as others finish; a receiver whose connect finds
- *   the backlog full retries with back-off until its timeout_ms. Connections
- *   that have not yet authenticated have a bound of their own, max(4, C/4),
- *   and must authenticate within 2 seconds; when that bound is full, the
+ *   and are served in turn as others finish or descriptors free (counted
+ *   again with back-off, up to every 200 ms); a sender with no descriptor
+ *   free serves nobody until one frees, and its receivers wait within their
+ *   timeout_ms. Descriptors that other threads of the host take after the
+ *   count can still make a chunk's export fail (VMMIPC_EEXPORT, saying so). A
+ *   receiver whose connect finds the backlog full retries with back-off
+ *   until its timeout_ms. Connections that have not yet authenticated have
+ *   a bound of their own, max(4, C/4), and must authenticate within 2
+ *   seconds; when that bound is full, the
  *   oldest of them (if older than 100 ms) is dropped. A connection dropped
  *   either way is told "busy" first, and a libvmmipc receiver told so
  *   retries within its timeout_ms. So idle connections cannot lock
@@ -600,7 +622,8 @@ typedef struct vmmipc_chunk {
 /* vmmipc_open checks that the exporter can be reached from here (see
  * "Across containers") and is still the process that issued the ticket (in
  * its PID namespace: its pid exists and started at the ticket's time; with
- * a socket directory: it still holds its lock there), connects to its
+ * a socket directory whose path no other uid but root could re-point: it
+ * still holds its lock there), connects to its
  * server (retrying a full listen backlog within timeout_ms), checks that
  * the socket belongs to our uid or root and, in the exporter's PID
  * namespace, to its pid (SO_PEERCRED), runs the mutual proof of the secret
@@ -620,7 +643,9 @@ typedef struct vmmipc_chunk {
  *   VMMIPC_EIO     the exporter has exited (its pid is gone or was reused,
  *                  or its lock is free: at once), cannot be reached from
  *                  here (an abstract socket of another network or PID
- *                  namespace: at once, saying what to set), cannot connect,
+ *                  namespace: at once, saying what to set), its socket
+ *                  directory's path could be re-pointed by another uid (at
+ *                  once, naming the entry and its owner), cannot connect,
  *                  sock_diag is unavailable and the exporter is in another
  *                  PID namespace, or timed out (the message says
  *                  whether the exporter never answered, e.g. at its

@@ -1,0 +1,90 @@
+package core
+
+import (
+	"sync"
+	"testing"
+	"time"
+)
+
+// TestReceiversWaitAtATinyDescriptorLimit: a sender whose soft
+// RLIMIT_NOFILE is 16 (its cap, at least minConns = 16 connections, is
+// more than it can hold: each needs a socket and a chunk in hand) serves 40
+// receivers that come at once. Every one of them gets every byte: those the
+// sender cannot hold yet wait in the listen backlog, as the header
+// promises, instead of being told "too many open files". Afterwards the
+// sender holds the descriptors it held before.
+func TestReceiversWaitAtATinyDescriptorLimit(t *testing.T) {
+	const receivers, chunks = 40, 8
+	flushCache(t)
+	sender := startHelper(t, partSender, helperOpts{env: []string{envNoFile + "=16"}})
+	senderFDs := fdsOf(sender.pid())
+	tk := sender.register(chunks, 4096, 0, -1, 14)
+	base := senderFDs.settled(t)
+	fdsBefore := ourFDs().settled(t)
+
+	took, most := receiversAtOnce(t, senderFDs, tk, receivers, ImportOptions{OpenOptions: OpenOptions{Timeout: time.Minute}, NoCache: true}, 14)
+	if most > 16 {
+		t.Fatalf("the sender held %d descriptors at its peak, over its limit of 16", most)
+	}
+	senderFDs.waitFor(t, base, "the sender, after 40 receivers")
+	if live := sender.live(); live != 1 {
+		t.Fatalf("the sender holds %d registrations, want its 1", live)
+	}
+	ourFDs().waitFor(t, fdsBefore, "after 40 receivers")
+	expectNoMemfdMappings(t, "after 40 receivers")
+	t.Logf("%d receivers in %v; the sender peaked at %d descriptors (%d idle, limit 16)", receivers, took, most, base)
+}
+
+// TestRoomWaitsForDescriptors: while the process has fewer descriptors
+// free than one more connection needs (here another thread of the host
+// holds them, and no connection of ours will end to say when they come
+// back), admission accepts nothing; it counts again, backing off, and
+// admits as soon as two are free.
+func TestRoomWaitsForDescriptors(t *testing.T) {
+	a := newAdmission()
+	defer a.close()
+	var mu sync.Mutex
+	free, counts := 1, 0
+	a.free = func() (int, bool) {
+		mu.Lock()
+		defer mu.Unlock()
+		counts++
+		return free, true
+	}
+	got := make(chan bool, 1)
+	go func() { got <- a.room() }()
+	select {
+	case <-got:
+		t.Fatal("room() admitted a connection with one descriptor free")
+	case <-time.After(300 * time.Millisecond):
+	}
+	mu.Lock()
+	free, n := 2, counts
+	mu.Unlock()
+	if n < 3 || n > 20 {
+		t.Fatalf("counted the free descriptors %d times in 300 ms, want a few (backing off from %v to %v)", n, fdWaitFirst, fdWaitMost)
+	}
+	select {
+	case ok := <-got:
+		if !ok {
+			t.Fatal("room() said closed")
+		}
+	case <-time.After(2 * fdWaitMost):
+		t.Fatalf("room() did not admit within %v of two descriptors coming free", 2*fdWaitMost)
+	}
+	// One held connection (authenticated, so not evicted to make room)
+	// needs one more for its chunk: two free are no longer enough.
+	a.authenticated(a.admit(nil))
+	go func() { got <- a.room() }()
+	select {
+	case <-got:
+		t.Fatal("room() admitted a second connection with two descriptors free and one connection held")
+	case <-time.After(100 * time.Millisecond):
+	}
+	mu.Lock()
+	free = 3
+	mu.Unlock()
+	if ok := <-got; !ok {
+		t.Fatal("room() said closed")
+	}
+}
