@@ -54,6 +54,29 @@ def _memfd(name: str, size: int) -> int:
     return fd
 
 
+def _new_memfd(name: str, size: int) -> int:
+    """_memfd(), with running out of descriptors told as vmmipc tells it
+    everywhere else: OutOfDescriptorsError (also an OSError), saying which
+    limit and what to do."""
+    try:
+        return _memfd(name, size)
+    except OSError as e:
+        if e.errno == errno.EMFILE:
+            why = ("this process has as many descriptors open as its limit allows "
+                   "(RLIMIT_NOFILE); close some, or raise the soft limit (`ulimit -n`, or "
+                   "resource.setrlimit(resource.RLIMIT_NOFILE, ...))")
+        elif e.errno == errno.ENFILE:
+            why = ("the system's file table is full (fs.file-max); close descriptors, in this "
+                   "process or others, or raise fs.file-max")
+        else:
+            raise
+        err = _errors.OutOfDescriptorsError(
+            f"cannot create the HostBuffer's memfd: {e.strerror}: {why}", _errors.ENFILE,
+            "HostBuffer")
+        err.errno = e.errno
+        raise err from None
+
+
 def _release_owner(fd: int, anchor: Anchor) -> None:
     """Finalizer of an owning HostBuffer: end the anchor, close the memfd."""
     try:
@@ -118,7 +141,7 @@ class HostBuffer(_exported.Buffer, _lib.Closeable):
             raise TypeError(f"{where}: name must be a str, not {type(name).__name__}")
         _pickle_uses(pickle_uses), _pickle_ttl(pickle_ttl)  # checked before anything is made
         _lib.lib(where)  # a missing library fails here, before any child starts
-        fd = _memfd(name, size)
+        fd = _new_memfd(name, size)
         try:
             kw = {"trackfd": False} if sys.version_info >= (3, 13) else {}
             try:

@@ -319,10 +319,12 @@ def last_error() -> str:
 def check(function: str, status: int) -> int:
     """Raise the exception for a negative status; return OK/END unchanged.
     Must be called on the thread that made the call (the detail is
-    thread-local)."""
+    thread-local). The error names the Python call behind C `function`, and
+    the library's detail is put in the Python API's terms
+    (_errors.python_message)."""
     if status >= 0:
         return status
-    raise _errors.error_for(status, last_error(), function)
+    raise _errors.error_for(status, _errors.python_message(last_error()), function)
 
 
 def call(function: str, *args) -> int:
