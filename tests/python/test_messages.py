@@ -1,6 +1,7 @@
 """What vmmipc tells a Python caller, in the Python API's terms: errors name
 the Python call (Ticket.info, not vmmipc_ticket_decode) and its arguments
-(timeout= in seconds, not timeout_ms); running out of descriptors is OutOfDescriptorsError
+(timeout= in seconds, not timeout_ms); a library that exists but does not
+load says why first; running out of descriptors is OutOfDescriptorsError
 wherever it happens."""
 
 import ctypes
@@ -35,6 +36,52 @@ def run_child(code: str, **env) -> subprocess.CompletedProcess:
             e[k] = v
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=e,
                           capture_output=True, text=True, timeout=60)
+
+
+# -- loading -------------------------------------------------------------------
+
+def test_a_library_that_does_not_load_says_why_first(tmp_path):
+    """Under an address-space limit dlopen fails ("failed to map segment");
+    that is the error, not "cannot find libvmmipc.so" with the cause
+    somewhere in a list of places that have no library."""
+    site = tmp_path / "site"
+    shutil.copytree(os.path.join(conftest.PYTHON_DIR, "vmmipc"), site / "vmmipc",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    library = site / "vmmipc" / "libvmmipc.so"
+    shutil.copy(conftest.LIBRARY, library)
+    r = run_child("""
+        import resource, vmmipc
+        def vm_size():
+            for line in open("/proc/self/status"):
+                if line.startswith("VmSize:"):
+                    return int(line.split()[1]) * 1024
+        # 1 MiB more than now: Python goes on, a 3 MiB library cannot be mapped
+        resource.setrlimit(resource.RLIMIT_AS, (vm_size() + (1 << 20), resource.RLIM_INFINITY))
+        try:
+            vmmipc.version()
+        except vmmipc.LibraryNotFoundError as e:
+            print(e)
+    """, PYTHONPATH=str(site), VMMIPC_LIBRARY=None)
+    assert r.returncode == 0, r.stderr
+    message = r.stdout.strip()
+    assert message.startswith(f"cannot load {library}: failed to map segment"), message
+    assert "RLIMIT_AS" in message, "it says what to do"
+
+
+def test_an_unloadable_library_named_by_the_variable_says_why(tmp_path):
+    bad = tmp_path / "libvmmipc.so"
+    bad.write_text("not an ELF file\n" * 100)
+    r = run_child("""
+        import vmmipc
+        try:
+            vmmipc.version()
+        except vmmipc.LibraryNotFoundError as e:
+            print(e)
+    """, VMMIPC_LIBRARY=str(bad))
+    message = r.stdout.strip()
+    assert message.startswith(f"cannot load {bad} (from VMMIPC_LIBRARY): invalid ELF header"), \
+        message
+    assert "point VMMIPC_LIBRARY at a libvmmipc.so that loads" in message
 
 
 # -- descriptors -----------------------------------------------------------------
