@@ -9,7 +9,6 @@ Python API's terms: python_message()).
 
 from __future__ import annotations
 
-import re
 import warnings
 
 # Status codes, as in include/vmmipc.h (test_api checks them against it).
@@ -84,9 +83,9 @@ _PHRASES = [
     ("timeout_ms", "timeout"),
     ("ttl_ms", "ttl"),
 ]
-_C_FUNCTION = re.compile(r"\bvmmipc_[a-z_]+\b")
-_C_CONSTANT = re.compile(r"\bVMMIPC_(DEVICE_HOST|DEVICE_SAME|MEMORY_HOST|MEMORY_CUDA|"
-                         r"IMPORT_NO_CACHE|IMPORT_CONFIRM_LATER|MAX_[A-Z_]+|TICKET_SIZE)\b")
+_C_FUNCTION = r"\bvmmipc_[a-z_]+\b"
+_C_CONSTANT = (r"\bVMMIPC_(DEVICE_HOST|DEVICE_SAME|MEMORY_HOST|MEMORY_CUDA|IMPORT_NO_CACHE|"
+               r"IMPORT_CONFIRM_LATER|MAX_[A-Z_]+|TICKET_SIZE)\b")
 
 
 def python_name(function: str) -> str:
@@ -98,10 +97,11 @@ def python_message(message: str) -> str:
     """A message of the C library in the Python API's terms: C functions by
     their Python calls, constants as vmmipc.NAME, timeout_ms and ttl_ms as
     the timeout= and ttl= arguments (seconds, in Python)."""
+    import re  # here: only a failure needs it, and `import vmmipc` need not import it
     for c, py in _PHRASES:
         message = message.replace(c, py)
-    message = _C_FUNCTION.sub(lambda m: PYTHON_NAMES.get(m.group(0), m.group(0)), message)
-    return _C_CONSTANT.sub(r"vmmipc.\1", message)
+    message = re.sub(_C_FUNCTION, lambda m: PYTHON_NAMES.get(m.group(0), m.group(0)), message)
+    return re.sub(_C_CONSTANT, r"vmmipc.\1", message)
 
 
 class VmmipcError(Exception):
