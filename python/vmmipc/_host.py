@@ -114,10 +114,17 @@ class HostBuffer(_exported.Buffer, _lib.Closeable):
     (uint8), ``torch.frombuffer(hb, dtype=torch.uint8)`` see the same bytes
     without a copy, ``bytes(hb)`` copies them at once; len(hb), hb[i] and
     hb[a:b] (a memoryview) too. close() refuses (BufferInUseError, a
-    BufferError) while views it can see are alive: on Python 3.12+ every
-    one; before 3.12 those made from ``view``, while those made from the
-    HostBuffer itself keep it, and so its memory, alive: close() then leaves
-    the unmapping to its collection (_exported.py).
+    BufferError) while views it can see are alive: ``view`` itself if it
+    was kept (v = hb.view), and memoryviews, arrays and tensors made from
+    it; on Python 3.12+ also every one made from the HostBuffer itself;
+    before 3.12 those hold the HostBuffer, and so its memory, alive: close()
+    then leaves the unmapping to its collection (_exported.py).
+
+    A closed HostBuffer is an empty buffer, on every Python: len(hb) == 0,
+    memoryview(hb), bytes(hb) and numpy.frombuffer(hb) are empty, and hb[i],
+    hb[a:b], ``view`` and iteration raise ValueError. ``size`` stays what it
+    was. ctypes routes that read through its address (ctypes.string_at,
+    memmove, cast) read zeros of a private mapping, never the memory it had.
 
     HostBuffer(size, chunk_size) creates the memory (the owner) and loads
     libvmmipc.so. Pickling it (pickle, multiprocessing Queue/Pipe/Pool/
@@ -268,8 +275,8 @@ class HostBuffer(_exported.Buffer, _lib.Closeable):
         return self._fd
 
     def __len__(self) -> int:
-        return self._size
-
+        """The bytes it exposes: size, and 0 once closed (as its buffer)."""
+        return 0 if self._closed else self._size
 
     def __reduce_ex__(self, protocol):
         # Instances are of per-size subclasses (_exported.instance), which
@@ -337,12 +344,14 @@ class HostBuffer(_exported.Buffer, _lib.Closeable):
 
     def close(self) -> None:
         """Drop this process's view of the memory. BufferInUseError (a
-        BufferError) while views of it are alive; it stays open then. The
-        owner also ends its anchor registration and closes its memfd; shares
-        already made stay fetchable until they end, and receivers' mappings
-        stay valid. Python < 3.12: when anything besides the caller may hold
-        the HostBuffer (a buffer taken from it, or another name), the memory
-        is unmapped at its collection instead (_exported.py)."""
+        BufferError) while views of it are alive, ``view`` itself included
+        where it was kept; it stays open then. The owner also ends its
+        anchor registration and closes its memfd; shares already made stay
+        fetchable until they end, and receivers' mappings stay valid. The
+        HostBuffer is an empty buffer from then on (the class docstring).
+        When anything besides the caller may hold the HostBuffer (a buffer
+        taken from it before 3.12, a tensor, or just another name), the
+        memory is unmapped at its collection instead (_exported.py)."""
         self._close(False)
 
     def __exit__(self, *exc) -> None:
@@ -359,8 +368,9 @@ class HostBuffer(_exported.Buffer, _lib.Closeable):
             raise _errors.BufferInUseError(_exported.in_use_message("HostBuffer", n), None,
                                            "HostBuffer.close")
         self._closed = True
-        if unmap:
-            _exported.disarm(self)
+        # Empty from now on; its address leads away from the memory unless
+        # disarm() could not map the zero pages that it leads to instead.
+        if _exported.disarm(self) and unmap:
             if self._mapping is not None:
                 mapping, self._mapping = self._mapping, None
                 mapping.close()
