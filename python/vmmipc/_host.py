@@ -23,6 +23,7 @@ valid after that. wait() blocks until every such registration has ended.
 from __future__ import annotations
 
 import copyreg
+import ctypes
 import errno
 import fcntl
 import mmap
@@ -75,6 +76,21 @@ def _new_memfd(name: str, size: int) -> int:
             "HostBuffer")
         err.errno = e.errno
         raise err from None
+
+
+def _still_live(ticket: Ticket) -> bool:
+    """Whether the library still counts this grant as live. An anchor lists
+    a grant until its release callback has run, and that callback, called on
+    a library thread as the grant ends, waits for the GIL: for as long as
+    this thread keeps it (milliseconds, or until this thread next blocks),
+    the list holds grants that have ended. vmmipc_wait(ticket, 0) answers
+    OK once a grant is released, and VMMIPC_ETIMEDOUT while it is live or
+    its release is still to run, which its detail tells apart ("has ended");
+    a detail that says neither keeps the grant listed, as before."""
+    status = _lib.lib("HostBuffer.pending_tickets").vmmipc_wait(ctypes.byref(ticket._c()), 0)
+    if status == _errors.ETIMEDOUT:
+        return "has ended" not in _lib.last_error()
+    return False  # released, or not a registration of this process (any more)
 
 
 def _release_owner(fd: int, anchor: Anchor) -> None:
@@ -312,8 +328,11 @@ class HostBuffer(_exported.Buffer, _lib.Closeable):
         return self._anchor.grant(uses=uses, ttl=ttl)
 
     def pending_tickets(self) -> list[Ticket]:
-        """Tickets of this buffer's shares and pickles that have not ended."""
-        return [] if self._anchor is None else self._anchor.pending()
+        """Tickets of this buffer's shares and pickles that have not ended
+        (used up, expired or unregistered), in the order they were made."""
+        if self._anchor is None:
+            return []
+        return [t for t in self._anchor.pending() if _still_live(t)]
 
     def unregister_all(self) -> int:
         """End every pending share of this buffer; returns how many."""
@@ -334,7 +353,9 @@ class HostBuffer(_exported.Buffer, _lib.Closeable):
         deadline = time.monotonic() + _args.milliseconds(
             timeout, "timeout", 0, _args.U32_MAX, "HostBuffer.wait", "0 = just check") / 1000
         while True:
-            pending = self.pending_tickets()
+            # Not pending_tickets(): a grant that has ended counts here until
+            # its release has run too (Ticket.wait waits for both).
+            pending = [] if self._anchor is None else self._anchor.pending()
             if not pending:
                 return True
             if not pending[0].wait(max(0.0, deadline - time.monotonic())):

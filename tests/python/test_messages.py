@@ -2,7 +2,7 @@
 the Python call (Ticket.info, not vmmipc_ticket_decode) and its arguments
 (timeout= in seconds, not timeout_ms); a library that exists but does not
 load says why first; running out of descriptors is OutOfDescriptorsError
-wherever it happens."""
+wherever it happens; pending_tickets() lists only grants still live."""
 
 import ctypes
 import glob
@@ -191,3 +191,37 @@ def test_every_library_message_reads_in_python_terms():
         "pass vmmipc.DEVICE_HOST, not device 3"
 
 
+# -- pending_tickets ---------------------------------------------------------------
+
+def _import_and_exit(ticket):
+    vmmipc.import_stream(ticket, cache=False).close()
+
+
+def test_pending_tickets_lists_only_grants_still_live(hb):
+    """A grant's release (which takes it off the buffer's list) runs on a
+    library thread and waits for the GIL: while this thread keeps the GIL,
+    a grant that a receiver has used up is still on the list. The library
+    knows better, and pending_tickets() asks it."""
+    used, kept = hb.grant(), hb.grant()
+    live_now = ctypes.PyDLL(None, handle=_lib.lib()._handle).vmmipc_live_registrations  # keeps the GIL
+    count = ctypes.c_uint64()
+    live_now(ctypes.byref(count))
+    before = count.value
+    p = mp.get_context("spawn").Process(target=_import_and_exit, args=(used,))
+    p.start()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1000)  # no other thread gets the GIL unless this one waits
+    try:
+        deadline = time.monotonic() + 60
+        while count.value == before and time.monotonic() < deadline:
+            live_now(ctypes.byref(count))  # spins, holding the GIL
+        ended = count.value == before - 1
+        pending = hb.pending_tickets()
+    finally:
+        sys.setswitchinterval(interval)
+    p.join(30)
+    assert ended, "the receiver did not use its grant within 60 s"
+    assert pending == [kept], "a grant that has ended is listed"
+    assert hb.wait(0.1) is False and hb.pending_tickets() == [kept]
+    vmmipc.unregister(kept)
+    assert hb.wait(5) and hb.pending_tickets() == []
