@@ -279,7 +279,9 @@ class HostBuffer(_exported.Buffer, _lib.Closeable):
 
     @property
     def view(self) -> memoryview:
-        """Writable memoryview (format 'B') of the whole buffer."""
+        """Writable memoryview (format 'B') of the whole buffer. While one is
+        kept (v = hb.view), close() refuses (BufferInUseError); delete it or
+        v.release() it. ValueError once closed."""
         if self._closed:
             raise ValueError("HostBuffer is closed")
         return self._memory.view() if self._mapping is None else self._mapping.view

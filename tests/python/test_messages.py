@@ -9,7 +9,6 @@ import glob
 import multiprocessing as mp
 import os
 import re
-import resource
 import shutil
 import signal
 import subprocess
