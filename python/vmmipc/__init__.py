@@ -27,13 +27,19 @@ from ._ticket import Ticket, TicketInfo, wait
 from ._register import (holds, live_registrations, register, register_again, register_cuda,
                         register_cuda_handles, register_host_file, share, strerror, unregister,
                         version)
-from ._cuda import CudaRange, cuda_query_range
-from ._stream import Chunk, Stream, export_chunks, export_fds, open
 from ._mapping import (CacheInfo, Mapping, cache_info, confirm, import_stream, release,
                        set_cache_limit)
 from ._host import DEFAULT_CHUNK_SIZE, HostBuffer
 from . import _reductions
 
+# Imported when first used, not by `import vmmipc`: what HostBuffer, share
+# and import_stream do needs neither (python3 -X importtime -c 'import
+# vmmipc' shows what importing costs).
+_LATER = {
+    "Chunk": "_stream", "Stream": "_stream", "export_chunks": "_stream",
+    "export_fds": "_stream", "open": "_stream",
+    "CudaRange": "_cuda", "cuda_query_range": "_cuda",
+}
 
 
 def __getattr__(name: str):
@@ -42,7 +48,21 @@ def __getattr__(name: str):
     # `import vmmipc` still loads no library.
     if name == "__version__":
         return version()
-    raise AttributeError(f"module 'vmmipc' has no attribute {name!r}")
+    module = _LATER.get(name)
+    if module == "_stream":
+        from . import _stream as module
+    elif module == "_cuda":
+        from . import _cuda as module
+    else:
+        raise AttributeError(f"module 'vmmipc' has no attribute {name!r}")
+    value = getattr(module, name)
+    globals()[name] = value  # once: later reads do not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LATER))
+
 
 _reductions.init_reductions()
 

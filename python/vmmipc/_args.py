@@ -33,9 +33,10 @@ I32_MIN, I32_MAX = -2**31, 2**31 - 1
 def integer(value, name: str, lo: int, hi: int, function: str, hint: str = "") -> int:
     """value as an int in [lo, hi]: TypeError if it is not an integer,
     InvalidError if it is out of range. function is the C function the value
-    is for (the error's ``function``); hint is appended to the range error."""
+    is for (errors name its Python call, _errors.python_name); hint is
+    appended to the range error."""
     if isinstance(value, bool) or not hasattr(type(value), "__index__"):
-        raise TypeError(f"{function}: {name} must be an integer, not "
+        raise TypeError(f"{_errors.python_name(function)}: {name} must be an integer, not "
                         f"{type(value).__name__} ({value!r})")
     v = operator.index(value)
     if not lo <= v <= hi:
@@ -60,8 +61,8 @@ def integers(values, name: str, lo: int, hi: int, function: str, max_count: int)
     """A list of integers, each checked as integer() does (named name[i]),
     and at most max_count of them. A str or bytes is not a list of integers."""
     if isinstance(values, (str, bytes, bytearray)) or not hasattr(values, "__iter__"):
-        raise TypeError(f"{function}: {name} must be a sequence of integers, not "
-                        f"{type(values).__name__}")
+        raise TypeError(f"{_errors.python_name(function)}: {name} must be a sequence of "
+                        f"integers, not {type(values).__name__}")
     out = [integer(v, f"{name}[{i}]", lo, hi, function) for i, v in enumerate(values)]
     if len(out) > max_count:
         raise _errors.InvalidError(f"{name} has {len(out)} entries; at most {max_count} are "
@@ -76,8 +77,8 @@ def milliseconds(seconds, name: str, lo_ms: int, hi_ms: int, function: str,
     if hasattr(type(seconds), "__index__") and not isinstance(seconds, bool):
         seconds = operator.index(seconds)
     if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real):
-        raise TypeError(f"{function}: {name} must be a number of seconds, not "
-                        f"{type(seconds).__name__} ({seconds!r})")
+        raise TypeError(f"{_errors.python_name(function)}: {name} must be a number of "
+                        f"seconds, not {type(seconds).__name__} ({seconds!r})")
     if not math.isfinite(seconds) or seconds < 0:
         ms = None
     else:

@@ -1,8 +1,10 @@
 """Exceptions raised by vmmipc: one class per libvmmipc status code.
 
-Every error carries the status (``err.status``, e.g. -4), the name of the C
-function that failed (``err.function``) and the library's own detail of what
-failed and what to do (``err.message``, from vmmipc_last_error()).
+Every error carries the status (``err.status``, e.g. -4), the Python
+function that failed (``err.function``: vmmipc.import_stream, where the C
+library's vmmipc_import_stream failed) and the library's own detail of what
+failed and what to do (``err.message``, from vmmipc_last_error(), in the
+Python API's terms: python_message()).
 """
 
 from __future__ import annotations
@@ -43,12 +45,72 @@ STATUS_NAMES = {
 }
 
 
+# The Python call behind each C function, for messages: a Python caller
+# never called vmmipc_ticket_decode, it called Ticket.info().
+PYTHON_NAMES = {
+    "vmmipc_options_init": "vmmipc",
+    "vmmipc_register": "vmmipc.register",
+    "vmmipc_register_host_file": "vmmipc.register_host_file",
+    "vmmipc_register_cuda": "vmmipc.share",
+    "vmmipc_register_cuda_handles": "vmmipc.register_cuda_handles",
+    "vmmipc_register_again": "vmmipc.register_again",
+    "vmmipc_unregister": "vmmipc.unregister",
+    "vmmipc_exiting": "vmmipc (at exit)",
+    "vmmipc_wait": "vmmipc.wait",
+    "vmmipc_live_registrations": "vmmipc.live_registrations",
+    "vmmipc_cuda_query_range": "vmmipc.cuda_query_range",
+    "vmmipc_ticket_decode": "Ticket.info",
+    "vmmipc_open": "vmmipc.open",
+    "vmmipc_stream_info": "vmmipc.open",
+    "vmmipc_pull_next": "Stream.__next__",
+    "vmmipc_close": "Stream.close",
+    "vmmipc_import_stream": "vmmipc.import_stream",
+    "vmmipc_confirm": "vmmipc.confirm",
+    "vmmipc_unmap": "Mapping.close",
+    "vmmipc_cache_set_limit": "vmmipc.set_cache_limit",
+    "vmmipc_cache_get_info": "vmmipc.cache_info",
+    "vmmipc_strerror": "vmmipc.strerror",
+    "vmmipc_last_error": "vmmipc",
+    "vmmipc_version": "vmmipc.version",
+}
+
+# Words of the C library's messages that the Python API spells otherwise,
+# most specific first: its options are keyword arguments in seconds
+# (timeout=, ttl=), its constants vmmipc.NAME.
+_PHRASES = [
+    ("raise timeout_ms", "pass a larger timeout="),
+    ("vmmipc_register_cuda*", "vmmipc.share or vmmipc.register_cuda_handles"),
+    ("timeout_ms", "timeout"),
+    ("ttl_ms", "ttl"),
+]
+_C_FUNCTION = r"\bvmmipc_[a-z_]+\b"
+_C_CONSTANT = (r"\bVMMIPC_(DEVICE_HOST|DEVICE_SAME|MEMORY_HOST|MEMORY_CUDA|IMPORT_NO_CACHE|"
+               r"IMPORT_CONFIRM_LATER|MAX_[A-Z_]+|TICKET_SIZE)\b")
+
+
+def python_name(function: str) -> str:
+    """The Python call behind C function `function`; any other name as it is."""
+    return PYTHON_NAMES.get(function, function)
+
+
+def python_message(message: str) -> str:
+    """A message of the C library in the Python API's terms: C functions by
+    their Python calls, constants as vmmipc.NAME, timeout_ms and ttl_ms as
+    the timeout= and ttl= arguments (seconds, in Python)."""
+    import re  # here: only a failure needs it, and `import vmmipc` need not import it
+    for c, py in _PHRASES:
+        message = message.replace(c, py)
+    message = re.sub(_C_FUNCTION, lambda m: PYTHON_NAMES.get(m.group(0), m.group(0)), message)
+    return re.sub(_C_CONSTANT, r"vmmipc.\1", message)
+
+
 class VmmipcError(Exception):
     """Base of every libvmmipc error.
 
     Attributes: ``status`` (the negative VMMIPC_E* code, or None when the
     library could not even be loaded), ``message`` (the library's detail),
-    ``function`` (the C function that failed, or "" if raised in Python).
+    ``function`` (the Python function that failed, e.g. "vmmipc.import_stream"
+    where the library's vmmipc_import_stream failed; "" if unknown).
     """
 
     status: int | None = None
@@ -57,7 +119,7 @@ class VmmipcError(Exception):
         if status is not None:
             self.status = status
         self.message = message
-        self.function = function
+        self.function = python_name(function)
         super().__init__(message)
 
     @property
@@ -121,8 +183,10 @@ class CudaError(VmmipcError):
     status = ECUDA
 
 
-class OutOfDescriptorsError(VmmipcError):
-    """VMMIPC_ENFILE: out of file descriptors."""
+class OutOfDescriptorsError(VmmipcError, OSError):
+    """VMMIPC_ENFILE: out of file descriptors (this process's RLIMIT_NOFILE,
+    or the system's table). Also an OSError; ``errno`` is EMFILE or ENFILE
+    where Python saw which (HostBuffer's memfd_create), else None."""
     status = ENFILE
 
 

@@ -23,14 +23,28 @@ memory that some buffer still points at.
   called close() references the object. When something may (a buffer taken
   from it, or just another name), close() leaves the unmapping to the
   object's collection, which waits for all of them: later, never too early.
-  When nothing does, close() unmaps at once and first `disarm()`s the
-  object: it becomes an array of 0 bytes, so that a buffer taken from it
-  after close() is empty rather than a view of unmapped memory.
+  When nothing does, close() unmaps at once.
+
+After close() the object is an empty buffer, on every Python: close()
+`disarm()`s it. Being a ctypes array (on 3.12+ too), the object is also
+read through its address by ctypes itself, which no Python method sees:
+ctypes.string_at(obj, n), ctypes.memmove(dst, obj, n), ctypes.cast(obj,
+c_char_p).value and ctypes.Array.__getitem__(obj, i) all use the C struct's
+b_ptr, b_size and b_length. disarm() makes it an array of 0 bytes (its
+class, b_size and b_length: buffers taken from it are empty, item access is
+an IndexError) and points b_ptr at a mapping of its own: `size` bytes of
+private anonymous zero pages (MAP_NORESERVE: address space, not memory),
+unmapped with the object. So what reads through the address with a length
+of its own reads zeros, not the freed memory (nor a crash, nor whatever was
+mapped there next), and what writes there writes into pages nobody else
+sees. When that mapping cannot be made (no address space left), b_ptr stays
+on the memory and close() leaves it mapped until the object's collection.
 """
 
 from __future__ import annotations
 
 import ctypes
+import mmap
 import sys
 
 PEP688 = sys.version_info >= (3, 12)
@@ -69,30 +83,62 @@ def _sized(base: type, size: int) -> type:
                                 {"__module__": base.__module__, "__qualname__": base.__qualname__}))
 
 
-def _struct_words(obj):
-    """The first words of a ctypes object's C struct (CDataObject: the
-    object header, then b_ptr, b_needsfree, b_base, b_size)."""
-    return (ctypes.c_ssize_t * 6).from_address(id(obj))
+def _probe_layout():
+    """Where b_ptr, b_size and b_length sit in a ctypes object's C struct
+    (CDataObject: the object header, then b_ptr, b_needsfree, b_base,
+    b_size, b_length), as word indices; None if not found. Found, not
+    assumed: a debug or free-threaded build's header is larger."""
+    probes = [((_Byte * 12345).from_address(0x1000), 0x1000, 12345, 12345),
+              ((ctypes.c_uint16 * 321).from_address(0x2000), 0x2000, 642, 321)]  # never read
+    found = None
+    for obj, ptr, size, length in probes:
+        n = type(obj).__basicsize__ // ctypes.sizeof(ctypes.c_ssize_t)  # no word beyond it
+        words = (ctypes.c_ssize_t * n).from_address(id(obj))
+        at = [i for i in range(2, n - 4) if words[i] == ptr and words[i + 3] == size
+              and words[i + 4] == length]
+        if len(at) != 1 or found not in (None, at[0]):
+            return None
+        found = at[0]
+    return found, found + 3, found + 4
 
 
-def _layout_known() -> bool:
-    """Whether b_ptr and b_size sit where disarm() writes (checked, not
-    assumed: a debug build's header is larger)."""
-    probe = (_Byte * 12345).from_address(0x1000)  # never dereferenced
-    words = _struct_words(probe)
-    return words[2] == 0x1000 and words[5] == 12345
+_LAYOUT = _probe_layout()
+CAN_DISARM = _LAYOUT is not None
+
+# MAP_NORESERVE (Python 3.10+ names it; Linux's value before).
+_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
 
 
-CAN_DISARM = PEP688 or _layout_known()
-
-
-def disarm(obj) -> None:
-    """Python < 3.12: make obj (from instance()) an array of 0 bytes, so that
-    its buffer is empty from now on. Only when no buffer of it is alive."""
-    if PEP688:
-        return  # __buffer__ serves its buffers, and refuses once closed
-    obj.__class__ = _sized(type(obj).__bases__[0], 0)
-    _struct_words(obj)[5] = 0  # b_size
+def disarm(obj) -> bool:
+    """Make obj (from instance()) an empty buffer for good, on any Python
+    (the module docstring says why and how). True when its address now
+    leads to a mapping of its own, so that its memory may be unmapped;
+    False when no such mapping could be made (its address stays on the
+    memory, which must then stay mapped while obj lives), or the layout is
+    unknown (nothing changed). Call it when closing, whatever the views:
+    a buffer already taken from obj keeps its own pointer and length."""
+    if _LAYOUT is None:
+        return False
+    ptr_at, size_at, length_at = _LAYOUT
+    words = (ctypes.c_ssize_t * (length_at + 1)).from_address(id(obj))
+    armed = getattr(obj, "_exported_armed_class", None)
+    if armed is None:
+        armed = type(obj)
+        # Buffers taken before keep pointers into the old class (its shape):
+        # it lives as long as obj does.
+        obj._exported_armed_class = armed
+        obj.__class__ = _sized(armed.__bases__[0], 0)
+        words[size_at] = 0
+        words[length_at] = 0
+    if getattr(obj, "_exported_tombstone", None) is not None:
+        return True
+    try:
+        tomb = mmap.mmap(-1, max(ctypes.sizeof(armed), 1), flags=mmap.MAP_PRIVATE | _NORESERVE)
+    except OSError:
+        return False
+    obj._exported_tombstone = tomb  # unmapped with obj
+    words[ptr_at] = ctypes.addressof(ctypes.c_char.from_buffer(tomb))
+    return True
 
 
 class Buffer:
@@ -103,6 +149,9 @@ class Buffer:
     __slots__ = ()
 
     def __buffer__(self, flags: int) -> memoryview:  # Python 3.12+ (PEP 688)
+        if self.closed and isinstance(self, ctypes.Array):
+            # Empty, as a closed object's buffer is before 3.12 (disarm()).
+            return memoryview(bytearray())
         return memoryview(self.view)
 
     def __release_buffer__(self, view: memoryview) -> None:
@@ -136,6 +185,7 @@ class Memory:
         self.obj = t.from_address(addr) if buffer is None else t.from_buffer(buffer)
         self.addr = ctypes.addressof(self.obj)
         self._view: memoryview | None = None
+        self._view_refs = 0  # _view's count while only this object holds it
         self._bare = self._count()  # obj's count while no memoryview of it lives
 
     def _count(self) -> int:
@@ -144,21 +194,25 @@ class Memory:
     def view(self) -> memoryview:
         if self._view is None:
             self._view = memoryview(self.obj).cast("B")
+            self._view_refs = sys.getrefcount(self._view)
         return self._view
 
     def views_alive(self) -> int:
-        """Lets go of `view` (view() makes a new one) and returns how many
-        memoryviews of the memory are still alive: slices, casts, and those
-        that numpy arrays, torch tensors and the like hold. 0: none, and
-        none can appear but through view()."""
-        if self._view is not None:
+        """How many memoryviews of the memory are still alive: `view` itself
+        where someone kept it (v = hb.view), slices, casts, and those that
+        numpy arrays, torch tensors and the like hold. 0: none, and none can
+        appear but through view(). Lets go of `view` when nobody else holds
+        it (view() makes a new one)."""
+        if self._view is not None and sys.getrefcount(self._view) <= self._view_refs:
             try:
                 self._view.release()
             except BufferError:  # a consumer holds a buffer of it right now
                 return max(1, _memoryviews_over(self.obj))
             self._view = None
         # Every memoryview keeps obj referenced through its managed buffer.
-        return 0 if self._count() == self._bare else max(1, _memoryviews_over(self.obj))
+        if self._view is None and self._count() == self._bare:
+            return 0
+        return max(1, _memoryviews_over(self.obj))
 
 
 def _memoryviews_over(target) -> int:

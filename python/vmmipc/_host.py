@@ -23,6 +23,7 @@ valid after that. wait() blocks until every such registration has ended.
 from __future__ import annotations
 
 import copyreg
+import ctypes
 import errno
 import fcntl
 import mmap
@@ -57,6 +58,44 @@ def _memfd(name: str, size: int) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def _new_memfd(name: str, size: int) -> int:
+    """_memfd(), with running out of descriptors told as vmmipc tells it
+    everywhere else: OutOfDescriptorsError (also an OSError), saying which
+    limit and what to do."""
+    try:
+        return _memfd(name, size)
+    except OSError as e:
+        if e.errno == errno.EMFILE:
+            why = ("this process has as many descriptors open as its limit allows "
+                   "(RLIMIT_NOFILE); close some, or raise the soft limit (`ulimit -n`, or "
+                   "resource.setrlimit(resource.RLIMIT_NOFILE, ...))")
+        elif e.errno == errno.ENFILE:
+            why = ("the system's file table is full (fs.file-max); close descriptors, in this "
+                   "process or others, or raise fs.file-max")
+        else:
+            raise
+        err = _errors.OutOfDescriptorsError(
+            f"cannot create the HostBuffer's memfd: {e.strerror}: {why}", _errors.ENFILE,
+            "HostBuffer")
+        err.errno = e.errno
+        raise err from None
+
+
+def _still_live(ticket: Ticket) -> bool:
+    """Whether the library still counts this grant as live. An anchor lists
+    a grant until its release callback has run, and that callback, called on
+    a library thread as the grant ends, waits for the GIL: for as long as
+    this thread keeps it (milliseconds, or until this thread next blocks),
+    the list holds grants that have ended. vmmipc_wait(ticket, 0) answers
+    OK once a grant is released, and VMMIPC_ETIMEDOUT while it is live or
+    its release is still to run, which its detail tells apart ("has ended");
+    a detail that says neither keeps the grant listed, as before."""
+    status = _lib.lib("HostBuffer.pending_tickets").vmmipc_wait(ctypes.byref(ticket._c()), 0)
+    if status == _errors.ETIMEDOUT:
+        return "has ended" not in _lib.last_error()
+    return False  # released, or not a registration of this process (any more)
 
 
 def _release_owner(fd: int, anchor: Anchor) -> None:
@@ -96,10 +135,17 @@ class HostBuffer(_exported.Buffer, _lib.Closeable):
     (uint8), ``torch.frombuffer(hb, dtype=torch.uint8)`` see the same bytes
     without a copy, ``bytes(hb)`` copies them at once; len(hb), hb[i] and
     hb[a:b] (a memoryview) too. close() refuses (BufferInUseError, a
-    BufferError) while views it can see are alive: on Python 3.12+ every
-    one; before 3.12 those made from ``view``, while those made from the
-    HostBuffer itself keep it, and so its memory, alive: close() then leaves
-    the unmapping to its collection (_exported.py).
+    BufferError) while views it can see are alive: ``view`` itself if it
+    was kept (v = hb.view), and memoryviews, arrays and tensors made from
+    it; on Python 3.12+ also every one made from the HostBuffer itself;
+    before 3.12 those hold the HostBuffer, and so its memory, alive: close()
+    then leaves the unmapping to its collection (_exported.py).
+
+    A closed HostBuffer is an empty buffer, on every Python: len(hb) == 0,
+    memoryview(hb), bytes(hb) and numpy.frombuffer(hb) are empty, and hb[i],
+    hb[a:b], ``view`` and iteration raise ValueError. ``size`` stays what it
+    was. ctypes routes that read through its address (ctypes.string_at,
+    memmove, cast) read zeros of a private mapping, never the memory it had.
 
     HostBuffer(size, chunk_size) creates the memory (the owner) and loads
     libvmmipc.so. Pickling it (pickle, multiprocessing Queue/Pipe/Pool/
@@ -123,7 +169,7 @@ class HostBuffer(_exported.Buffer, _lib.Closeable):
             raise TypeError(f"{where}: name must be a str, not {type(name).__name__}")
         _pickle_uses(pickle_uses), _pickle_ttl(pickle_ttl)  # checked before anything is made
         _lib.lib(where)  # a missing library fails here, before any child starts
-        fd = _memfd(name, size)
+        fd = _new_memfd(name, size)
         try:
             kw = {"trackfd": False} if sys.version_info >= (3, 13) else {}
             try:
@@ -239,7 +285,9 @@ class HostBuffer(_exported.Buffer, _lib.Closeable):
 
     @property
     def view(self) -> memoryview:
-        """Writable memoryview (format 'B') of the whole buffer."""
+        """Writable memoryview (format 'B') of the whole buffer. While one is
+        kept (v = hb.view), close() refuses (BufferInUseError); delete it or
+        v.release() it. ValueError once closed."""
         if self._closed:
             raise ValueError("HostBuffer is closed")
         return self._memory.view() if self._mapping is None else self._mapping.view
@@ -251,8 +299,8 @@ class HostBuffer(_exported.Buffer, _lib.Closeable):
         return self._fd
 
     def __len__(self) -> int:
-        return self._size
-
+        """The bytes it exposes: size, and 0 once closed (as its buffer)."""
+        return 0 if self._closed else self._size
 
     def __reduce_ex__(self, protocol):
         # Instances are of per-size subclasses (_exported.instance), which
@@ -288,8 +336,11 @@ class HostBuffer(_exported.Buffer, _lib.Closeable):
         return self._anchor.grant(uses=uses, ttl=ttl)
 
     def pending_tickets(self) -> list[Ticket]:
-        """Tickets of this buffer's shares and pickles that have not ended."""
-        return [] if self._anchor is None else self._anchor.pending()
+        """Tickets of this buffer's shares and pickles that have not ended
+        (used up, expired or unregistered), in the order they were made."""
+        if self._anchor is None:
+            return []
+        return [t for t in self._anchor.pending() if _still_live(t)]
 
     def unregister_all(self) -> int:
         """End every pending share of this buffer; returns how many."""
@@ -310,7 +361,9 @@ class HostBuffer(_exported.Buffer, _lib.Closeable):
         deadline = time.monotonic() + _args.milliseconds(
             timeout, "timeout", 0, _args.U32_MAX, "HostBuffer.wait", "0 = just check") / 1000
         while True:
-            pending = self.pending_tickets()
+            # Not pending_tickets(): a grant that has ended counts here until
+            # its release has run too (Ticket.wait waits for both).
+            pending = [] if self._anchor is None else self._anchor.pending()
             if not pending:
                 return True
             if not pending[0].wait(max(0.0, deadline - time.monotonic())):
@@ -320,12 +373,14 @@ class HostBuffer(_exported.Buffer, _lib.Closeable):
 
     def close(self) -> None:
         """Drop this process's view of the memory. BufferInUseError (a
-        BufferError) while views of it are alive; it stays open then. The
-        owner also ends its anchor registration and closes its memfd; shares
-        already made stay fetchable until they end, and receivers' mappings
-        stay valid. Python < 3.12: when anything besides the caller may hold
-        the HostBuffer (a buffer taken from it, or another name), the memory
-        is unmapped at its collection instead (_exported.py)."""
+        BufferError) while views of it are alive, ``view`` itself included
+        where it was kept; it stays open then. The owner also ends its
+        anchor registration and closes its memfd; shares already made stay
+        fetchable until they end, and receivers' mappings stay valid. The
+        HostBuffer is an empty buffer from then on (the class docstring).
+        When anything besides the caller may hold the HostBuffer (a buffer
+        taken from it before 3.12, a tensor, or just another name), the
+        memory is unmapped at its collection instead (_exported.py)."""
         self._close(False)
 
     def __exit__(self, *exc) -> None:
@@ -342,8 +397,9 @@ class HostBuffer(_exported.Buffer, _lib.Closeable):
             raise _errors.BufferInUseError(_exported.in_use_message("HostBuffer", n), None,
                                            "HostBuffer.close")
         self._closed = True
-        if unmap:
-            _exported.disarm(self)
+        # Empty from now on; its address leads away from the memory unless
+        # disarm() could not map the zero pages that it leads to instead.
+        if _exported.disarm(self) and unmap:
             if self._mapping is not None:
                 mapping, self._mapping = self._mapping, None
                 mapping.close()

@@ -19,9 +19,15 @@ Where the library is looked for, in order (candidate_paths):
      is the python/ directory of a libvmmipc checkout.
   4. <prefix>/lib*/libvmmipc.so for sys.prefix and /usr/local (`make
      install`, PREFIX=/usr/local by default), then the system loader
-     (ctypes.util.find_library, LD_LIBRARY_PATH, ld.so.cache).
+     (libvmmipc.so by name: LD_LIBRARY_PATH, ld.so.cache).
+  5. Only when none of those loads: ctypes.util.find_library, which runs
+     ldconfig and a compiler in subprocesses (some 10 ms, and a process
+     started where none is expected): the package's own library costs a
+     stat and the dlopen, nothing more.
 The first file that exists and loads is the library; one that loads but
-lacks a function of this package's contract is an error, not skipped.
+lacks a function of this package's contract is an error, not skipped. When
+none loads, the error names first a library that exists but would not load,
+with dlopen's reason (the news; not the places that have none).
 
 Also here, beside call() and options(), what every wrapper of a library
 object shares: Closeable, the `with` protocol of an object with a close().
@@ -30,10 +36,8 @@ object shares: Closeable, the `with` protocol of an object with a close().
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import sys
-import sysconfig
 import threading
 from typing import TypeVar
 from ctypes import (CFUNCTYPE, POINTER, Structure, c_char_p, c_int, c_int32, c_uint8,
@@ -211,44 +215,117 @@ def _package_dirs() -> list[str]:
     return list(dict.fromkeys(dirs))
 
 
-def candidate_paths() -> list[str]:
-    """Where libvmmipc.so is looked for, in order (see the module docstring).
-    Entries without a slash are names for the system loader."""
-    env = os.environ.get(LIBRARY_ENV)
-    if env:
-        return [env]
-    paths = [os.path.join(d, LIBRARY_NAME) for d in _package_dirs()]
-    root = _checkout_root()
-    if root is not None:
-        paths.append(os.path.join(root, "build", LIBRARY_NAME))
+def _prefix_paths():
+    """<prefix>/lib*/libvmmipc.so for sys.prefix and /usr/local."""
+    import sysconfig  # only here: the package's own library is usually found first
     libdirs = ["lib", "lib64"]
     multiarch = sysconfig.get_config_var("MULTIARCH")
     if multiarch:
         libdirs.append(os.path.join("lib", multiarch))
     for prefix in dict.fromkeys([sys.prefix, "/usr/local"]):
-        paths.extend(os.path.join(prefix, d, LIBRARY_NAME) for d in libdirs)
-    paths.append(ctypes.util.find_library("vmmipc") or LIBRARY_NAME)
-    return list(dict.fromkeys(paths))
+        for d in libdirs:
+            yield os.path.join(prefix, d, LIBRARY_NAME)
+
+
+def _candidates():
+    """candidate_paths(), one at a time: the later ones (sysconfig's, the
+    system loader's) are worked out only when the earlier ones are not
+    there, so that loading the package's own library costs a stat and the
+    dlopen, and nothing else."""
+    env = os.environ.get(LIBRARY_ENV)
+    if env:
+        yield env
+        return
+    for d in _package_dirs():
+        yield os.path.join(d, LIBRARY_NAME)
+    root = _checkout_root()
+    if root is not None:
+        yield os.path.join(root, "build", LIBRARY_NAME)
+    yield from _prefix_paths()
+    yield LIBRARY_NAME  # the system loader: LD_LIBRARY_PATH, ld.so.cache, /usr/lib
+
+
+def candidate_paths() -> list[str]:
+    """Where libvmmipc.so is looked for, in order (see the module docstring).
+    Entries without a slash are names for the system loader. Starts no
+    process: ctypes.util.find_library, which runs ldconfig and a compiler,
+    is asked only after all of these have failed (_open)."""
+    return list(dict.fromkeys(_candidates()))
+
+
+def _found_by_find_library(tried: set[str]) -> str | None:
+    """The last resort: ctypes.util.find_library("vmmipc") (it runs
+    `ldconfig -p` and a compiler in subprocesses, some 10 ms), for a library
+    that only the compiler's search path or a versioned soname finds; None
+    if it finds nothing not tried already."""
+    try:
+        import ctypes.util
+        name = ctypes.util.find_library("vmmipc")
+    except (ImportError, OSError):  # it cannot run (no memory, no ldconfig): it found none
+        return None
+    return name if name and name not in tried else None
+
+
+def _load_hint(error: str) -> str:
+    """What to do about a dlopen error, where its text alone does not say."""
+    if "failed to map segment" in error or "cannot allocate memory" in error.lower():
+        return (" (the process has no address space left to map it: its address-space limit, "
+                "RLIMIT_AS or `ulimit -v`, is too small, or memory is exhausted; raise the "
+                "limit, or load vmmipc before lowering it)")
+    if "GLIBC_" in error:
+        return (" (it was built against a newer glibc than this system's: build it here, `make "
+                "lib`, or install the wheel, built for glibc 2.28)")
+    return ""
 
 
 def _open() -> tuple[ctypes.CDLL, str]:
     env = os.environ.get(LIBRARY_ENV)
-    tried = []
-    for path in candidate_paths():
+    missing: list[str] = []
+    failed: list[tuple[str, str]] = []  # (path, dlopen's error): the real causes
+    seen: set[str] = set()
+
+    def attempt(path: str):
+        seen.add(path)
         if os.sep in path and not os.path.exists(path):
-            tried.append(f"{path} (does not exist)")
-            continue
+            missing.append(f"{path} (does not exist)")
+            return None
         try:
-            return ctypes.CDLL(path), path
+            return ctypes.CDLL(path)
         except OSError as e:
-            tried.append(f"{path} ({e})")
+            if os.sep not in path and str(e).startswith(f"{path}: cannot open shared object"):
+                missing.append(f"{path} (the system loader has none)")
+            else:  # dlopen's message starts with the path, which the error names anyway
+                failed.append((path, str(e).removeprefix(f"{path}: ")))
+            return None
+
+    for path in _candidates():
+        if path not in seen and (handle := attempt(path)) is not None:
+            return handle, path
+    if not env and not failed:  # when one failed to load, that is the news
+        last = _found_by_find_library(seen)
+        if last is not None and (handle := attempt(last)) is not None:
+            return handle, last
+    if failed:
+        # A library that exists but does not load: dlopen's reason is the
+        # news, not the places where no library is.
+        path, error = failed[0]
+        others = [f"{p} ({e})" for p, e in failed[1:]] + missing
+        if env:
+            advice = (f"; point {LIBRARY_ENV} at a libvmmipc.so that loads, or unset it to "
+                      "search the usual places")
+        else:
+            advice = f"; also tried: {'; '.join(others)}" if others else ""
+        where = f" (from {LIBRARY_ENV})" if env else ""
+        raise _errors.LibraryNotFoundError(
+            f"cannot load {path}{where}: {error}{_load_hint(error)}{advice}")
     if env:
         raise _errors.LibraryNotFoundError(
-            f"cannot load libvmmipc.so from {LIBRARY_ENV}={env!r}: {tried[0]}. Point "
+            f"cannot load libvmmipc.so from {LIBRARY_ENV}={env!r}: {missing[0]}. Point "
             f"{LIBRARY_ENV} at a libvmmipc.so (`make lib` in a checkout builds "
             "build/libvmmipc.so), or unset it to search the usual places")
     raise _errors.LibraryNotFoundError(
-        "cannot find libvmmipc.so; tried: " + "; ".join(tried) + ". " + _HOW_TO_FIX)
+        "cannot find libvmmipc.so; tried: " + "; ".join(missing)
+        + "; and ctypes.util.find_library found none. " + _HOW_TO_FIX)
 
 
 def _declare(handle: ctypes.CDLL, path: str) -> None:
@@ -272,25 +349,61 @@ def _declare(handle: ctypes.CDLL, path: str) -> None:
 
 
 _exit_hooks: list = []  # (fn, exitpriority), see at_exit
+_exit_by_atexit = False  # chosen at load: see _install_exit_hooks
 
 
 def at_exit(fn, priority: int) -> None:
     """Run fn() when a process that has loaded the library exits (not in a
-    child made by fork() of it), as a multiprocessing finalizer of that
-    exitpriority (so also in multiprocessing children, which end with
-    os._exit). Installed when the library is loaded, in the process that
-    loads it: a forkserver's children start with the finalizers they
-    inherit cleared, and the forkserver itself never loads the library.
-    (A hook added after the load is installed at once.)"""
+    child made by fork() of it), in the order of multiprocessing finalizers
+    of that exitpriority: after multiprocessing has joined the children, and
+    also in multiprocessing children, which end with os._exit. Installed
+    when the library is loaded, in the process that loads it: a forkserver's
+    children start with the finalizers they inherit cleared, and the
+    forkserver itself never loads the library. (A hook added after the load
+    is installed at once.)"""
     with _lock:
         _exit_hooks.append((fn, priority))
-        if loaded():
+        if loaded() and not _exit_by_atexit:
             _install_exit_hook(fn, priority)
+
+
+def _install_exit_hooks() -> None:
+    """At load (with _lock held). A process that has imported
+    multiprocessing (every multiprocessing child has) gets the hooks as its
+    finalizers. One that has not gets one atexit function that runs them,
+    and importing multiprocessing for that alone would be most of the cost
+    of the first call: multiprocessing, imported later, registers its own
+    atexit function later, which therefore runs first (atexit runs the last
+    registered first), joining the children before these hooks run, as its
+    finalizers would."""
+    global _exit_by_atexit
+    if "multiprocessing.util" in sys.modules:
+        for fn, priority in _exit_hooks:
+            _install_exit_hook(fn, priority)
+    else:
+        import atexit
+        _exit_by_atexit = True
+        atexit.register(_run_exit_hooks)
 
 
 def _install_exit_hook(fn, priority: int) -> None:
     import multiprocessing.util as mputil
     mputil.Finalize(None, lambda: loaded() and fn(), exitpriority=priority)
+
+
+def _run_exit_hooks() -> None:
+    """The atexit function: every hook, the highest exitpriority first, as
+    multiprocessing runs finalizers; one that fails does not stop the rest."""
+    if not loaded():
+        return  # a child made by fork() of the loading process
+    with _lock:
+        order = sorted(enumerate(_exit_hooks), key=lambda h: (h[1][1], h[0]), reverse=True)
+    for _, (fn, _priority) in order:
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - as multiprocessing's finalizers: report, go on
+            import traceback
+            traceback.print_exc()
 
 
 def lib(function: str = "") -> ctypes.CDLL:
@@ -304,8 +417,7 @@ def lib(function: str = "") -> ctypes.CDLL:
                 handle, path = _open()
                 _declare(handle, path)
                 _lib, _load_pid = handle, os.getpid()
-                for fn, priority in _exit_hooks:
-                    _install_exit_hook(fn, priority)
+                _install_exit_hooks()
     if os.getpid() != _load_pid:
         raise _errors.fork_error(function or "vmmipc")
     return _lib
@@ -325,10 +437,12 @@ def last_error() -> str:
 def check(function: str, status: int) -> int:
     """Raise the exception for a negative status; return OK/END unchanged.
     Must be called on the thread that made the call (the detail is
-    thread-local)."""
+    thread-local). The error names the Python call behind C `function`, and
+    the library's detail is put in the Python API's terms
+    (_errors.python_message)."""
     if status >= 0:
         return status
-    raise _errors.error_for(status, last_error(), function)
+    raise _errors.error_for(status, _errors.python_message(last_error()), function)
 
 
 def call(function: str, *args) -> int:

@@ -207,10 +207,11 @@ class Mapping(_exported.Buffer, _lib.Closeable):
             if n:
                 raise _errors.BufferInUseError(f"cannot unmap: {_exported.in_use_message('Mapping', n)}",
                                                None, "Mapping.close")
-            if not unmap:
+            # An empty buffer from now on; unmapped now only if its address
+            # leads away from the memory (_exported.disarm).
+            if not _exported.disarm(self) or not unmap:
                 self._closing = True  # unmapped with the last holder (_exported.py)
                 return
-            _exported.disarm(self)
         self._finalizer()
         self._memory = None
 

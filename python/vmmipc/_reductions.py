@@ -25,16 +25,20 @@ from __future__ import annotations
 
 import copyreg
 import threading
-from multiprocessing.reduction import ForkingPickler
 
-from . import _mp
 from ._host import HostBuffer
+
+# multiprocessing (and _mp, which needs it) is imported by the functions
+# that use it, not here: `import vmmipc` does not need it, and it is a
+# third of what importing vmmipc took.
 
 _lock = threading.Lock()
 _installed = False
 
 
 def reduce_host_buffer(hb: HostBuffer):
+    from . import _mp
+
     def reduce():
         return (rebuild_host_buffer, (hb.grant(), hb.chunk_size))
     return _mp.guarded_reduce("HostBuffer", reduce)
@@ -62,6 +66,7 @@ def register_reducer(cls: type, reducer) -> None:
     """Make multiprocessing (ForkingPickler) pickle instances of cls with
     reducer(obj) -> reduce tuple. For frameworks' types; a reducer should
     wrap its work in _mp.guarded_reduce. Registering again replaces it."""
+    from multiprocessing.reduction import ForkingPickler
     ForkingPickler.register(cls, reducer)
 
 
@@ -70,6 +75,7 @@ def wrap_dump(wrapper) -> None:
     wrapper; idempotent): every multiprocessing pickle (Queue, Pipe, Pool,
     Process arguments, ForkingPickler.dumps) and every ForkingPickler(f).dump
     then runs through it. vmmipc.torch groups one pickle's tensors this way."""
+    from multiprocessing.reduction import ForkingPickler
     with _lock:
         if getattr(ForkingPickler.dump, "_vmmipc_wrapper", None) is wrapper:
             return

@@ -84,8 +84,8 @@ _NO_RELEASE = _lib.RELEASE_FN()  # NULL: the library calls nothing
 
 def _callable(value, name: str, function: str):
     if value is not None and not callable(value):
-        raise TypeError(f"{function}: {name} must be callable or None, not "
-                        f"{type(value).__name__}")
+        raise TypeError(f"{_errors.python_name(function)}: {name} must be callable or None, "
+                        f"not {type(value).__name__}")
     return value
 
 
@@ -134,7 +134,8 @@ def register(sizes, export_fn: Callable[[int], int], *, uses: int = 1,
     if not sizes:
         raise InvalidError("sizes is empty: a buffer has at least one chunk", _errors.EINVAL, fn)
     if not callable(export_fn):
-        raise TypeError(f"{fn}: export_fn must be callable, not {type(export_fn).__name__}")
+        raise TypeError(f"{_errors.python_name(fn)}: export_fn must be callable, not "
+                        f"{type(export_fn).__name__}")
     _callable(release, "release", fn)
     arr = (c_uint64 * len(sizes))(*sizes)
     opts = _lib.options(fn, uses=uses, ttl=ttl, memory_kind=memory_kind)

@@ -29,9 +29,9 @@ class Ticket(bytes):
         # bytes(None) says nothing of tickets: only bytes-like objects.
         if hasattr(type(data), "__index__") or isinstance(data, str) or not _bytes_like(data):
             shown = repr(data) if len(repr(data)) <= 40 else repr(data)[:37] + "..."
-            raise TypeError(f"{function}: ticket must be a vmmipc.Ticket or its {TICKET_SIZE} "
-                            f"bytes (from share(), register_*(), HostBuffer.grant() or a "
-                            f"pickle), not {type(data).__name__} ({shown})")
+            raise TypeError(f"{_errors.python_name(function)}: ticket must be a vmmipc.Ticket "
+                            f"or its {TICKET_SIZE} bytes (from share(), register_*(), "
+                            f"HostBuffer.grant() or a pickle), not {type(data).__name__} ({shown})")
         b = bytes(data)
         if len(b) != TICKET_SIZE:
             raise InvalidError(f"a ticket is {TICKET_SIZE} bytes, got {len(b)}",

@@ -168,20 +168,22 @@ def test_errors_are_also_the_builtin_kind():
     assert isinstance(vmmipc.error_for(vmmipc.EINVAL, "m"), ValueError)
     assert isinstance(vmmipc.error_for(vmmipc.ENOMEM, "m"), MemoryError)
     e = vmmipc.error_for(vmmipc.ETIMEDOUT, "still live", "vmmipc_wait")
-    assert isinstance(e, TimeoutError) and str(e) == "vmmipc_wait: still live [VMMIPC_ETIMEDOUT]"
+    # named by the Python call behind the C function (test_messages.py)
+    assert isinstance(e, TimeoutError) and str(e) == "vmmipc.wait: still live [VMMIPC_ETIMEDOUT]"
     assert isinstance(vmmipc.LibraryNotFoundError("m"), OSError)
+    assert isinstance(vmmipc.error_for(vmmipc.ENFILE, "m"), OSError)
 
 
 def test_library_message_reaches_the_exception():
     with pytest.raises(vmmipc.InvalidError) as e:
         vmmipc.unregister(vmmipc.Ticket(bytes(256)))
     assert e.value.status == vmmipc.EINVAL
-    assert e.value.function == "vmmipc_unregister"
+    assert e.value.function == "vmmipc.unregister"
     assert "magic" in e.value.message  # the library's own detail
     # The detail is per call: a later failure carries its own message.
     with pytest.raises(vmmipc.InvalidError) as e2:
         vmmipc.register_host_file(-1, 4096, PAGE)
-    assert "fd -1" in e2.value.message and e2.value.function == "vmmipc_register_host_file"
+    assert "fd -1" in e2.value.message and e2.value.function == "vmmipc.register_host_file"
 
 
 def test_invalid_arguments():
@@ -205,7 +207,7 @@ def test_cuda_entry_points_without_a_usable_gpu():
     assert e.value.message
     with pytest.raises((vmmipc.CudaError, vmmipc.NotFoundError)) as e:
         vmmipc.cuda_query_range(1 << 40, 2 << 20)
-    assert e.value.message and e.value.function == "vmmipc_cuda_query_range"
+    assert e.value.message and e.value.function == "vmmipc.cuda_query_range"
 
 
 # -- tickets -----------------------------------------------------------------

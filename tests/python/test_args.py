@@ -120,12 +120,12 @@ NOT_AN_INTEGER = [
 # Anything but a Ticket or its bytes, where a ticket goes: TypeError naming
 # the function and the parameter (not "string argument without an encoding").
 NOT_A_TICKET = [
-    (lambda t: vmmipc.import_stream(t), "vmmipc_import_stream"),
-    (lambda t: vmmipc.open(t), "vmmipc_open"),
-    (lambda t: vmmipc.wait(t), "vmmipc_wait"),
-    (lambda t: vmmipc.register_again(t), "vmmipc_register_again"),
-    (lambda t: vmmipc.unregister(t), "vmmipc_unregister"),
-    (lambda t: vmmipc.confirm(t), "vmmipc_confirm"),
+    (lambda t: vmmipc.import_stream(t), "vmmipc.import_stream"),
+    (lambda t: vmmipc.open(t), "vmmipc.open"),
+    (lambda t: vmmipc.wait(t), "vmmipc.wait"),
+    (lambda t: vmmipc.register_again(t), "vmmipc.register_again"),
+    (lambda t: vmmipc.unregister(t), "vmmipc.unregister"),
+    (lambda t: vmmipc.confirm(t), "vmmipc.confirm"),
     (lambda t: vmmipc.HostBuffer.from_ticket(t), "HostBuffer.from_ticket"),
     (lambda t: vmmipc.Ticket(t), "Ticket"),
 ]

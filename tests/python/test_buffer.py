@@ -201,11 +201,9 @@ def test_closed_buffers_give_no_memory(hb):
     m.close()  # by its one name: unmapped at once (other names: at collection)
     b.close()
     for x in (m, b):
-        if PEP688:
-            with pytest.raises(ValueError, match="closed"):
-                memoryview(x)
-        else:
-            assert memoryview(x).nbytes == 0  # an empty buffer, not unmapped memory
+        # an empty buffer on every Python, not unmapped memory (more in
+        # test_closed_buffer.py)
+        assert memoryview(x).nbytes == 0
         with pytest.raises(ValueError, match="closed"):
             x[0]
 

@@ -153,6 +153,7 @@ def test_imports_without_torch_and_says_what_is_missing():
         "import sys\n"
         "sys.modules['torch'] = None  # import torch now fails, as where it is not installed\n"
         "from multiprocessing.reduction import ForkingPickler\n"
+        "import multiprocessing.connection  # registers its own reducer when imported\n"
         "import vmmipc\n"
         "before = dict(ForkingPickler._extra_reducers)\n"
         "import vmmipc.torch as vt\n"
