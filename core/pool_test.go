@@ -421,6 +421,30 @@ func TestPoolPrefersAKeptChunkToANewOne(t *testing.T) {
 	checkPool(t, p, d)
 }
 
+// TestPoolSkipsAHoleForAMappedChunkFurtherOn: the extent's start would need
+// a new chunk (a hole), a mapped idle chunk later in the same extent needs
+// none: that one wins, although its address is higher.
+func TestPoolSkipsAHoleForAMappedChunkFurtherOn(t *testing.T) {
+	p, d := newTestPool(t, 64*mib, 8, 0)
+	mustAlloc(t, p, 16*mib)       // chunk 0's first quarter stays allocated
+	y := mustAlloc(t, p, 112*mib) // chunk 0's rest and chunk 1
+	z := mustAlloc(t, p, 64*mib)  // chunk 2
+	mustAlloc(t, p, 16*mib)       // chunk 3
+	mustFree(t, p, y)             // chunk 1 given back: a hole
+	d.failUnmap = true
+	if _, err := p.Free(z); CodeOf(err) != ECUDA { // chunk 2 stays mapped, idle
+		t.Fatalf("Free with a failing unmap: %v", err)
+	}
+	d.failUnmap = false
+	created := p.Info().ChunksMapped
+	// [16 MiB, 192 MiB) is one free extent: at its start 64 MiB would map
+	// chunk 1 again; at chunk 2 it maps nothing.
+	if got := mustAlloc(t, p, 64*mib); got != z || p.Info().ChunksMapped != created {
+		t.Fatalf("64 MiB at %#x with %d new chunk(s), want the idle chunk 2 at %#x and none", got, p.Info().ChunksMapped-created, z)
+	}
+	checkPool(t, p, d)
+}
+
 func TestPoolOutOfMemoryLeavesNothingBehind(t *testing.T) {
 	p, d := newTestPool(t, 64*mib, 8, 0)
 	d.capacity = 3
