@@ -116,6 +116,11 @@ def _check_torch(torch) -> None:
     if not torch.cuda.is_available():
         raise RuntimeError("vmmipc.torch.sharing_pool needs a CUDA GPU, and torch sees none "
                            "(torch.cuda.is_available() is False)")
+    if not (hasattr(torch.cuda, "MemPool") and hasattr(torch.cuda, "use_mem_pool")
+            and hasattr(torch.cuda.memory, "CUDAPluggableAllocator")):
+        raise RuntimeError(f"vmmipc.torch.sharing_pool needs torch.cuda.MemPool, use_mem_pool and "
+                           f"memory.CUDAPluggableAllocator, which PyTorch "
+                           f"{getattr(torch, '__version__', '?')} lacks: upgrade PyTorch")
     backend = torch.cuda.memory.get_allocator_backend()
     if backend != "native":
         raise RuntimeError(
@@ -167,6 +172,17 @@ def _expandable_segments_on(torch) -> bool:
     return False
 
 
+def _set_expandable_segments(torch, on: bool) -> None:
+    """torch's allocator setting, through the accelerator-generic setter
+    where this torch has it (torch.cuda.memory._set_allocator_settings is
+    the older name of the same)."""
+    setting = f"expandable_segments:{'True' if on else 'False'}"
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is None:
+        setter = torch.cuda.memory._set_allocator_settings
+    setter(setting)
+
+
 @contextlib.contextmanager
 def _no_expandable_segments(torch):
     """Expandable segments off while any thread is inside a sharing_pool
@@ -176,7 +192,7 @@ def _no_expandable_segments(torch):
         if _expandable["inside"] == 0:
             on = _expandable_segments_on(torch)
             if on:
-                torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+                _set_expandable_segments(torch, False)
             _expandable["restore"] = on
         _expandable["inside"] += 1
     try:
@@ -185,7 +201,7 @@ def _no_expandable_segments(torch):
         with _lock:
             _expandable["inside"] -= 1
             if _expandable["inside"] == 0 and _expandable["restore"]:
-                torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+                _set_expandable_segments(torch, True)
                 _expandable["restore"] = False
 
 

@@ -144,9 +144,10 @@ STAND_IN_TORCH = """
     torch = types.ModuleType("torch")
     torch.multiprocessing = types.ModuleType("torch.multiprocessing")
     torch.multiprocessing.reductions = types.ModuleType("torch.multiprocessing.reductions")
-    torch.cuda = types.SimpleNamespace(is_available=lambda: {gpu},
-                                       memory=types.SimpleNamespace(get_allocator_backend=lambda: {backend!r}),
-                                       current_device=lambda: 0)
+    memory = types.SimpleNamespace(get_allocator_backend=lambda: {backend!r},
+                                   CUDAPluggableAllocator=object)
+    torch.cuda = types.SimpleNamespace(is_available=lambda: {gpu}, memory=memory, MemPool=object,
+                                       use_mem_pool=None, current_device=lambda: 0)
     torch.device = type("device", (), {{}})
     for name in ("torch", "torch.multiprocessing", "torch.multiprocessing.reductions"):
         sys.modules[name] = eval(name)
