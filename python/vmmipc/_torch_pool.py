@@ -138,7 +138,7 @@ def _pool(torch, device: int, chunk_size: int) -> SharingPool:
         # Also for an existing pool: the library checks the chunk size.
         _lib.call("vmmipc_torch_pool", device, chunk_size, ctypes.byref(handle))
         if pool is None:
-            path = _lib.lib("vmmipc_torch_pool")._name  # the library loaded here: the same one
+            path = _library_path()
             allocator = torch.cuda.memory.CUDAPluggableAllocator(path, ALLOC_HOOK, FREE_HOOK)
             pool = _pools[device] = SharingPool(device, handle.value, allocator)
         if pool._mempool is None:
@@ -146,6 +146,24 @@ def _pool(torch, device: int, chunk_size: int) -> SharingPool:
                 pool._mempool = torch.cuda.MemPool(pool._allocator.allocator())
         pool._inside += 1
         return pool
+
+
+def _library_path() -> str:
+    """The file of the libvmmipc this process loaded, for torch to open
+    again (the same library, so the same pools): the mapping that holds
+    the hook, from /proc/self/maps (absolute, whatever path loaded it)."""
+    handle = _lib.lib("vmmipc_torch_pool")
+    addr = ctypes.cast(getattr(handle, ALLOC_HOOK), ctypes.c_void_p).value
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                lo, _, hi = fields[0].partition("-")
+                if len(fields) == 6 and int(lo, 16) <= addr < int(hi, 16):
+                    return fields[5].strip()
+    except (OSError, ValueError):
+        pass
+    return handle._name  # the name it was loaded by
 
 
 def _leave(pool: SharingPool) -> None:

@@ -179,3 +179,19 @@ def test_sharing_pool_refuses_what_cannot_work(gpu, backend, want):
     assert lines[1].startswith("TypeError vmmipc.torch.sharing_pool: chunk_size must be an integer"), lines
     assert lines[2].startswith("InvalidError vmmipc.torch.sharing_pool: chunk_size=0 is out of range"), lines
     assert lines[3] == "live 0 pools 0", lines  # nothing made
+
+
+def test_torch_is_pointed_at_the_loaded_library_by_its_absolute_path(tmp_path):
+    """torch opens the library again by path (CUDAPluggableAllocator):
+    it must be the very file this process loaded, even when that was
+    loaded by a relative path and the working directory changed since."""
+    lib = os.path.abspath(conftest.LIBRARY)
+    out = run_python(f"""
+        import os
+        from vmmipc import _lib, _torch_pool
+        os.chdir({os.path.dirname(lib)!r})
+        _lib.lib()
+        os.chdir({str(tmp_path)!r})
+        print(_torch_pool._library_path())
+    """, VMMIPC_LIBRARY=os.path.join(".", os.path.basename(lib)))
+    assert os.path.isabs(out.strip()) and os.path.samefile(out.strip(), lib), out
