@@ -9,6 +9,7 @@
 // Files: driver.go loads the driver and turns CUresults into errors;
 // context.go holds primary contexts; register.go prepares registrations
 // (core.BufferSpec) and exports chunks; importer.go maps imported chunks;
+// pool.go is core.Pool's backend (the allocator made for sharing);
 // walk.go, handletypes.go and devices.go hold the logic that needs no
 // driver, unit tested without a GPU.
 package cuda

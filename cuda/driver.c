@@ -12,7 +12,9 @@
  * cuda.h are macros for the _v2 variants where cuda.h says so (CUDA 12 and
  * 13 alike): cuCtxPushCurrent_v2, cuCtxPopCurrent_v2 and
  * cuMemGetAddressRange_v2 (the plain cuMemGetAddressRange takes 32-bit
- * sizes). cuDeviceGetUuid_v2 (driver 11.4+; also names MIG instances) is
+ * sizes), and cuDeviceTotalMem_v2 (the plain one writes an unsigned int).
+ * cuCtxSynchronize is the plain name on purpose: it takes no argument, as
+ * declared here; a _v2 of it, where one exists, takes a context. cuDeviceGetUuid_v2 (driver 11.4+; also names MIG instances) is
  * preferred, with the plain name as a fallback for older drivers. */
 static struct {
   CUresult (*Init)(unsigned int);
@@ -37,6 +39,9 @@ static struct {
   CUresult (*MemUnmap)(CUdeviceptr, size_t);
   CUresult (*MemSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
   CUresult (*MemRelease)(CUmemGenericAllocationHandle);
+  CUresult (*MemCreate)(CUmemGenericAllocationHandle *, size_t, const CUmemAllocationProp *, unsigned long long);
+  CUresult (*DeviceTotalMem)(size_t *, CUdevice);
+  CUresult (*CtxSynchronize)(void);
 } cu;
 
 struct symbol {
@@ -69,6 +74,9 @@ static const struct symbol symbols[] = {
     {"cuMemUnmap", NULL, SLOT(MemUnmap)},
     {"cuMemSetAccess", NULL, SLOT(MemSetAccess)},
     {"cuMemRelease", NULL, SLOT(MemRelease)},
+    {"cuMemCreate", NULL, SLOT(MemCreate)},
+    {"cuDeviceTotalMem_v2", NULL, SLOT(DeviceTotalMem)},
+    {"cuCtxSynchronize", NULL, SLOT(CtxSynchronize)},
 };
 #undef SLOT
 
@@ -178,15 +186,34 @@ CUresult vcu_mem_get_allocation_properties(CUmemAllocationProp *prop, CUmemGener
   return r;
 }
 
-CUresult vcu_mem_get_granularity(size_t *gran, int device_ordinal) {
+/* exportable_prop: device memory on device_ordinal that may be exported as
+ * a POSIX file descriptor, what vmmipc shares. Every other field zero
+ * (win32HandleMetaData must be, allocFlags: no compression, no RDMA). */
+static CUmemAllocationProp exportable_prop(int device_ordinal) {
   CUmemAllocationProp prop;
   memset(&prop, 0, sizeof prop);
   prop.type = VCU_ALLOCATION_TYPE_PINNED;
   prop.requestedHandleTypes = VCU_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
   prop.location.type = VCU_LOCATION_TYPE_DEVICE;
   prop.location.id = device_ordinal;
+  return prop;
+}
+
+CUresult vcu_mem_get_granularity(size_t *gran, int device_ordinal) {
+  CUmemAllocationProp prop = exportable_prop(device_ordinal);
   return cu.MemGetAllocationGranularity(gran, &prop, VCU_GRANULARITY_MINIMUM);
 }
+
+CUresult vcu_mem_create_exportable(CUmemGenericAllocationHandle *h, size_t size, int device_ordinal) {
+  /* size: a multiple of the minimum granularity of this same prop (the
+   * caller checks); flags: must be 0. */
+  CUmemAllocationProp prop = exportable_prop(device_ordinal);
+  return cu.MemCreate(h, size, &prop, 0);
+}
+
+CUresult vcu_device_total_mem(size_t *bytes, CUdevice dev) { return cu.DeviceTotalMem(bytes, dev); }
+
+CUresult vcu_ctx_synchronize(void) { return cu.CtxSynchronize(); }
 
 CUresult vcu_mem_export_fd(int *fd, CUmemGenericAllocationHandle h) {
   *fd = -1;

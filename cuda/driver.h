@@ -89,5 +89,10 @@ VCU_HIDDEN CUresult vcu_mem_map(CUdeviceptr p, size_t size, CUmemGenericAllocati
 VCU_HIDDEN CUresult vcu_mem_unmap(CUdeviceptr p, size_t size);
 VCU_HIDDEN CUresult vcu_mem_set_access_rw(CUdeviceptr p, size_t size, const int *ordinals, size_t count);
 VCU_HIDDEN CUresult vcu_mem_release(CUmemGenericAllocationHandle h);
+/* The pool's (cuda/pool.go): a device allocation of size bytes that allows
+ * POSIX-fd export; the device's memory; waiting for the current context. */
+VCU_HIDDEN CUresult vcu_mem_create_exportable(CUmemGenericAllocationHandle *h, size_t size, int device_ordinal);
+VCU_HIDDEN CUresult vcu_device_total_mem(size_t *bytes, CUdevice dev);
+VCU_HIDDEN CUresult vcu_ctx_synchronize(void);
 
 #endif

@@ -336,6 +336,71 @@ int vmmipc_close(vmmipc_stream *stream) {
   return vmmipcgo_close((uintptr_t)stream);
 }
 
+/* ---- pools (vmmipc.h, "Pools"; Go: export/pool.go) ----
+ * Handles cross into Go as integers, as streams do. The torch hooks have
+ * torch's signatures and no status: a failure is NULL (alloc) or nothing
+ * (free), with this thread's last error set. */
+
+int vmmipc_pool_create(int device, uint64_t chunk_size, uint64_t keep_bytes,
+                       vmmipc_pool **pool_out) {
+  FORK_GUARD("vmmipc_pool_create");
+  return vmmipcgo_pool_create(device, chunk_size, keep_bytes, pool_out);
+}
+
+int vmmipc_pool_alloc(vmmipc_pool *pool, uint64_t size, uint64_t *dptr_out) {
+  FORK_GUARD("vmmipc_pool_alloc");
+  return vmmipcgo_pool_alloc((uintptr_t)pool, size, dptr_out);
+}
+
+int vmmipc_pool_free(vmmipc_pool *pool, uint64_t dptr) {
+  FORK_GUARD("vmmipc_pool_free");
+  return vmmipcgo_pool_free((uintptr_t)pool, dptr);
+}
+
+int vmmipc_pool_trim(vmmipc_pool *pool, uint64_t keep_bytes, uint64_t *released_out) {
+  FORK_GUARD("vmmipc_pool_trim");
+  if (released_out) *released_out = 0;
+  return vmmipcgo_pool_trim((uintptr_t)pool, keep_bytes, released_out);
+}
+
+int vmmipc_pool_get_info(const vmmipc_pool *pool, vmmipc_pool_info *info_out, size_t size) {
+  FORK_GUARD("vmmipc_pool_get_info");
+  return vmmipcgo_pool_get_info((uintptr_t)pool, info_out, size);
+}
+
+int vmmipc_pool_destroy(vmmipc_pool *pool) {
+  FORK_GUARD("vmmipc_pool_destroy");
+  return vmmipcgo_pool_destroy((uintptr_t)pool);
+}
+
+int vmmipc_torch_pool(int device, uint64_t chunk_size, vmmipc_pool **pool_out) {
+  FORK_GUARD("vmmipc_torch_pool");
+  return vmmipcgo_torch_pool(device, chunk_size, pool_out);
+}
+
+void *vmmipc_torch_alloc(size_t size, int device, void *stream) {
+  (void)stream;
+  if (getpid() != load_pid) {
+    set_error_str(VMMIPC_EFORK, "vmmipc_torch_alloc: called in a child after fork(); libvmmipc cannot "
+                                "run there");
+    return NULL;
+  }
+  uint64_t p = 0;
+  if (vmmipcgo_torch_alloc(size, device, &p) != VMMIPC_OK) return NULL;
+  return (void *)(uintptr_t)p;
+}
+
+void vmmipc_torch_free(void *ptr, size_t size, int device, void *stream) {
+  (void)size;
+  (void)stream;
+  if (getpid() != load_pid) {
+    set_error_str(VMMIPC_EFORK, "vmmipc_torch_free: called in a child after fork(); libvmmipc cannot "
+                                "run there");
+    return;
+  }
+  vmmipcgo_torch_free((uint64_t)(uintptr_t)ptr, device);
+}
+
 /* The Go runtime aborts the process when it cannot get address space for
  * itself, and merely entering Go from C can need some (a cgo callback on a
  * new thread allocates). So an import is refused here, before entering Go,

@@ -215,7 +215,8 @@ extern "C" {
 #define VMMIPC_EFORK (-9)      /* called in a child after fork() */
 #define VMMIPC_EINTERNAL (-10) /* a bug in libvmmipc (a recovered panic) */
 #define VMMIPC_ENOMEM (-11)    /* no address space for a reservation
-                                  (RLIMIT_AS, or the driver's VA space) */
+                                  (RLIMIT_AS, or the driver's VA space);
+                                  pools: no GPU memory for a chunk */
 #define VMMIPC_ETIMEDOUT (-12) /* vmmipc_wait: the registration is still live */
 
 /* Memory kinds recorded in a ticket. */
@@ -885,6 +886,185 @@ int vmmipc_cache_set_limit(uint64_t max_unreferenced_bytes);
  * sizeof *info_out; a later library never writes past it).
  * Returns: VMMIPC_OK, VMMIPC_EINVAL (NULL), VMMIPC_EFORK */
 int vmmipc_cache_get_info(vmmipc_cache_info *info_out, size_t size);
+
+/* ------------------------------------------------------------------ */
+/* Pools: GPU memory made for sharing, in few large chunks            */
+/* ------------------------------------------------------------------ */
+
+/* A receiver's cost is per allocation handle, not per byte: each chunk of a
+ * CUDA registration is one descriptor, one import, one map, and access is
+ * set once over the range. 15 GiB to one receiver on an H200 (first
+ * transfer / floor of import + map + set access): 766 chunks of 20 MiB
+ * 81-98 / 54-64 ms; 240 of 64 MiB 28-41 / 25-27 ms; 15 of 1 GiB 4.0-4.8 /
+ * 2.2 ms; 4 of 4 GiB 3.1-8.0 / 1.4-1.7 ms. A pool allocates from large
+ * physical chunks (1 GiB by default), so what is allocated in it spans few.
+ *
+ * How a pool works. It reserves one address range on its GPU, twice the
+ * device's memory (address space only, no memory; it counts against
+ * RLIMIT_AS, which must leave room for it). Chunks are cuMemCreate
+ * allocations of chunk_size bytes on that GPU that allow
+ * CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, each mapped with its own
+ * cuMemMap into the range and made readable and writable by that GPU (no
+ * other device gets access). An allocation is rounded up to 512 bytes and
+ * placed where it needs the fewest new chunks, at the lowest such address:
+ * allocations pack into the chunks already mapped, and one that does not
+ * fit (or is larger than a chunk) maps new chunks right after the free end
+ * of what is there, so the range stays one contiguous run.
+ *
+ * Sharing it. Pool memory is ordinary CUDA VMM memory: register it with
+ * vmmipc_register_cuda. A range must start and end on chunk boundaries:
+ * vmmipc_cuda_query_range gives the chunks under a sub-range (one chunk for
+ * a buffer inside one), to be registered whole while the receiver reads at
+ * its offset. The library then holds its own reference to those chunks,
+ * so receivers keep them however the pool's allocations change.
+ *
+ * Trade-offs. Rounding: to 512 bytes per allocation, and a receiver maps
+ * whole chunks, so a small buffer shared alone costs a whole chunk of
+ * mapping in the receiver (of memory that exists anyway). Fragmentation:
+ * a chunk goes back only when no allocation touches it, so one small
+ * allocation left in a chunk keeps the whole chunk; and when chunks given
+ * back leave holes, a large allocation may find no run of free address
+ * space (VMMIPC_ENOMEM) while memory is free. When memory goes back to the
+ * driver: after each vmmipc_pool_free, wholly free chunks beyond keep_bytes
+ * are unmapped and released, the highest addresses first (placement prefers
+ * the low ones); vmmipc_pool_trim gives back down to any bound;
+ * vmmipc_pool_destroy gives back everything. Giving a chunk back first
+ * waits for the device (cuCtxSynchronize, as cudaFree does). Memory still
+ * registered or imported elsewhere lives on until those let go.
+ *
+ * Threads: every function may be called from any thread; each pool has one
+ * lock, held while a chunk is created and mapped (milliseconds). */
+
+typedef struct vmmipc_pool vmmipc_pool; /* opaque */
+
+/* vmmipc_pool_create makes a pool on CUDA device `device` (an ordinal of
+ * this process) with chunks of chunk_size bytes (0: 1 GiB; otherwise a
+ * multiple of the device's allocation granularity, 2 MiB on current GPUs)
+ * that keeps up to keep_bytes of wholly free chunks mapped after a free (0:
+ * gives every wholly free chunk back at once). It reserves the address
+ * range and maps nothing yet. Needs no current context. *pool_out belongs to
+ * the caller: destroy it with vmmipc_pool_destroy.
+ * Returns:
+ *   VMMIPC_OK      *pool_out is a new pool
+ *   VMMIPC_EINVAL  NULL pool_out, a negative device or one this process
+ *                  does not see, or a chunk_size that is not a multiple of
+ *                  the granularity (the message gives it)
+ *   VMMIPC_ENOMEM  RLIMIT_AS leaves no room for the range (the message
+ *                  gives the figures), or the driver has no address space
+ *   VMMIPC_ECUDA   libcuda.so.1 not found, or a driver call failed
+ *   VMMIPC_EFORK   called after fork() */
+int vmmipc_pool_create(int device, uint64_t chunk_size, uint64_t keep_bytes,
+                       vmmipc_pool **pool_out);
+
+/* vmmipc_pool_alloc allocates size bytes (rounded up to 512) and stores
+ * their device address (a CUdeviceptr, 512-byte aligned) in *dptr_out,
+ * mapping new chunks when what is mapped has no room. The memory is not
+ * cleared. On an error nothing new is left mapped.
+ * Returns:
+ *   VMMIPC_OK      *dptr_out is the allocation's address
+ *   VMMIPC_EBADF   NULL, stale or destroyed pool
+ *   VMMIPC_EINVAL  NULL dptr_out, size 0, or size larger than the range
+ *   VMMIPC_ENOMEM  the GPU has no memory for the chunks it needs
+ *                  (cuMemCreate: CUDA_ERROR_OUT_OF_MEMORY), or no free run
+ *                  of the range is large enough
+ *   VMMIPC_ECUDA   another driver call failed (named)
+ *   VMMIPC_EFORK   called after fork() */
+int vmmipc_pool_alloc(vmmipc_pool *pool, uint64_t size, uint64_t *dptr_out);
+
+/* vmmipc_pool_free frees the allocation at dptr (an address
+ * vmmipc_pool_alloc returned), then gives wholly free chunks beyond the
+ * pool's keep_bytes back to the driver (after waiting for the device). The
+ * caller makes sure the GPU no longer uses the allocation (as with any
+ * free); memory registered with vmmipc_register_cuda stays valid for its
+ * receivers.
+ * Returns:
+ *   VMMIPC_OK
+ *   VMMIPC_EBADF   NULL, stale or destroyed pool
+ *   VMMIPC_EINVAL  dptr is not a live allocation of this pool (never
+ *                  allocated here, inside one, or freed already); nothing
+ *                  is touched
+ *   VMMIPC_ECUDA   giving a chunk back failed: the allocation is freed all
+ *                  the same, the chunk stays mapped (a later
+ *                  vmmipc_pool_trim tries again)
+ *   VMMIPC_EFORK   called after fork() */
+int vmmipc_pool_free(vmmipc_pool *pool, uint64_t dptr);
+
+/* vmmipc_pool_trim gives wholly free chunks back to the driver (after
+ * waiting for the device) until at most keep_bytes of them stay mapped, the
+ * lowest addresses kept, and stores the bytes given back in *released_out
+ * (may be NULL; stored also on VMMIPC_ECUDA). It does not change the
+ * pool's keep_bytes.
+ * Returns: VMMIPC_OK, VMMIPC_EBADF (NULL, stale or destroyed pool),
+ * VMMIPC_ECUDA (a driver call failed; chunks not given back stay mapped),
+ * VMMIPC_EFORK */
+int vmmipc_pool_trim(vmmipc_pool *pool, uint64_t keep_bytes, uint64_t *released_out);
+
+typedef struct vmmipc_pool_info {
+  uint64_t base;            /* start of the pool's address range */
+  uint64_t reserved_bytes;  /* size of the range (address space only) */
+  uint64_t chunk_size;
+  uint64_t keep_bytes;      /* wholly free chunk bytes a free leaves mapped */
+  uint64_t mapped_bytes;    /* chunks mapped now: the pool's GPU memory */
+  uint64_t idle_bytes;      /* ...of which no allocation touches */
+  uint64_t allocated_bytes; /* live allocations, rounded sizes */
+  uint64_t allocations;     /* live allocations */
+  uint64_t chunks_mapped;   /* chunks created and mapped since it began */
+  uint64_t chunks_released; /* chunks given back since it began */
+  int32_t device;           /* the pool's GPU */
+  uint32_t torch;           /* 1 for a torch pool (vmmipc_torch_pool) */
+} vmmipc_pool_info;
+
+/* vmmipc_pool_get_info fills the first `size` bytes of *info_out (pass
+ * sizeof *info_out; a later library never writes past it).
+ * Returns: VMMIPC_OK, VMMIPC_EBADF (NULL, stale or destroyed pool),
+ * VMMIPC_EINVAL (NULL info_out), VMMIPC_EFORK */
+int vmmipc_pool_get_info(const vmmipc_pool *pool, vmmipc_pool_info *info_out, size_t size);
+
+/* vmmipc_pool_destroy gives every chunk and the address range back and
+ * makes the handle stale. It refuses while allocations live: free them
+ * first. Memory registered or imported elsewhere lives on until those let
+ * go.
+ * Returns:
+ *   VMMIPC_OK
+ *   VMMIPC_EBADF   NULL, stale or destroyed pool
+ *   VMMIPC_EINVAL  allocations still live (the message counts them;
+ *                  nothing is touched), or a torch pool, which lives as
+ *                  long as the process
+ *   VMMIPC_ECUDA   a driver call failed while giving back; the pool is
+ *                  destroyed all the same
+ *   VMMIPC_EFORK   called after fork() */
+int vmmipc_pool_destroy(vmmipc_pool *pool);
+
+/* Torch's pluggable allocator. PyTorch's
+ *   torch.cuda.memory.CUDAPluggableAllocator(path_to_libvmmipc,
+ *       "vmmipc_torch_alloc", "vmmipc_torch_free")
+ * with torch.cuda.MemPool and torch.cuda.use_mem_pool allocates tensors in
+ * the torch pool of their device: one pool per device and process, made on
+ * first use (by vmmipc_torch_pool, or the first vmmipc_torch_alloc with 1
+ * GiB chunks), keep_bytes 0 (torch caches blocks itself and frees a segment
+ * only to give it back), never destroyed. Python's
+ * vmmipc.torch.sharing_pool() sets all this up. */
+
+/* vmmipc_torch_pool gives device's torch pool, making it with chunk_size
+ * (as vmmipc_pool_create; 0: 1 GiB) if it does not exist yet. chunk_size 0
+ * takes an existing pool as it is. *pool_out is the same handle on every
+ * call; it is not to be destroyed.
+ * Returns: as vmmipc_pool_create, and VMMIPC_EINVAL when the device's pool
+ * exists with another chunk_size (one per device and process). */
+int vmmipc_torch_pool(int device, uint64_t chunk_size, vmmipc_pool **pool_out);
+
+/* vmmipc_torch_alloc is torch's alloc_fn: size bytes from device's torch
+ * pool (as vmmipc_pool_alloc). stream is unused (a cudaStream_t; torch
+ * orders uses itself). Returns the device pointer, or NULL with
+ * vmmipc_last_error() saying why (torch then raises its out-of-memory
+ * error); NULL also after fork(). */
+void *vmmipc_torch_alloc(size_t size, int device, void *stream);
+
+/* vmmipc_torch_free is torch's free_fn: frees ptr in device's torch pool
+ * (as vmmipc_pool_free, chunks going back to the driver at once). size and
+ * stream are unused. A failure (ptr not from the pool, a driver call)
+ * leaves vmmipc_last_error() saying why; there is nothing to return. */
+void vmmipc_torch_free(void *ptr, size_t size, int device, void *stream);
 
 /* ------------------------------------------------------------------ */
 /* Errors and version                                                 */

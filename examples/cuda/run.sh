@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Builds the CUDA example against an installed libvmmipc and runs it on this
-# machine's GPU: cuda_sender | cuda_receiver, once per build.
+# Builds the CUDA examples against an installed libvmmipc and runs them on
+# this machine's GPU, once per build: cuda_sender | cuda_receiver, and
+# big_chunks_sender | big_chunks_receiver (a pool of 1 GiB chunks, a
+# sub-range shared).
 #
 #   examples/cuda/run.sh [PREFIX]
 #
@@ -31,21 +33,26 @@ rm -rf "$out"
 mkdir -p "$out"
 # The ticket's pipe carries no status: pipefail makes either side's failure count.
 passed=0 failed=0
-run_pair() { # run_pair NAME DIR
-  if "$2/cuda_sender" | "$2/cuda_receiver"; then
-    echo "PASS cuda example, built with $1"; passed=$((passed + 1))
-  else
-    echo "FAIL cuda example, built with $1"; failed=$((failed + 1))
-  fi
+run_pair() { # run_pair NAME DIR: each sender | receiver pair
+  local pair
+  for pair in cuda big_chunks; do
+    if "$2/${pair}_sender" | "$2/${pair}_receiver"; then
+      echo "PASS $pair example, built with $1"; passed=$((passed + 1))
+    else
+      echo "FAIL $pair example, built with $1"; failed=$((failed + 1))
+    fi
+  done
 }
 # At run time the loader finds the driver's libcuda.so.1; the stub only links.
 cuda_flags=(-I"$CUDA_HOME/include" -L"$CUDA_HOME/lib64" -L"$CUDA_HOME/lib64/stubs" -lcuda)
-build_flat() { # build_flat NAME DIR FLAGS...: the two programs with these vmmipc flags
+build_flat() { # build_flat NAME DIR FLAGS...: the programs with these vmmipc flags
   local name=$1 dir=$2
   shift 2
   mkdir -p "$dir"
   for role in sender receiver; do
     "$CC" -std=gnu11 -Wall -Wextra -Werror -o "$dir/cuda_$role" "examples/cuda/$role.c" "$@" "${cuda_flags[@]}"
+    "$CC" -std=gnu11 -Wall -Wextra -Werror -o "$dir/big_chunks_$role" "examples/cuda/big_chunks_$role.c" \
+      "$@" "${cuda_flags[@]}"
   done
   run_pair "$name" "$dir"
 }

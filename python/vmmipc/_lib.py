@@ -140,6 +140,23 @@ class vmmipc_cache_info(Structure):
     ]
 
 
+class vmmipc_pool_info(Structure):
+    _fields_ = [
+        ("base", c_uint64),
+        ("reserved_bytes", c_uint64),
+        ("chunk_size", c_uint64),
+        ("keep_bytes", c_uint64),
+        ("mapped_bytes", c_uint64),
+        ("idle_bytes", c_uint64),
+        ("allocated_bytes", c_uint64),
+        ("allocations", c_uint64),
+        ("chunks_mapped", c_uint64),
+        ("chunks_released", c_uint64),
+        ("device", c_int32),
+        ("torch", c_uint32),
+    ]
+
+
 # typedef int (*vmmipc_export_fn)(void *user, uint64_t index, int *fd_out);
 EXPORT_FN = CFUNCTYPE(c_int, c_void_p, c_uint64, POINTER(c_int))
 # typedef void (*vmmipc_release_fn)(void *user);
@@ -148,6 +165,7 @@ RELEASE_FN = CFUNCTYPE(None, c_void_p)
 _T = POINTER(vmmipc_ticket)
 _O = POINTER(vmmipc_options)
 _STREAM = c_void_p  # vmmipc_stream *, opaque
+_POOL = c_void_p  # vmmipc_pool *, opaque
 
 # name: (restype, argtypes) for every symbol of vmmipc.h.
 SIGNATURES = {
@@ -177,6 +195,13 @@ SIGNATURES = {
     "vmmipc_unmap": (c_int, [POINTER(vmmipc_mapping)]),
     "vmmipc_cache_set_limit": (c_int, [c_uint64]),
     "vmmipc_cache_get_info": (c_int, [POINTER(vmmipc_cache_info), ctypes.c_size_t]),
+    "vmmipc_pool_create": (c_int, [c_int, c_uint64, c_uint64, POINTER(_POOL)]),
+    "vmmipc_pool_alloc": (c_int, [_POOL, c_uint64, POINTER(c_uint64)]),
+    "vmmipc_pool_free": (c_int, [_POOL, c_uint64]),
+    "vmmipc_pool_trim": (c_int, [_POOL, c_uint64, POINTER(c_uint64)]),
+    "vmmipc_pool_get_info": (c_int, [_POOL, POINTER(vmmipc_pool_info), ctypes.c_size_t]),
+    "vmmipc_pool_destroy": (c_int, [_POOL]),
+    "vmmipc_torch_pool": (c_int, [c_int, c_uint64, POINTER(_POOL)]),
     "vmmipc_strerror": (c_char_p, [c_int]),
     "vmmipc_last_error": (c_char_p, []),
     "vmmipc_version": (c_char_p, []),

@@ -56,6 +56,11 @@ Rules the caller keeps (the same as torch's own CUDA sharing):
   - The fork start method cannot work (VmmipcForkError): use spawn or
     forkserver.
 
+Memory made for sharing: inside ``with vmmipc.torch.sharing_pool():``
+tensors are allocated in 1 GiB chunks (settable) of libvmmipc's pool, so a
+model is a handful of handles for a receiver instead of hundreds (see
+_torch_pool.py and README.md, "Chunk size sets the speed").
+
 torch is imported lazily: without it, ``import vmmipc.torch`` works and the
 functions raise ImportError saying what is missing.
 """
@@ -68,6 +73,7 @@ import vmmipc as _vmmipc
 
 from . import _args, _reductions, _torch_receive, _torch_send
 from ._torch_env import POSIX_FD_HANDLE, handle_type_names, torch_module
+from ._torch_pool import PoolInfo, SharingPool, release_sharing_pool, sharing_pool, sharing_pools
 from ._torch_receive import open_tensors
 from ._torch_send import (EVENT_KEEP_SECONDS, MAX_PENDING_PICKLES, batch, is_vmm_tensor,
                           reduce_storage, reduce_tensor, share_tensors)
@@ -136,6 +142,8 @@ try:
 except ImportError:
     pass  # no torch: the functions above raise a clear ImportError when used
 
-__all__ = ["EVENT_KEEP_SECONDS", "MAX_PENDING_PICKLES", "POSIX_FD_HANDLE", "batch", "handle_type_names", "install",
-           "is_vmm_tensor", "open_tensors", "reduce_storage", "reduce_tensor",
-           "set_ordering", "set_pickle_ttl", "set_receive_device", "share_tensors"]
+__all__ = ["EVENT_KEEP_SECONDS", "MAX_PENDING_PICKLES", "POSIX_FD_HANDLE", "PoolInfo", "SharingPool",
+           "batch", "handle_type_names", "install", "is_vmm_tensor", "open_tensors",
+           "reduce_storage", "reduce_tensor", "release_sharing_pool", "set_ordering",
+           "set_pickle_ttl", "set_receive_device", "share_tensors", "sharing_pool",
+           "sharing_pools"]

@@ -1,0 +1,98 @@
+/* big_chunks_sender: allocates a model's weights in a vmmipc pool of 1 GiB
+ * chunks and shares one 256 MiB buffer of them, a sub-range of a chunk,
+ * with one receiver, which maps that one chunk and reads the buffer at its
+ * offset.
+ *
+ *   big_chunks_sender | big_chunks_receiver   (examples/cuda/run.sh builds and runs it)
+ *
+ * GPU 0 of this process; byte i of the shared buffer is i % 251. The sender
+ * prints one line, "<ticket hex> <offset> <size>", on stdout (messages on
+ * stderr) and stays until the receiver has every chunk, or a minute. */
+#include <stdlib.h>
+
+#include "cuda_check.h"
+
+/* readme-snippet: cuda-big-chunks */
+#include <stdint.h>
+#include <stdio.h>
+#include <cuda.h>
+#include <vmmipc.h>
+
+/* share_sub_range registers the chunk(s) under [dptr, dptr + size) of pool
+ * memory for one receiver, prints the ticket with the buffer's offset in
+ * them and its size, and waits until the receiver has pulled every chunk. */
+int share_sub_range(uint64_t dptr, uint64_t size) {
+  vmmipc_cuda_range_info range; /* the chunks under the buffer: one here */
+  int rc = vmmipc_cuda_query_range(dptr, size, &range);
+  vmmipc_options opts;
+  vmmipc_options_init(&opts, sizeof opts);
+  opts.uses = 1;
+  vmmipc_ticket ticket;
+  if (rc == VMMIPC_OK) rc = vmmipc_register_cuda(range.base, range.size, &opts, &ticket);
+  if (rc != VMMIPC_OK) {
+    fprintf(stderr, "sharing [%#llx, +%llu): %s: %s\n", (unsigned long long)dptr,
+            (unsigned long long)size, vmmipc_strerror(rc), vmmipc_last_error());
+    return 1;
+  }
+  for (size_t i = 0; i < sizeof ticket.bytes; i++) printf("%02x", ticket.bytes[i]);
+  printf(" %llu %llu\n", (unsigned long long)(dptr - range.base), (unsigned long long)size);
+  fflush(stdout);
+  rc = vmmipc_wait(&ticket, 60000); /* the server lives in this process */
+  if (rc != VMMIPC_OK) {
+    fprintf(stderr, "vmmipc_wait: %s: %s\n", vmmipc_strerror(rc), vmmipc_last_error());
+    return 1;
+  }
+  return 0;
+}
+
+int fill(uint64_t dptr, uint64_t size); /* defined below: byte i = i % 251 */
+
+/* weights allocates a few tensors' worth in a pool of 1 GiB chunks (0: the
+ * default chunk size) and shares the second. */
+int weights(void) {
+  vmmipc_pool *pool;
+  int rc = vmmipc_pool_create(0, 0, 0, &pool);
+  if (rc != VMMIPC_OK) {
+    fprintf(stderr, "vmmipc_pool_create: %s: %s\n", vmmipc_strerror(rc), vmmipc_last_error());
+    return 1;
+  }
+  uint64_t embed = 0, layer = 0;
+  uint64_t size = 256u << 20;
+  rc = vmmipc_pool_alloc(pool, 64u << 20, &embed); /* side by side in the first chunk */
+  if (rc == VMMIPC_OK) rc = vmmipc_pool_alloc(pool, size, &layer);
+  int status = 1;
+  if (rc != VMMIPC_OK) {
+    fprintf(stderr, "vmmipc_pool_alloc: %s: %s\n", vmmipc_strerror(rc), vmmipc_last_error());
+  } else if (fill(layer, size) == 0) {
+    status = share_sub_range(layer, size);
+  }
+  /* Registered chunks stay alive for the receiver: the pool may free now. */
+  if (layer) vmmipc_pool_free(pool, layer);
+  if (embed) vmmipc_pool_free(pool, embed);
+  vmmipc_pool_destroy(pool);
+  return status;
+}
+/* end readme-snippet */
+
+int fill(uint64_t dptr, uint64_t size) {
+  unsigned char *pattern = malloc(size);
+  if (pattern == NULL) {
+    fprintf(stderr, "big_chunks_sender: out of host memory for %llu bytes\n", (unsigned long long)size);
+    return -1;
+  }
+  for (uint64_t i = 0; i < size; i++) pattern[i] = (unsigned char)(i % 251);
+  int ok = cuda_ok(cuMemcpyHtoD((CUdeviceptr)dptr, pattern, size), "cuMemcpyHtoD");
+  free(pattern);
+  return ok ? 0 : -1;
+}
+
+int main(void) {
+  CUdevice dev;
+  CUcontext ctx;
+  if (retain_primary(0, &dev, &ctx) != 0) return 1;
+  int status = 1;
+  if (cuda_ok(cuCtxSetCurrent(ctx), "cuCtxSetCurrent")) status = weights();
+  cuDevicePrimaryCtxRelease(dev);
+  if (status == 0) fprintf(stderr, "big_chunks_sender: the receiver has the buffer\n");
+  return status;
+}
