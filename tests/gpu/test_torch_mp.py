@@ -1343,7 +1343,7 @@ def dying_pool():
     pool = ctx.Pool(1, initializer=pool_init, initargs=(res,))
     problems = []
     try:
-        pool.apply(simple_autograd_function)  # the worker is up (CUDA, vmmipc.torch)
+        pool.apply(os.getpid)  # the worker is up (its initializer ran: CUDA, vmmipc.torch)
         gc.collect()
         live0, alloc0 = settled_live(), torch.cuda.memory_allocated()
         pool.apply_async(pool_hold, (dying_named(),))
