@@ -6,8 +6,9 @@
 #
 # Suites: cuda (run.sh), fault (run_fault.sh), peer (run_peer.sh), python
 # (test_python_cuda.py), pytest (tests/python on this host), torch
-# (run_torch.sh), torch-model (run_torch.sh with test_torch_model.py),
-# torch-pool (run_torch.sh with test_torch_pool.py), examples (examples/cuda/run.sh; needs the prefix that
+# (run_torch.sh), torch-model (run_torch.sh with test_torch_model.py), torch-mp
+# (run_torch.sh with test_torch_mp.py), torch-pool (run_torch.sh with test_torch_pool.py),
+# examples (examples/cuda/run.sh; needs the prefix that
 # `make test-install` leaves, carried in build/), torch-example
 # (examples/python/torch_state_dict.py), torch-sync (examples/python/torch_weight_sync.py),
 # torch-pool-example (examples/python/torch_sharing_pool.py).
@@ -21,7 +22,7 @@ logdir=${1:?usage: tests/gpu/run_all.sh LOGDIR [SUITE...]}
 shift
 mkdir -p "$logdir"
 suites=("$@")
-[ ${#suites[@]} -gt 0 ] || suites=(cuda fault peer python pytest torch torch-model torch-pool examples torch-example torch-sync torch-pool-example)
+[ ${#suites[@]} -gt 0 ] || suites=(cuda fault peer python pytest torch torch-model torch-mp torch-pool examples torch-example torch-sync torch-pool-example)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
 
 run() { # name limit command...
@@ -46,6 +47,7 @@ for s in "${suites[@]}"; do
     pytest) run pytest 180 python3 -m pytest -q -p no:cacheprovider tests/python ;;
     torch) run torch 300 sh tests/gpu/run_torch.sh ;;
     torch-model) run torch-model 540 env TORCH_TEST=tests/gpu/test_torch_model.py sh tests/gpu/run_torch.sh ;;
+    torch-mp) run torch-mp 1800 env TORCH_TEST=tests/gpu/test_torch_mp.py sh tests/gpu/run_torch.sh ;;
     torch-pool) run torch-pool 540 env TORCH_TEST=tests/gpu/test_torch_pool.py sh tests/gpu/run_torch.sh ;;
     examples) run examples 60 bash examples/cuda/run.sh ;;
     torch-example) run torch-example 120 python3 examples/python/torch_state_dict.py ;;

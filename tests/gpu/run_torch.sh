@@ -3,8 +3,11 @@
 # tests/gpu/no_pidfd_getfd, a seccomp filter that refuses pidfd_getfd with
 # EPERM as a container without CAP_SYS_PTRACE does. The test is
 # tests/gpu/test_torch.py, or $TORCH_TEST (tests/gpu/test_torch_model.py:
-# models, the bulk API, a killed sender; tests/gpu/test_torch_pool.py:
-# vmmipc.torch.sharing_pool). For test_torch.py the second run
+# models, the bulk API, a killed sender; tests/gpu/test_torch_mp.py: the CUDA
+# scenarios of PyTorch's own test_multiprocessing.py, send-delete-reuse,
+# receivers that die, send_many timed next to torch's own path;
+# tests/gpu/test_torch_pool.py: vmmipc.torch.sharing_pool). For
+# test_torch.py the second run
 # also shows torch's own expandable-segment sharing failing ("pidfd_getfd:
 # Operation not permitted"). Needs a CUDA GPU, PyTorch, gcc and
 # build/libvmmipc.so (`make lib`). Run from the repository root; arguments
@@ -13,6 +16,7 @@
 #   sh tests/gpu/run_torch.sh [scenario...]
 #   TORCH_TEST=tests/gpu/test_torch_model.py sh tests/gpu/run_torch.sh [scenario...]
 #   TORCH_TEST=tests/gpu/test_torch_pool.py sh tests/gpu/run_torch.sh [scenario...]
+#   TORCH_TEST=tests/gpu/test_torch_mp.py sh tests/gpu/run_torch.sh [scenario...]
 set -u
 PYTHON=${PYTHON:-python3}
 TEST=${TORCH_TEST:-tests/gpu/test_torch.py}
