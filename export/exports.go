@@ -460,7 +460,7 @@ func vmmipcgo_confirm(ticket *C.vmmipc_ticket, opts *C.vmmipc_options) C.int {
 //export vmmipcgo_release
 func vmmipcgo_release(ticket *C.vmmipc_ticket) C.int {
 	return call("vmmipc_release", func() error {
-		t, err := readTicket(ticket)
+		t, err := readTicket("vmmipc_release", ticket)
 		if err != nil {
 			return err
 		}
