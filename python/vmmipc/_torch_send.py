@@ -346,8 +346,8 @@ def tensor_meta(torch, tensor) -> tuple:
     """What rebuilds tensor over its storage (receive.tensor_over's
     arguments after the storage), checking that it can be sent."""
     if tensor.requires_grad and not tensor.is_leaf:
-        raise RuntimeError("cannot send a non-leaf tensor that requires grad: autograd does "
-                           "not cross processes; send tensor.detach() instead")
+        raise RuntimeError("cannot send a non-leaf tensor with requires_grad=True: autograd "
+                           "does not cross processes; send tensor.detach() instead")
     if tensor.is_conj() or tensor.is_neg():
         raise ValueError("cannot send a tensor with a lazy conjugate or negative bit through "
                          "vmmipc: call tensor.resolve_conj() or tensor.resolve_neg() first")
@@ -359,7 +359,9 @@ def tensor_meta(torch, tensor) -> tuple:
 def _tensor_reduction(torch, tensor, storage, run: RunAnchor, b: Batch | None):
     # One call per tensor, its storage's arguments inline: the receiver's
     # table of received storages gives views of one storage one storage.
-    return (rebuild_tensor, (_storage_args(storage, run, b),) + tensor_meta(torch, tensor))
+    # The checks first: a tensor refused must leave no grant behind.
+    meta = tensor_meta(torch, tensor)
+    return (rebuild_tensor, (_storage_args(storage, run, b),) + meta)
 
 
 def reduce_tensor(tensor):

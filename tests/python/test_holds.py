@@ -153,3 +153,54 @@ def test_receivers_killed_after_cache_hits_leave_nothing_pending():
         done.close()
     assert h.wait_for(lambda: vmmipc.live_registrations() == live, timeout=6), \
         f"{vmmipc.live_registrations() - live} registrations still live 6 s after the receivers died"
+
+
+# -- vmmipc.torch's receiver: which grant keeps each storage -----------------
+
+class _Storage:
+    """A stand-in for a received torch storage (only its lifetime matters)."""
+
+
+def test_torch_receiver_holds_each_grant_while_a_storage_needs_it(monkeypatch):
+    import gc
+
+    from vmmipc import _torch_receive
+    released = []
+    monkeypatch.setattr(_torch_receive, "release", released.append)
+    holds = _torch_receive._Holds()
+    a, b = _Storage(), _Storage()
+    holds.attach(a, "g1")  # one pickle of a and b
+    holds.attach(b, "g1")
+    holds.attach(a, "g1")  # another view of a in the same pickle
+    assert released == [] and holds.held() == 1
+    holds.attach(a, "g2")  # a sent again: g2 takes over a, g1 still keeps b
+    assert released == [] and holds.held() == 2
+    del b
+    gc.collect()
+    assert released == ["g1"], "the last storage g1 kept died: g1 is let go of"
+    c = _Storage()
+    holds.attach(c, "g3")
+    holds.attach(a, "g3")  # a and c sent together: g2 kept only a
+    assert released == ["g1", "g2"] and holds.held() == 1
+    del a
+    gc.collect()
+    assert released == ["g1", "g2"], "g3 still keeps c"
+    del c
+    gc.collect()
+    assert released == ["g1", "g2", "g3"] and holds.held() == 0
+
+
+def test_torch_receiver_ignores_a_release_that_finds_nothing(monkeypatch):
+    import gc
+
+    from vmmipc import _torch_receive
+
+    def gone(grant):
+        raise vmmipc.NotFoundError("holds no use", vmmipc.ENOENT, "vmmipc.release")
+    monkeypatch.setattr(_torch_receive, "release", gone)
+    holds = _torch_receive._Holds()
+    s = _Storage()
+    holds.attach(s, "old-sender's grant")
+    del s
+    gc.collect()  # a finalizer: it must not raise
+    assert holds.held() == 0

@@ -668,7 +668,7 @@ def test_parameters_and_requires_grad_are_kept():
     frozen = torch.nn.Parameter(torch.arange(4, dtype=torch.int8), requires_grad=False)
     got = over(frozen.untyped_storage(), *meta(torch, frozen))
     assert type(got) is torch.nn.Parameter and not got.requires_grad
-    with pytest.raises(RuntimeError, match="non-leaf tensor that requires grad"):
+    with pytest.raises(RuntimeError, match="requires_grad"):  # the word torch's own test asserts
         meta(torch, p * 2)
     z = torch.randn(4, dtype=torch.complex64).conj()  # a lazy view: the bit is not in the data
     with pytest.raises(ValueError, match="resolve_conj"):
@@ -726,3 +726,22 @@ def test_ordering_follows_the_socket_directory(monkeypatch):
         assert _torch_send.ordering() == "event"
     finally:
         vt.set_ordering("auto")
+
+
+def test_a_refused_tensor_leaves_no_grant(fake):
+    """A non-leaf tensor that requires grad is refused (RuntimeError naming
+    requires_grad, the word torch's own test asserts) before anything is
+    granted: no registration is left holding its memory."""
+    runs = _torch_runs.runs
+    s = Storage(BASE, 1 << 20)
+    plan(runs, s)
+    granted = len(fake.again)
+
+    class NonLeaf:
+        requires_grad, is_leaf = True, False
+
+    b = _torch_send.Batch()
+    b._events[0] = b"event"
+    with pytest.raises(RuntimeError, match="requires_grad"):
+        _torch_send._tensor_reduction(None, NonLeaf(), s, runs.attached(s), b)
+    assert len(fake.again) == granted, "the refused tensor's send made a grant"
