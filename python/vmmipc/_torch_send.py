@@ -40,8 +40,14 @@ from ._torch_receive import BLOB_MAGIC, rebuild_storage, rebuild_tensor
 from ._torch_runs import RunAnchor, runs
 
 # An interprocess event is kept in the sender until it has completed and at
-# least this long has passed since it was pickled.
+# least this long has passed since it was pickled; then it is used again.
 EVENT_KEEP_SECONDS = 2.0
+
+# Interprocess events kept at most (torch's own bound,
+# CUDA_IPC_MAXIMUM_EVENTS_TO_USE): beyond it a pickle synchronizes its
+# stream instead of sending an event, so a loop of many small sends never
+# runs the driver out of event resources.
+MAX_EVENTS = 1000
 
 # Pickles of one run that may wait for their receivers at once; beyond it the
 # oldest grant is ended (its receiver gets ENOENT), so a receiver that stopped
@@ -85,28 +91,57 @@ def ordering() -> str:
 
 
 class _SentEvents:
-    """Interprocess events of batches, kept until they have completed here
-    and EVENT_KEEP_SECONDS have passed (a receiver opens the handle after
-    importing, by then possibly after this process let go of the storage)."""
+    """Interprocess events of batches: each is kept until it has completed
+    here and EVENT_KEEP_SECONDS have passed (a receiver opens the handle
+    after importing, by then possibly after this process let go of the
+    storage), then recorded again for a later batch (its handle is the
+    same; a receiver that opens it late waits for more work, never less).
+    At most MAX_EVENTS exist; past that, record returns None and the caller
+    synchronizes instead."""
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._kept: collections.deque = collections.deque()
+        self._kept: collections.deque = collections.deque()  # (time, device, event, handle)
+        self._free: dict[int, list] = {}  # device -> [(event, handle)] ready to record again
+        self._count = 0  # events made, kept or free
 
-    def record(self, torch, device: int) -> bytes:
+    def record(self, torch, device: int) -> bytes | None:
         """Record an event on this thread's current stream of device and
-        return its interprocess handle (64 bytes of plain data)."""
-        with torch.cuda.device(device):
-            event = torch.cuda.Event(interprocess=True)
-            event.record(torch.cuda.current_stream(device))
-            handle = event.ipc_handle()
+        return its interprocess handle (64 bytes of plain data); None when
+        MAX_EVENTS are all in use."""
         now = time.monotonic()
         with self._lock:
-            self._kept.append((now, event))
             while (self._kept and now - self._kept[0][0] >= EVENT_KEEP_SECONDS
-                   and self._kept[0][1].query()):
-                self._kept.popleft()
+                   and self._kept[0][2].query()):
+                _, dev, event, handle = self._kept.popleft()
+                self._free.setdefault(dev, []).append((event, handle))
+            free = self._free.get(device)
+            reused = free.pop() if free else None
+            if reused is None:
+                if self._count >= MAX_EVENTS:
+                    return None
+                self._count += 1
+        try:
+            with torch.cuda.device(device):
+                if reused is None:
+                    event = torch.cuda.Event(interprocess=True)
+                else:
+                    event, handle = reused
+                event.record(torch.cuda.current_stream(device))
+                if reused is None:
+                    handle = event.ipc_handle()
+        except BaseException:
+            with self._lock:
+                self._count -= 1
+            raise
+        with self._lock:
+            self._kept.append((now, device, event, handle))
         return handle
+
+    def counts(self) -> tuple[int, int]:
+        """(events in existence, of which kept for receivers), for tests."""
+        with self._lock:
+            return self._count, len(self._kept)
 
 
 _events = _SentEvents()
@@ -151,11 +186,9 @@ class Batch:
         if device in self._events:
             return self._events[device]
         torch = torch_module()
-        if ordering() == "sync":
+        handle = None if ordering() == "sync" else _events.record(torch, device)
+        if handle is None:  # ordering "sync", or every event is in use
             torch.cuda.current_stream(device).synchronize()
-            handle = None
-        else:
-            handle = _events.record(torch, device)
         self._events[device] = handle
         return handle
 
@@ -471,5 +504,5 @@ def dump_in_batch(pickler_dump):
     return dump
 
 
-__all__ = ["EVENT_KEEP_SECONDS", "batch", "is_vmm_tensor", "reduce_storage",
+__all__ = ["EVENT_KEEP_SECONDS", "MAX_EVENTS", "batch", "is_vmm_tensor", "reduce_storage",
            "reduce_tensor", "share_tensors"]

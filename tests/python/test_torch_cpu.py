@@ -12,6 +12,7 @@ Two kinds:
 The CUDA paths themselves are tested on the GPU by tests/gpu/test_torch.py.
 """
 
+import contextlib
 import gc
 import importlib.util
 import os
@@ -745,3 +746,69 @@ def test_a_refused_tensor_leaves_no_grant(fake):
     with pytest.raises(RuntimeError, match="requires_grad"):
         _torch_send._tensor_reduction(None, NonLeaf(), s, runs.attached(s), b)
     assert len(fake.again) == granted, "the refused tensor's send made a grant"
+
+
+class _FakeEvent:
+    made = 0
+
+    def __init__(self, interprocess=False):
+        assert interprocess
+        _FakeEvent.made += 1
+        self.handle = b"event-%d" % _FakeEvent.made
+        self.done = False
+        self.records = 0
+
+    def record(self, stream):
+        self.records += 1
+        self.done = False
+
+    def query(self):
+        return self.done
+
+    def ipc_handle(self):
+        return self.handle
+
+
+class _FakeStream:
+    def __init__(self):
+        self.syncs = 0
+
+    def synchronize(self):
+        self.syncs += 1
+
+
+class _FakeCudaTorch:
+    class cuda:
+        stream = _FakeStream()
+        Event = _FakeEvent
+
+        @staticmethod
+        def device(d):
+            return contextlib.nullcontext()
+
+        @staticmethod
+        def current_stream(d):
+            return _FakeCudaTorch.cuda.stream
+
+
+def test_interprocess_events_are_bounded_and_reused(monkeypatch):
+    """At most MAX_EVENTS exist; an event that completed and is older than
+    EVENT_KEEP_SECONDS is recorded again (same handle); with every event in
+    use a pickle synchronizes its stream and sends none (torch's bound)."""
+    monkeypatch.setattr(_torch_send, "MAX_EVENTS", 3)
+    monkeypatch.setattr(_torch_send, "EVENT_KEEP_SECONDS", 0.0)
+    monkeypatch.setattr(_torch_send, "torch_module", lambda: _FakeCudaTorch)
+    monkeypatch.setattr(_torch_send, "_events", _torch_send._SentEvents())
+    monkeypatch.setattr(_torch_send, "ordering", lambda: "event")
+    events = _torch_send._events
+    handles = [_torch_send.Batch().event(0) for _ in range(3)]
+    assert len(set(handles)) == 3 and events.counts() == (3, 3)
+    stream = _FakeCudaTorch.cuda.stream
+    syncs = stream.syncs
+    assert _torch_send.Batch().event(0) is None, "a 4th event while 3 are in use"
+    assert stream.syncs == syncs + 1, "with no event to send, the pickle synchronizes"
+    for _, _, e, _ in list(events._kept):
+        e.done = True
+    again = _torch_send.Batch().event(0)
+    assert again in handles, "a completed event is recorded again, not a new one made"
+    assert events.counts()[0] == 3
