@@ -461,8 +461,11 @@ def share_tensors(named_tensors) -> bytes:
     together (one anchor per run of chunks), with one grant per anchor and
     one event per device; each tensor keeps its storage offset, shape,
     stride, dtype, requires_grad and Parameter-ness, and tensors sharing a
-    storage arrive sharing one. The tensors stay alive here until the
-    receiver has them (or set_pickle_ttl's time passes)."""
+    storage arrive sharing one. The tensors stay alive here, out of torch's
+    allocator's reach, until the receiver has let go of every tensor it
+    opened from them, or has died (torch.multiprocessing's rule, as for a
+    Queue); a blob never opened keeps them until set_pickle_ttl's time
+    passes."""
     torch = torch_module()
     if isinstance(named_tensors, dict):
         items, kind = list(named_tensors.items()), "dict"
