@@ -66,6 +66,17 @@ PYTHON_NAMES = {
     "vmmipc_close": "Stream.close",
     "vmmipc_import_stream": "vmmipc.import_stream",
     "vmmipc_confirm": "vmmipc.confirm",
+    "vmmipc_release": "vmmipc.release",
+    "vmmipc_holds": "vmmipc.holds",
+    "vmmipc_torch_pool": "vmmipc.torch.sharing_pool",
+    "vmmipc_torch_alloc": "vmmipc.torch.sharing_pool (allocating)",
+    "vmmipc_torch_free": "vmmipc.torch.sharing_pool (freeing)",
+    "vmmipc_pool_create": "vmmipc.torch.sharing_pool",
+    "vmmipc_pool_alloc": "vmmipc.torch.sharing_pool (allocating)",
+    "vmmipc_pool_free": "vmmipc.torch.sharing_pool (freeing)",
+    "vmmipc_pool_trim": "vmmipc.torch.release_sharing_pool",
+    "vmmipc_pool_get_info": "vmmipc.torch.sharing_pools",
+    "vmmipc_pool_destroy": "vmmipc.torch.release_sharing_pool",
     "vmmipc_unmap": "Mapping.close",
     "vmmipc_cache_set_limit": "vmmipc.set_cache_limit",
     "vmmipc_cache_get_info": "vmmipc.cache_info",
@@ -85,7 +96,7 @@ _PHRASES = [
 ]
 _C_FUNCTION = r"\bvmmipc_[a-z_]+\b"
 _C_CONSTANT = (r"\bVMMIPC_(DEVICE_HOST|DEVICE_SAME|MEMORY_HOST|MEMORY_CUDA|IMPORT_NO_CACHE|"
-               r"IMPORT_CONFIRM_LATER|MAX_[A-Z_]+|TICKET_SIZE)\b")
+               r"IMPORT_CONFIRM_LATER|IMPORT_HOLD|MAX_[A-Z_]+|TICKET_SIZE)\b")
 
 
 def python_name(function: str) -> str:

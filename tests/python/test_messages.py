@@ -178,7 +178,10 @@ def test_every_library_message_reads_in_python_terms():
     """What python_message leaves of each message of the library: none of
     the C API's words that the Python API spells otherwise."""
     c_words = re.compile(r"timeout_ms|ttl_ms|VMMIPC_(DEVICE|MEMORY|IMPORT)_[A-Z_]+|\bvmmipc_[a-z_]+")
-    texts = [t for t in library_messages() if c_words.search(t)]
+    # Messages about a NULL or short vmmipc_options struct are C-only: the
+    # Python package always passes one it filled with vmmipc_options_init.
+    texts = [t for t in library_messages() if c_words.search(t) and "vmmipc_options " not in t
+             and "vmmipc_options o;" not in t]
     assert len(texts) > 20, "the scan found the library's messages"
     left = {t: _errors.python_message(t) for t in texts}
     bad = {t: p for t, p in left.items() if re.search(
