@@ -15,14 +15,20 @@ import (
 // held use is let go with Release, which queues the registration id; a
 // goroutine per session sends what is queued in batches, off the caller's
 // path. The receiver's death closes the connection, which lets go of
-// everything it held: nothing else is needed for that.
+// everything it held: nothing else is needed for that. One goroutine per
+// session reads it: the answers to uses, and its end, so that a session
+// whose exporter has gone is closed at once rather than kept open until
+// its next use.
 type holder struct {
 	key   string // the exporter (Ticket.exporterKey)
 	c     *conn
 	tr    transcript // the session's handshake: uses are proved bound to it
 	token holderToken
+	acks  chan useAckMsg // from the reader: one per use sent
+	done  chan struct{}  // closed by the reader when the session ends
 
-	mu       sync.Mutex // one message exchange at a time on c
+	using    sync.Mutex // one use at a time: send, then its answer
+	mu       sync.Mutex // the fields below, and every send on c
 	broken   error      // sticky: the session is over
 	held     map[uint64]int
 	queued   []uint64 // registration ids to let go of
@@ -70,14 +76,67 @@ func adoptHolder(t *Ticket, c *conn, tr transcript, held bool) (*holder, error) 
 	if err != nil {
 		return nil, err
 	}
-	h := &holder{key: t.exporterKey(), c: c, tr: tr, token: m.Token, held: map[uint64]int{}}
+	h := &holder{key: t.exporterKey(), c: c, tr: tr, token: m.Token, held: map[uint64]int{},
+		acks: make(chan useAckMsg, 1), done: make(chan struct{})}
 	if held {
 		h.held[t.RegID]++
 	}
 	holders.mu.Lock()
 	holders.m[h.key] = append(holders.m[h.key], h)
 	holders.mu.Unlock()
+	// The reader waits as long as the session lives, and sends are not
+	// bounded (the exporter's session reads all the time): only the wait
+	// for a use's answer is (use). c.timeout is then never written again,
+	// since the reader reads it concurrently.
+	c.deadline, c.timeout = time.Time{}, 0
+	go h.read()
 	return h, nil
+}
+
+// read hands the answers to uses over to use, until the session ends: the
+// exporter hung up (it exited: what was held here it let go of) or broke
+// the protocol; then the session is closed and forgotten.
+func (h *holder) read() {
+	defer close(h.done)
+	for {
+		f, err := h.c.recv()
+		if err == nil && f.FD >= 0 {
+			closeFD(&f.FD)
+			err = Errorf(EINVAL, "protocol: the exporter sent a descriptor on a holder session")
+		}
+		if err == nil && f.Type == msgError {
+			err = remoteError(f.Body)
+		} else if err == nil && f.Type != msgUseAck {
+			err = Errorf(EINVAL, "protocol: expected use-ack on a holder session, got %s", msgName(f.Type))
+		}
+		var ack useAckMsg
+		if err == nil {
+			ack, err = parseUseAck(f.Body)
+		}
+		if err != nil {
+			h.mu.Lock()
+			h.fail(WrapErr(EIO, err, "the exporter's holder session ended"))
+			h.mu.Unlock()
+			return
+		}
+		select {
+		case h.acks <- ack:
+		default: // an answer nobody asked for
+			h.mu.Lock()
+			h.fail(Errorf(EINVAL, "protocol: a use-ack for registration %d that was not asked for", ack.RegID))
+			h.mu.Unlock()
+			return
+		}
+	}
+}
+
+// took records a use held on h by a stream that named it (hold-for).
+func (h *holder) took(id uint64) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.broken == nil {
+		h.held[id]++
+	}
 }
 
 // fail marks h over and forgets it; what it held the exporter let go of
@@ -115,38 +174,48 @@ func (h *holder) use(t *Ticket, timeout time.Duration) (ackFlags uint64, broken 
 	}
 	tr := h.tr
 	tr.RegID, tr.Flags, tr.TicketDigest = t.RegID, useProofFlag, digest
+	h.using.Lock()
+	defer h.using.Unlock()
 	h.mu.Lock()
-	defer h.mu.Unlock()
 	if h.broken != nil {
+		h.mu.Unlock()
 		return 0, true, h.broken
 	}
-	h.c.timeout = timeout
-	if err := h.c.send(useMsg{RegID: t.RegID, Proof: tr.proof(t.Secret, roleReceiver)}.encode(), -1); err != nil {
-		h.fail(pendingError(h.c, err))
-		return 0, true, h.broken
-	}
-	f, err := recvControl(h.c, "use-ack")
-	if err == nil && f.Type != msgUseAck {
-		err = Errorf(EINVAL, "protocol: expected use-ack, got %s", msgName(f.Type))
-	}
-	var ack useAckMsg
-	if err == nil {
-		ack, err = parseUseAck(f.Body)
-	}
-	if err == nil && ack.RegID != t.RegID {
-		err = Errorf(EINVAL, "protocol: use of registration %d answered for registration %d", t.RegID, ack.RegID)
-	}
+	err = h.c.send(useMsg{RegID: t.RegID, Proof: tr.proof(t.Secret, roleReceiver)}.encode(), -1)
 	if err != nil {
 		h.fail(err)
-		// A use that was sent but not answered may have been spent (and
-		// held: the end of the connection lets go of it): do not retry.
-		return 0, false, WrapErr(EIO, err, "use of registration %d on the exporter's holder session", t.RegID)
+		h.mu.Unlock()
+		return 0, true, h.broken
+	}
+	h.mu.Unlock()
+	timer := time.NewTimer(timeout)
+	defer timer.Stop()
+	var ack useAckMsg
+	select {
+	case ack = <-h.acks:
+	case <-h.done:
+		// Sent but not answered: it may have been spent (and held: the end
+		// of the connection let go of it). Do not retry.
+		h.mu.Lock()
+		defer h.mu.Unlock()
+		return 0, false, WrapErr(EIO, h.broken, "use of registration %d", t.RegID)
+	case <-timer.C:
+		h.mu.Lock()
+		defer h.mu.Unlock()
+		h.fail(Errorf(EIO, "use of registration %d: the exporter did not answer on its holder session within %v (raise timeout_ms if it is just busy)", t.RegID, timeout))
+		return 0, false, h.broken
+	}
+	if ack.RegID != t.RegID {
+		h.mu.Lock()
+		defer h.mu.Unlock()
+		h.fail(Errorf(EINVAL, "protocol: use of registration %d answered for registration %d", t.RegID, ack.RegID))
+		return 0, false, h.broken
 	}
 	if ack.Code != OK {
 		return 0, false, &Error{Code: ack.Code, Msg: ack.Text}
 	}
 	if ack.Flags&ackHeld != 0 {
-		h.held[t.RegID]++
+		h.took(t.RegID)
 	}
 	return ack.Flags, false, nil
 }
@@ -209,9 +278,8 @@ func (h *holder) flush() {
 		n := min(len(h.queued), maxReleaseBatch)
 		msg := releaseMsg{RegIDs: h.queued[:n]}.encode()
 		h.queued = h.queued[n:]
-		h.c.timeout = DefaultTimeout
 		if err := h.c.send(msg, -1); err != nil {
-			h.fail(pendingError(h.c, err))
+			h.fail(err)
 		}
 	}
 	h.queued = nil

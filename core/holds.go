@@ -32,7 +32,8 @@ import (
 // proved with the used registration's own secret, bound to the session's
 // handshake (wire_holds.go).
 type holderSession struct {
-	token holderToken
+	token  holderToken
+	hangUp func() // closes the connection (Server.Close); set before it is published
 
 	mu     sync.Mutex
 	held   map[uint64]*heldUse // by registration id
@@ -44,9 +45,10 @@ type heldUse struct {
 	n int // uses of g held on this session
 }
 
-// newHolder makes a holder session with a fresh token and publishes it.
-func (r *Registry) newHolder() (*holderSession, error) {
-	h := &holderSession{held: map[uint64]*heldUse{}}
+// newHolder makes a holder session with a fresh token and publishes it;
+// hangUp closes its connection.
+func (r *Registry) newHolder(hangUp func()) (*holderSession, error) {
+	h := &holderSession{held: map[uint64]*heldUse{}, hangUp: hangUp}
 	if _, err := rand.Read(h.token[:]); err != nil {
 		return nil, WrapErr(EINTERNAL, err, "holder session token")
 	}
@@ -80,6 +82,21 @@ func (r *Registry) closeHolder(h *holderSession) {
 		for ; u.n > 0; u.n-- {
 			u.g.unhold()
 		}
+	}
+}
+
+// hangUpHolders closes every holder session's connection, as the
+// exporter's exit would: each session then lets go of what it holds, and
+// its receiver closes its end.
+func (r *Registry) hangUpHolders() {
+	r.mu.Lock()
+	hs := make([]*holderSession, 0, len(r.holders))
+	for _, h := range r.holders {
+		hs = append(hs, h)
+	}
+	r.mu.Unlock()
+	for _, h := range hs {
+		h.hangUp()
 	}
 }
 

@@ -80,7 +80,7 @@ func TestHoldKeepsTheSenderUntilLetGo(t *testing.T) {
 	if d := cacheDelta(before); d.Hits != 1 {
 		t.Fatalf("the second import was not a cache hit: %+v", d)
 	}
-	if got := GetCacheInfo().HolderSessions; got != sessions {
+	if got := GetCacheInfo().HolderSessions; got > sessions { // earlier tests' may close meanwhile
 		t.Fatalf("a hit opened a holder session: %d, had %d", got, sessions)
 	}
 	if now := ourFDs().now(t); now != fdsBefore {
@@ -295,5 +295,69 @@ func TestHoldForAnEndedSession(t *testing.T) {
 	}
 	if em, _ := parseError(got.Body); em.Code != ENOENT {
 		t.Fatalf("hold-for an unknown session: %+v, want ENOENT", em)
+	}
+}
+
+// TestHoldOnASecondStream: a second new mapping from the same exporter (a
+// stream that names the holder session with hold-for) is held there too,
+// and its Release lets go of it.
+func TestHoldOnASecondStream(t *testing.T) {
+	cacheTest(t)
+	f := newHoldFixture(t)
+	other := registerCounting(t, f.s, cacheSize, 22, RegisterOptions{Uses: 0})
+	sessions := GetCacheInfo().HolderSessions
+	g1, _ := f.grant(t, true)
+	r1 := importHost(t, g1, holdImport) // the holder session
+	defer Unmap(r1.ID, r1.Base)
+	var released atomic.Bool
+	g2, err := f.s.RegisterAgain(other.tk, RegisterOptions{Uses: 1, Hold: true, OnRelease: func() { released.Store(true) }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r2 := importHost(t, g2, holdImport) // a miss: its own stream, hold-for
+	defer Unmap(r2.ID, r2.Base)
+	if err := verifyRef(r2, 22); err != nil {
+		t.Fatal(err)
+	}
+	if GetCacheInfo().HolderSessions != sessions+1 || GetCacheInfo().Holds != 2 {
+		t.Fatalf("sessions %d (had %d), holds %d; want one more and 2", GetCacheInfo().HolderSessions, sessions, GetCacheInfo().Holds)
+	}
+	stillHeld(t, f, g2, "a stream held through hold-for")
+	if err := Release(g2); err != nil {
+		t.Fatalf("releasing a use held through hold-for: %v", err)
+	}
+	releasedSoon(t, f, g2, "after Release")
+	if !released.Load() {
+		t.Fatal("OnRelease did not run")
+	}
+	if err := Release(g1); err != nil {
+		t.Fatal(err)
+	}
+	releasedSoon(t, f, g1, "after Release")
+}
+
+// TestHolderSessionEndsWithItsExporter: when the exporter goes (here its
+// server closes, as its exit would), the receiver's holder session is
+// closed at once, not kept open until its next use.
+func TestHolderSessionEndsWithItsExporter(t *testing.T) {
+	cacheTest(t)
+	f := newHoldFixture(t)
+	sessions := GetCacheInfo().HolderSessions
+	g, _ := f.grant(t, true)
+	if err := Confirm(g, holdImport); err != nil {
+		t.Fatal(err)
+	}
+	if holderFor(g) == nil {
+		t.Fatal("no holder session after a held use")
+	}
+	f.s.Close()
+	if !waitUntil(5*time.Second, func() bool { return holderFor(g) == nil }) {
+		t.Fatal("the holder session outlived its exporter's server")
+	}
+	if got := GetCacheInfo().HolderSessions; got > sessions { // earlier tests' may close meanwhile
+		t.Fatalf("holder sessions %d after the exporter went, had %d before", got, sessions)
+	}
+	if err := Release(g); CodeOf(err) != ENOENT {
+		t.Fatalf("releasing after the exporter went: %v, want ENOENT", err)
 	}
 }

@@ -195,6 +195,7 @@ func (s *Server) DirFiles() (dirfd int, names []string) {
 func (s *Server) Close() error {
 	s.adm.close()
 	err := s.ln.Close()
+	s.reg.hangUpHolders()
 	if s.files != nil {
 		s.files.release()
 	}

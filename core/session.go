@@ -99,7 +99,7 @@ func (ss *session) run() {
 	}
 	holder := holdFor
 	if hello.Flags&helloHolder != 0 {
-		if holder, err = ss.srv.reg.newHolder(); err != nil {
+		if holder, err = ss.srv.reg.newHolder(func() { _ = ss.c.Close() }); err != nil {
 			ss.refuse(err)
 			return
 		}

@@ -31,6 +31,7 @@ type Stream struct {
 	closing     atomic.Bool // set once by Close, before it takes mu
 	tr          transcript  // the handshake's (a holder session's uses are bound to it)
 	hold        uint64      // helloHolder: the connection becomes a holder session after done-ack
+	heldBy      *holder     // hold-for: the holder session the use is held on
 	adopted     atomic.Bool // it did: c belongs to holders now
 }
 
@@ -50,9 +51,10 @@ func open(t *Ticket, opts OpenOptions, hold bool) (*Stream, error) {
 	opts = opts.withDefaults()
 	var pre []byte
 	var flags uint64
+	var heldBy *holder
 	if hold {
-		if h := holderFor(t); h != nil {
-			pre = tokenMsg{Token: h.token}.encode(msgHoldFor)
+		if heldBy = holderFor(t); heldBy != nil {
+			pre = tokenMsg{Token: heldBy.token}.encode(msgHoldFor)
 		} else {
 			flags = helloHolder
 		}
@@ -60,13 +62,13 @@ func open(t *Ticket, opts OpenOptions, hold bool) (*Stream, error) {
 	c, tr, err := connect(t, opts.Timeout, flags, pre)
 	if err != nil && pre != nil && CodeOf(err) == ENOENT {
 		// The session named has just ended: be the holder session instead.
-		flags = helloHolder
+		flags, heldBy = helloHolder, nil
 		c, tr, err = connect(t, opts.Timeout, flags, nil)
 	}
 	if err != nil {
 		return nil, err
 	}
-	return &Stream{c: c, t: t, window: uint64(opts.Window), tr: tr, hold: flags}, nil
+	return &Stream{c: c, t: t, window: uint64(opts.Window), tr: tr, hold: flags, heldBy: heldBy}, nil
 }
 
 // errBusy is the server's "too many unauthenticated peers, retry".
@@ -395,11 +397,14 @@ func (s *Stream) finish() error {
 	if err != nil {
 		return err
 	}
-	if s.hold != 0 {
+	switch {
+	case s.hold != 0:
 		if _, err := adoptHolder(s.t, s.c, s.tr, ack&ackHeld != 0); err != nil {
 			return err
 		}
 		s.adopted.Store(true)
+	case s.heldBy != nil && ack&ackHeld != 0:
+		s.heldBy.took(s.t.RegID)
 	}
 	s.done, s.bufferLives = true, ack&ackBufferLives != 0
 	return errEnd

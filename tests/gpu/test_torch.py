@@ -352,6 +352,10 @@ def ordering(vt, w):
 
 
 def sender_lifetime(vt, w):
+    """torch.multiprocessing's rule: the receiver keeps the tensor; the
+    sender drops its own right after put(), empties its cache and allocates
+    the same size again: the receiver's values stay right, the sender keeps
+    the memory (its anchor lives) until the receiver lets go, then not."""
     problems = []
     live = settled_live()
     t = pattern(64 * MiB, torch.float32, 3)  # 256 MiB
@@ -360,16 +364,20 @@ def sender_lifetime(vt, w):
     del t  # the sender lets go right after put()
     gc.collect()
     problems += problems_of(w.answer())
+    if wait_live(live, timeout=1.0) == live:
+        problems.append("the sender let go of the tensor while the receiver holds it")
+    torch.cuda.empty_cache()  # nothing of the held tensor may go back
+    other = torch.full((64 * MiB,), -1.0, device="cuda")  # the same size, asked for again
+    torch.cuda.synchronize()
+    problems += problems_of(w.call(w_check_kept, "lifetime", "float32", 3))  # and dropped there
     after = wait_live(live)
     if after != live:
-        problems.append(f"{after - live} registrations of the dropped tensor still live")
-    torch.cuda.empty_cache()  # the freed pages go back to the driver
-    other = torch.full((64 * MiB,), -1.0, device="cuda")  # and are asked for again
-    torch.cuda.synchronize()
-    problems += problems_of(w.call(w_check_kept, "lifetime", "float32", 3))
+        problems.append(f"{after - live} registrations of the dropped tensor still live after "
+                        "the receiver dropped it too")
     del other
-    return problems, ("the sender dropped its tensor after put() and emptied its cache; the "
-                      "receiver's data stayed right; the anchor ended")
+    return problems, ("the sender dropped its tensor after put(), emptied its cache and "
+                      "allocated again; the receiver's data stayed right; the anchor ended once "
+                      "the receiver dropped it")
 
 
 def receiver_lifetime(vt):
