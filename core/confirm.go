@@ -92,6 +92,14 @@ func Confirm(t *Ticket, opts ImportOptions) error {
 	return err
 }
 
+// countFailed counts a use that failed out of the caller's sight (a held
+// use's answer: holder.go).
+func (c *confirmer) countFailed() {
+	c.mu.Lock()
+	c.failed++
+	c.mu.Unlock()
+}
+
 // counts reports confirmations queued or in flight, and those that failed.
 func (c *confirmer) counts() (pending, failed uint64) {
 	c.mu.Lock()

@@ -15,22 +15,27 @@ import (
 // held use is let go with Release, which queues the registration id; a
 // goroutine per session sends what is queued in batches, off the caller's
 // path. The receiver's death closes the connection, which lets go of
-// everything it held: nothing else is needed for that. One goroutine per
-// session reads it: the answers to uses, and its end, so that a session
-// whose exporter has gone is closed at once rather than kept open until
-// its next use.
+// everything it held: nothing else is needed for that.
+//
+// A use on the session does not wait for its answer (a cache hit adds no
+// round trip): its message is in the exporter's socket before the call
+// returns, so the receiver's death right after cannot lose it, and the
+// exporter reads the session's messages in order, so a later release of
+// the same registration comes after it. One goroutine per session reads
+// the answers, in the order the uses went out: a refused use is counted
+// (CacheInfo.ConfirmsFailed) and un-held here; and it sees the session's
+// end, so that a session whose exporter has gone is closed at once rather
+// than kept open until its next use.
 type holder struct {
 	key   string // the exporter (Ticket.exporterKey)
 	c     *conn
 	tr    transcript // the session's handshake: uses are proved bound to it
 	token holderToken
-	acks  chan useAckMsg // from the reader: one per use sent
-	done  chan struct{}  // closed by the reader when the session ends
 
-	using    sync.Mutex // one use at a time: send, then its answer
 	mu       sync.Mutex // the fields below, and every send on c
 	broken   error      // sticky: the session is over
 	held     map[uint64]int
+	sent     []uint64 // ids of uses sent and not answered yet, oldest first
 	queued   []uint64 // registration ids to let go of
 	flushing bool
 }
@@ -76,8 +81,7 @@ func adoptHolder(t *Ticket, c *conn, tr transcript, held bool) (*holder, error) 
 	if err != nil {
 		return nil, err
 	}
-	h := &holder{key: t.exporterKey(), c: c, tr: tr, token: m.Token, held: map[uint64]int{},
-		acks: make(chan useAckMsg, 1), done: make(chan struct{})}
+	h := &holder{key: t.exporterKey(), c: c, tr: tr, token: m.Token, held: map[uint64]int{}}
 	if held {
 		h.held[t.RegID]++
 	}
@@ -97,7 +101,6 @@ func adoptHolder(t *Ticket, c *conn, tr transcript, held bool) (*holder, error) 
 // exporter hung up (it exited: what was held here it let go of) or broke
 // the protocol; then the session is closed and forgotten.
 func (h *holder) read() {
-	defer close(h.done)
 	for {
 		f, err := h.c.recv()
 		if err == nil && f.FD >= 0 {
@@ -119,15 +122,45 @@ func (h *holder) read() {
 			h.mu.Unlock()
 			return
 		}
-		select {
-		case h.acks <- ack:
-		default: // an answer nobody asked for
-			h.mu.Lock()
-			h.fail(Errorf(EINVAL, "protocol: a use-ack for registration %d that was not asked for", ack.RegID))
-			h.mu.Unlock()
+		h.mu.Lock()
+		err = h.answered(ack)
+		if err != nil {
+			h.fail(err)
+		}
+		h.mu.Unlock()
+		if err != nil {
 			return
 		}
 	}
+}
+
+// answered takes the answer to the oldest use sent. Called with h.mu held.
+func (h *holder) answered(ack useAckMsg) error {
+	if len(h.sent) == 0 || h.sent[0] != ack.RegID {
+		return Errorf(EINVAL, "protocol: a use-ack for registration %d, which is not the use sent next", ack.RegID)
+	}
+	h.sent = h.sent[1:]
+	if ack.Code == OK && ack.Flags&ackHeld != 0 {
+		return nil
+	}
+	// Refused (the registration ended before this use, say), or not held
+	// (registered without Hold): nothing is held for it here.
+	h.letGoHere(ack.RegID)
+	if ack.Code != OK {
+		confirms.countFailed()
+	}
+	return nil
+}
+
+// letGoHere forgets one use of id held on h. Called with h.mu held.
+func (h *holder) letGoHere(id uint64) bool {
+	if h.held[id] == 0 {
+		return false
+	}
+	if h.held[id]--; h.held[id] == 0 {
+		delete(h.held, id)
+	}
+	return true
 }
 
 // took records a use held on h by a stream that named it (hold-for).
@@ -165,69 +198,38 @@ func (h *holder) fail(err error) {
 	holders.mu.Unlock()
 }
 
-// use spends one use of t on h: one message and its answer. broken says
-// that the session is over (then nothing was spent here: try another).
-func (h *holder) use(t *Ticket, timeout time.Duration) (ackFlags uint64, broken bool, err error) {
+// use spends one use of t on h, held until Release: one message, whose
+// answer the reader takes (no round trip). broken says that the session is
+// over (then nothing was sent: try another).
+func (h *holder) use(t *Ticket) (broken bool, err error) {
 	digest, err := t.Digest()
 	if err != nil {
-		return 0, false, err
+		return false, err
 	}
 	tr := h.tr
 	tr.RegID, tr.Flags, tr.TicketDigest = t.RegID, useProofFlag, digest
-	h.using.Lock()
-	defer h.using.Unlock()
 	h.mu.Lock()
+	defer h.mu.Unlock()
 	if h.broken != nil {
-		h.mu.Unlock()
-		return 0, true, h.broken
+		return true, h.broken
 	}
-	err = h.c.send(useMsg{RegID: t.RegID, Proof: tr.proof(t.Secret, roleReceiver)}.encode(), -1)
-	if err != nil {
+	if err := h.c.send(useMsg{RegID: t.RegID, Proof: tr.proof(t.Secret, roleReceiver)}.encode(), -1); err != nil {
 		h.fail(err)
-		h.mu.Unlock()
-		return 0, true, h.broken
+		return true, h.broken
 	}
-	h.mu.Unlock()
-	timer := time.NewTimer(timeout)
-	defer timer.Stop()
-	var ack useAckMsg
-	select {
-	case ack = <-h.acks:
-	case <-h.done:
-		// Sent but not answered: it may have been spent (and held: the end
-		// of the connection let go of it). Do not retry.
-		h.mu.Lock()
-		defer h.mu.Unlock()
-		return 0, false, WrapErr(EIO, h.broken, "use of registration %d", t.RegID)
-	case <-timer.C:
-		h.mu.Lock()
-		defer h.mu.Unlock()
-		h.fail(Errorf(EIO, "use of registration %d: the exporter did not answer on its holder session within %v (raise timeout_ms if it is just busy)", t.RegID, timeout))
-		return 0, false, h.broken
-	}
-	if ack.RegID != t.RegID {
-		h.mu.Lock()
-		defer h.mu.Unlock()
-		h.fail(Errorf(EINVAL, "protocol: use of registration %d answered for registration %d", t.RegID, ack.RegID))
-		return 0, false, h.broken
-	}
-	if ack.Code != OK {
-		return 0, false, &Error{Code: ack.Code, Msg: ack.Text}
-	}
-	if ack.Flags&ackHeld != 0 {
-		h.took(t.RegID)
-	}
-	return ack.Flags, false, nil
+	h.sent = append(h.sent, t.RegID)
+	h.held[t.RegID]++ // until an answer says otherwise
+	return false, nil
 }
 
-// useHeld spends one use of t, held if its registration holds: on a holder
-// session to its exporter, opened by this use if there is none. It reports
-// whether the buffer lives on, like confirm.
-func useHeld(t *Ticket, timeout time.Duration) (bool, error) {
+// useHeld spends one use of t, held if its registration holds: with one
+// message on this process's holder session to its exporter, or, with none,
+// by opening one with this use (then the answer is waited for). lives says
+// whether the buffer lives on, as far as is known without waiting.
+func useHeld(t *Ticket, timeout time.Duration) (lives bool, err error) {
 	for h := holderFor(t); h != nil; h = holderFor(t) {
-		flags, broken, err := h.use(t, timeout)
-		if !broken {
-			return flags&ackBufferLives != 0, err
+		if broken, err := h.use(t); !broken {
+			return true, err
 		}
 	}
 	c, tr, err := connect(t, timeout, helloConfirm|helloHolder, nil)
@@ -252,10 +254,7 @@ func useHeld(t *Ticket, timeout time.Duration) (bool, error) {
 func Release(t *Ticket) error {
 	for _, h := range holdersOf(t.exporterKey()) {
 		h.mu.Lock()
-		if h.broken == nil && h.held[t.RegID] > 0 {
-			if h.held[t.RegID]--; h.held[t.RegID] == 0 {
-				delete(h.held, t.RegID)
-			}
+		if h.broken == nil && h.letGoHere(t.RegID) {
 			h.queued = append(h.queued, t.RegID)
 			if !h.flushing {
 				h.flushing = true

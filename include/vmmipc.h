@@ -327,9 +327,10 @@ typedef struct vmmipc_options {
  *   a registration with uses = 1 still serves one receiver.
  *   - A receiver keeps one connection (its holder session) to each exporter
  *     it holds from, opened by its first held use and kept until the
- *     exporter goes or the receiver ends: later uses of that exporter cost
- *     one message and its answer on it (no handshake), releases are sent
- *     in batches by a library thread, off the caller's path. So a sender
+ *     exporter goes (then closed at once) or the receiver ends: a later
+ *     cache hit of that exporter costs one message on it (no handshake, no
+ *     waiting for its answer), and releases are sent in batches by a
+ *     library thread, off the caller's path. So a sender
  *     holds one descriptor per receiver process that holds from it (not
  *     counted against the connections it serves at once, see "Admission").
  *   - A receiver can let go only of what it holds itself, and a use must be
@@ -760,11 +761,16 @@ typedef struct vmmipc_mapping {
  *
  * opts->import_flags VMMIPC_IMPORT_HOLD holds the use (see "Holds"): a miss
  * streams on a connection of its own and, if this process has no holder
- * session to the exporter yet, keeps that connection as one; a hit spends
- * its use with one message and its answer on the holder session. Either
- * way, once the call returns the use is spent and, for a registration made
- * with VMMIPC_REGISTER_HOLD, held until vmmipc_release or this process
- * ends, so the receiver's death (SIGKILL included) cannot leave it pending.
+ * session to the exporter yet, keeps that connection as one. A hit with a
+ * holder session sends its use there as one message and returns without
+ * waiting for the answer (no round trip; with none, it opens one, waiting):
+ * the message is in the exporter's socket before the call returns, so the
+ * receiver's death (SIGKILL included) cannot leave the use pending, and
+ * the registration is held (VMMIPC_REGISTER_HOLD) until vmmipc_release or
+ * this process ends. A refused use (the registration ended first, or a
+ * wrong secret) is counted in vmmipc_cache_info's confirms_failed; as with
+ * VMMIPC_IMPORT_CONFIRM_LATER, the hit trusted the ticket until then, so
+ * use the flag for tickets from the channel you trust for the data.
  *
  * *mapping_out belongs to the caller; drop the reference with vmmipc_unmap.
  * Returns:
@@ -804,9 +810,11 @@ int vmmipc_import_stream(const vmmipc_ticket *ticket, int device,
  * exporter spend the use, as a cache hit of vmmipc_import_stream does; with
  * VMMIPC_IMPORT_CONFIRM_LATER in opts->import_flags it returns at once and a
  * library thread does that (vmmipc_cache_info counts it; see
- * vmmipc_import_stream); with VMMIPC_IMPORT_HOLD it spends the use on this
- * process's holder session to the exporter (opening one if it has none: the
- * socket then stays open) and holds it (see "Holds"). Receives no chunk
+ * vmmipc_import_stream); with VMMIPC_IMPORT_HOLD it sends the use on this
+ * process's holder session to the exporter without waiting for the answer
+ * (opening the session, and waiting, if it has none: the socket then stays
+ * open) and holds it (see "Holds"); a refusal is then counted in
+ * confirms_failed, not returned. Receives no chunk
  * descriptor and makes no driver call; holds one socket to the exporter
  * (and briefly, across namespaces, a netlink socket) while it runs.
  * Returns:

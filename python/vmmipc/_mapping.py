@@ -267,7 +267,8 @@ def confirm(ticket, *, later: bool = False, hold: bool = False,
     registration ends. later=True returns at once and a library thread
     confirms (VMMIPC_IMPORT_CONFIRM_LATER; cache_info counts it).
     hold=True holds the use, as import_stream(hold=True) does: one message
-    and its answer on this process's kept connection to the exporter."""
+    on this process's kept connection to the exporter, its answer not
+    waited for (a refusal is counted in cache_info().confirms_failed)."""
     fn = "vmmipc_confirm"
     t = as_ticket(ticket, fn)
     flags = (IMPORT_CONFIRM_LATER if later else 0) | (IMPORT_HOLD if hold else 0)

@@ -7,7 +7,7 @@ Each grant (one per anchor per pickle) is redeemed once, and held: the
 first storage of a run not mapped here imports the run with it
 (vmmipc.import_stream(hold=True): streamed on a miss, from the import cache
 on a hit); a grant whose run is mapped here already is confirmed
-(vmmipc.confirm(hold=True): one message and its answer on this process's
+(vmmipc.confirm(hold=True): one message, not waited for, on this process's
 kept connection to the sender, no handshake, no driver call).
 
 The lifetime rule (torch.multiprocessing's): the sender keeps every storage
