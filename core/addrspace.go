@@ -18,9 +18,10 @@ import (
 const RuntimeHeadroom = 128 << 20
 
 // checkAddressSpace refuses a reservation of need bytes that RLIMIT_AS
-// leaves no room for. (CUDA reservations count too: the driver keeps the
-// unified address space by reserving the same range in the host.)
-func checkAddressSpace(need uint64) error {
+// leaves no room for (what: "import" or "pool", who reserves; instead:
+// what else the caller can do). (CUDA reservations count too: the driver
+// keeps the unified address space by reserving the same range in the host.)
+func checkAddressSpace(need uint64, what, instead string) error {
 	var lim unix.Rlimit
 	if err := unix.Getrlimit(unix.RLIMIT_AS, &lim); err != nil || lim.Cur == unix.RLIM_INFINITY {
 		return nil
@@ -29,17 +30,23 @@ func checkAddressSpace(need uint64) error {
 	if err != nil {
 		return nil // cannot tell: let the reservation itself fail cleanly
 	}
-	if need <= lim.Cur && used <= lim.Cur-need && lim.Cur-need-used >= RuntimeHeadroom {
+	return addressSpaceFits(need, lim.Cur, used, what, instead)
+}
+
+// addressSpaceFits is checkAddressSpace's arithmetic: need bytes more, with
+// RuntimeHeadroom kept, under a limit of limit bytes with used in use.
+func addressSpaceFits(need, limit, used uint64, what, instead string) error {
+	if need <= limit && used <= limit-need && limit-need-used >= RuntimeHeadroom {
 		return nil
 	}
 	free := uint64(0)
-	if lim.Cur > used {
-		free = lim.Cur - used
+	if limit > used {
+		free = limit - used
 	}
 	// The figures are rounded down and the shortfall up (shortStr): a free
 	// figure rounded up to what is needed would read as enough.
-	return Errorf(ENOMEM, "import: reserving %s needs that much address space plus %s kept for the Go runtime, but RLIMIT_AS (%s) leaves %s free (%s in use), %s short: raise RLIMIT_AS (ulimit -v) or import less at a time",
-		sizeStr(need), sizeStr(RuntimeHeadroom), sizeStr(lim.Cur), sizeStr(free), sizeStr(used), shortStr(need+RuntimeHeadroom-free))
+	return Errorf(ENOMEM, "%s: reserving %s needs that much address space plus %s kept for the Go runtime, but RLIMIT_AS (%s) leaves %s free (%s in use), %s short: raise RLIMIT_AS (ulimit -v)%s",
+		what, sizeStr(need), sizeStr(RuntimeHeadroom), sizeStr(limit), sizeStr(free), sizeStr(used), shortStr(need+RuntimeHeadroom-free), instead)
 }
 
 // shortStr gives a shortfall rounded up (a whole KiB below 1 MiB, else a

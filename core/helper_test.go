@@ -558,7 +558,7 @@ func helperAddrSpace(t *testing.T, out *lineWriter) error {
 		return err
 	}
 	for _, need := range []uint64{64 << 20, big} {
-		err := checkAddressSpace(need)
+		err := checkAddressSpace(need, "import", " or import less at a time")
 		out.printf("check %d code=%d %v", need, CodeOf(err), err)
 	}
 	before := ourFDs().settled(t)

@@ -133,7 +133,7 @@ func importNew(t *Ticket, imp Importer, opts OpenOptions, hold bool) (base uint6
 		return 0, false, err
 	}
 	defer s.Close() // before the last chunk is sent, this gives the use back
-	if err := checkAddressSpace(t.Total); err != nil {
+	if err := checkAddressSpace(t.Total, "import", " or import less at a time"); err != nil {
 		return 0, false, err
 	}
 	base, err = imp.Reserve(t.Total)

@@ -3,8 +3,6 @@ package core
 import (
 	"sort"
 	"sync"
-
-	"golang.org/x/sys/unix"
 )
 
 // A Pool hands out memory made for sharing: one address range reserved once,
@@ -121,7 +119,7 @@ func NewPool(b PoolBackend, cfg PoolConfig) (*Pool, error) {
 	if !ok || size == 0 || size/cfg.Chunk > MaxChunks {
 		return nil, Errorf(EINVAL, "pool: chunk size %d and address range %d bytes give no range of at most %d chunks", cfg.Chunk, cfg.Reserve, MaxChunks)
 	}
-	if err := checkPoolAddressSpace(size); err != nil {
+	if err := checkAddressSpace(size, "pool", " or make the pool's range smaller"); err != nil {
 		return nil, err
 	}
 	base, err := b.Reserve(size)
@@ -385,34 +383,4 @@ func (p *Pool) Close() error {
 	p.closed = true
 	p.slots, p.free, p.live = nil, nil, nil
 	return err
-}
-
-// checkPoolAddressSpace refuses a pool reservation of need bytes that
-// RLIMIT_AS leaves no room for, keeping RuntimeHeadroom free for the Go
-// runtime as imports do (CUDA reservations count: the driver reserves the
-// same range in the host to keep the unified address space).
-func checkPoolAddressSpace(need uint64) error {
-	var lim unix.Rlimit
-	if err := unix.Getrlimit(unix.RLIMIT_AS, &lim); err != nil || lim.Cur == unix.RLIM_INFINITY {
-		return nil
-	}
-	used, err := addressSpaceInUse()
-	if err != nil {
-		return nil // cannot tell: let the reservation itself fail cleanly
-	}
-	return poolSpaceFits(need, lim.Cur, used)
-}
-
-// poolSpaceFits is checkPoolAddressSpace's arithmetic: need bytes more under
-// a limit of limit bytes with used bytes in use.
-func poolSpaceFits(need, limit, used uint64) error {
-	if need <= limit && used <= limit-need && limit-need-used >= RuntimeHeadroom {
-		return nil
-	}
-	free := uint64(0)
-	if limit > used {
-		free = limit - used
-	}
-	return Errorf(ENOMEM, "pool: reserving %s of address space needs that much plus %s kept for the Go runtime, but RLIMIT_AS (%s) leaves %s free (%s in use): raise RLIMIT_AS (ulimit -v)",
-		sizeStr(need), sizeStr(RuntimeHeadroom), sizeStr(limit), sizeStr(free), sizeStr(used))
 }

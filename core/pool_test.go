@@ -715,16 +715,16 @@ func TestPoolAddressSpaceArithmetic(t *testing.T) {
 		{gib, 2 * gib, 3 * gib, false},                 // already above the limit
 		{^uint64(0), ^uint64(0), 0, false},             // no room for the headroom
 	} {
-		err := poolSpaceFits(c.need, c.limit, c.used)
+		err := addressSpaceFits(c.need, c.limit, c.used, "pool", "")
 		if (err == nil) != c.ok {
-			t.Errorf("poolSpaceFits(%d, %d, %d) = %v, want ok=%v", c.need, c.limit, c.used, err, c.ok)
+			t.Errorf("addressSpaceFits(%d, %d, %d) = %v, want ok=%v", c.need, c.limit, c.used, err, c.ok)
 		}
 		if err != nil && (CodeOf(err) != ENOMEM || !strings.Contains(err.Error(), "raise RLIMIT_AS")) {
 			t.Errorf("message %v", err)
 		}
 	}
-	err := poolSpaceFits(4*gib, 6*gib, 3*gib)
-	if err == nil || err.Error() != "pool: reserving 4.0 GiB of address space needs that much plus 128.0 MiB kept for the Go runtime, but RLIMIT_AS (6.0 GiB) leaves 3.0 GiB free (3.0 GiB in use): raise RLIMIT_AS (ulimit -v)" {
+	err := addressSpaceFits(4*gib, 6*gib, 3*gib, "pool", "")
+	if err == nil || err.Error() != "pool: reserving 4.0 GiB needs that much address space plus 128.0 MiB kept for the Go runtime, but RLIMIT_AS (6.0 GiB) leaves 3.0 GiB free (3.0 GiB in use), 1152.0 MiB short: raise RLIMIT_AS (ulimit -v)" {
 		t.Fatalf("got %v", err)
 	}
 }
