@@ -332,7 +332,7 @@ typedef struct vmmipc_options {
  *     waiting for its answer), and releases are sent in batches by a
  *     library thread, off the caller's path. So a sender
  *     holds one descriptor per receiver process that holds from it (not
- *     counted against the connections it serves at once, see "Admission").
+ *     counted against the connections it serves at once, see "Limits of a sender").
  *   - A receiver can let go only of what it holds itself, and a use must be
  *     proved with that registration's own secret: no receiver can release
  *     what another holds.
