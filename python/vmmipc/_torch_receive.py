@@ -160,55 +160,58 @@ class _Holds:
     def __init__(self):
         self._lock = threading.Lock()
         self._count: dict = {}  # grant -> live storages whose newest grant it is
-        self._of: dict = {}     # id(cell) -> cell; a cell is [grant] of one storage
+        self._of: dict = {}     # id(storage) -> its cell: [newest grant, weakref to it]
 
     def attach(self, storage, grant) -> None:
-        """storage is (also) covered by grant, which this process holds."""
-        cell = self._cell_of(storage)
-        old = None
-        with self._lock:
-            if cell[0] == grant:
-                return
-            old, cell[0] = cell[0], grant
-            self._count[grant] = self._count.get(grant, 0) + 1
-        if old is not None:
-            self._drop(old)
-
-    def _cell_of(self, storage):
-        key = id(storage)
+        """storage is (also) covered by grant, which this process holds.
+        Called for every storage of every load: one lock, and a finalizer
+        only for a storage seen the first time."""
+        key, new_cell = id(storage), None
         with self._lock:
             cell = self._of.get(key)
-            if cell is not None and cell[1]() is storage:
-                return cell
-            cell = [None, weakref.ref(storage)]
-            self._of[key] = cell
-        weakref.finalize(storage, self._storage_died, key, cell).atexit = False
-        return cell
+            if cell is None or cell[1]() is not storage:
+                cell = new_cell = [None, weakref.ref(storage)]
+                self._of[key] = cell
+            old, cell[0] = cell[0], grant
+            if old == grant:
+                return
+            self._count[grant] = self._count.get(grant, 0) + 1
+            gone = old is not None and self._uncount(old)
+        if new_cell is not None:
+            weakref.finalize(storage, self._storage_died, key, new_cell).atexit = False
+        if gone:
+            _release_quietly(old)
 
     def _storage_died(self, key, cell) -> None:
         with self._lock:
             if self._of.get(key) is cell:
                 del self._of[key]
             grant, cell[0] = cell[0], None
-        if grant is not None:
-            self._drop(grant)
+            gone = grant is not None and self._uncount(grant)
+        if gone:
+            _release_quietly(grant)
 
-    def _drop(self, grant) -> None:
-        with self._lock:
-            n = self._count.get(grant, 0) - 1
-            if n > 0:
-                self._count[grant] = n
-                return
-            self._count.pop(grant, None)
-        try:
-            release(grant)  # queued: a library thread tells the sender
-        except _errors.VmmipcError:
-            pass  # not held (an old sender's grant), or its sender has gone: nothing held
+    def _uncount(self, grant) -> bool:
+        """One storage fewer for grant (self._lock held); True when none is
+        left, and the grant is to be let go of."""
+        n = self._count.get(grant, 0) - 1
+        if n > 0:
+            self._count[grant] = n
+            return False
+        self._count.pop(grant, None)
+        return True
 
     def held(self) -> int:
         """Grants this process holds for live storages (for tests)."""
         with self._lock:
             return len(self._count)
+
+
+def _release_quietly(grant) -> None:
+    try:
+        release(grant)  # queued: a library thread tells the sender
+    except _errors.VmmipcError:
+        pass  # not held (an old sender's grant), or its sender has gone: nothing held
 
 
 _runs = _WeakTable()      # (anchor id, target) -> _MappedRun
