@@ -17,7 +17,7 @@ import (
 
 // The sender helper: a server in a process of its own that registers memfds
 // on request and says what it holds, and that can exec itself or fork a
-// child that inherits its listening socket (the attacks of attack_test.go).
+// child that inherits its listening socket (attack_impostor_test.go).
 
 // helperSender runs a server, says "serving <address>" and obeys commands
 // on stdin until it closes:
