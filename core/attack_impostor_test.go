@@ -2,8 +2,6 @@ package core
 
 import (
 	"encoding/hex"
-	"fmt"
-	"os/exec"
 	"strconv"
 	"strings"
 	"testing"
@@ -13,12 +11,12 @@ import (
 )
 
 // Attacks on the trust model of the header's "Trust" section (issue 10):
-// here processes that take the exporter's place; tampered tickets in
-// attack_tamper_test.go, connection storms and idle peers in
-// attack_storm_test.go, status queries in attack_status_test.go. Each
-// asserts that the receiver fails at once (or is served), that the attacker
-// learns nothing it could use, and that nothing leaks: descriptors,
-// mappings, registrations.
+// here processes that take the exporter's place (one given its pid in
+// attack_pidreuse_test.go); tampered tickets in attack_tamper_test.go,
+// connection storms and idle peers in attack_storm_test.go, status queries
+// in attack_status_test.go. Each asserts that the receiver fails at once
+// (or is served), that the attacker learns nothing it could use, and that
+// nothing leaks: descriptors, mappings, registrations.
 
 // importOutcome is what one import attempt came to.
 type importOutcome struct {
@@ -147,56 +145,6 @@ func TestImpostorAfterExec(t *testing.T) {
 			}
 		})
 	}
-}
-
-// TestImpostorReusesPid: in a new pid namespace, the exporter exits and an
-// impostor is given its pid (ns_last_pid) and binds its address. The
-// receiver, in the same namespace, fails at once: the start time differs
-// (EIO), or, should both have started in the same clock tick, the proof
-// does (EAUTH). The impostor learns nothing.
-func TestImpostorReusesPid(t *testing.T) {
-	wrap := []string{"unshare", "--pid", "--fork", "--kill-child", "--map-root-user", "--mount-proc"}
-	if out, err := exec.Command(wrap[0], append(wrap[1:], "true")...).CombinedOutput(); err != nil {
-		t.Skipf("cannot make a pid namespace here (%s true: %v: %s); the pid-reuse attack needs unshare and unprivileged user namespaces", strings.Join(wrap, " "), err, strings.TrimSpace(string(out)))
-	}
-	ns := startHelper(t, partPidNS, helperOpts{wrap: wrap})
-	tk := decodeTicketHex(t, ns.expect("ticket ", faultTimeout))
-	var result string
-	select {
-	case l, ok := <-ns.lines:
-		switch {
-		case !ok:
-			t.Fatalf("the namespace helper ended (%v) without a result", ns.exitErr())
-		case strings.HasPrefix(l, "skip "):
-			t.Skip(strings.TrimPrefix(l, "skip "))
-		case strings.HasPrefix(l, "result "):
-			result = strings.TrimPrefix(l, "result ")
-		default:
-			t.Fatalf("the namespace helper said %q", l)
-		}
-	case <-time.After(faultTimeout):
-		t.Fatal("no result from the namespace helper")
-	}
-	var code, took int
-	var tickStart, impStart uint64
-	var report string
-	if _, err := fmt.Sscanf(result, "code=%d took=%d ticket-start=%d impostor-start=%d report=%s", &code, &took, &tickStart, &impStart, &report); err != nil {
-		t.Fatalf("result %q: %v", result, err)
-	}
-	switch {
-	case Code(code) == EIO && tickStart != impStart && strings.Contains(result, "now belongs to another process"):
-	case Code(code) == EAUTH && tickStart == impStart && strings.Contains(result, "could not prove"):
-	default:
-		t.Fatalf("the receiver facing an impostor with the exporter's pid: %s", result)
-	}
-	if time.Duration(took)*time.Millisecond > promptly {
-		t.Fatalf("the receiver took %d ms to refuse the impostor", took)
-	}
-	_, got := parseReport(t, report)
-	if msgs, err := splitMessages(got); err != nil || len(msgs) > 1 || (len(msgs) == 1 && msgs[0].Type != msgHello) || containsSecret(got, tk.Secret) {
-		t.Fatalf("the impostor received %d bytes (%v) beyond a hello, or some of the secret", len(got), err)
-	}
-	t.Logf("pid %d reused in a pid namespace: %s", tk.Pid, result)
 }
 
 // forkListenerCases: a child of the exporter holds a duplicate of its

@@ -3,7 +3,6 @@ package core
 import (
 	"os"
 	"strconv"
-	"strings"
 	"testing"
 	"time"
 
@@ -12,7 +11,7 @@ import (
 
 // Helpers on the receiver's side: processes that pull or import a ticket
 // under what the test process cannot take on itself (a tight limit, an
-// environment variable read once, a pid namespace) and report what they got.
+// environment variable read once) and report what they got.
 
 // helperReceiver opens VMMIPC_TEST_TICKET, pulls VMMIPC_TEST_STOP_AT chunks
 // (closing each descriptor), says "at <n>" and waits to be killed; with a
@@ -143,41 +142,5 @@ func helperAddrSpace(t *testing.T, out *lineWriter) error {
 		err = Unmap(r.ID, r.Base)
 	}
 	out.printf("retry code=%d %v", CodeOf(err), err)
-	return nil
-}
-
-// helperPidNS is the first process of a new pid namespace (see
-// TestImpostorReusesPid). It starts a sender, takes a ticket, kills the
-// sender, hands its pid to an impostor (through ns_last_pid) at the
-// sender's address, imports the ticket and reports "ticket <hex>", then
-// "result code=<status> took=<ms> ticket-start=<t> impostor-start=<t>
-// report=<impostor's report> <message>", or "skip <why>".
-func helperPidNS(t *testing.T, out *lineWriter) error {
-	sender := startHelper(t, partSender, helperOpts{})
-	tk := sender.register(4, 4096, 1, -1, 2)
-	out.printf("ticket %s", ticketHex(t, tk))
-	pid := sender.pid()
-	sender.kill()
-	if err := os.WriteFile("/proc/sys/kernel/ns_last_pid", []byte(itoa(pid-1)), 0); err != nil {
-		out.printf("skip cannot choose the next pid in the namespace (ns_last_pid): %v", err)
-		return nil
-	}
-	imp := startHelper(t, partImpostor, helperOpts{env: []string{envAddr + "=" + tk.Address, envListenMode + "=fakeproof"}})
-	imp.expect("listening", 10*time.Second)
-	if imp.pid() != pid {
-		out.printf("skip the impostor got pid %d, not the exporter's %d", imp.pid(), pid)
-		return nil
-	}
-	impStart, err := processStartTime(pid)
-	if err != nil {
-		return err
-	}
-	start := time.Now()
-	_, err = Import(tk, DeviceHost, ImportOptions{OpenOptions: OpenOptions{Timeout: 10 * time.Second}}, nil)
-	took := time.Since(start)
-	imp.send("report")
-	report := imp.expect("report ", 10*time.Second)
-	out.printf("result code=%d took=%d ticket-start=%d impostor-start=%d report=%s %v",
-		CodeOf(err), took.Milliseconds(), tk.StartTime, impStart, strings.ReplaceAll(report, " ", ","), err)
 	return nil
 }

@@ -16,7 +16,8 @@ import (
 // helperPartEnv naming the part to play. Helpers talk to the test over
 // stdin/stdout, one line per message. The parts live in
 // helper_sender_test.go, helper_impostor_test.go and
-// helper_receivers_test.go; the test's side of a helper in
+// helper_receivers_test.go (the pid namespace's in
+// attack_pidreuse_test.go); the test's side of a helper in
 // helper_control_test.go.
 
 const helperPartEnv = "VMMIPC_TEST_HELPER"
