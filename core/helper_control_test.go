@@ -2,12 +2,10 @@ package core
 
 import (
 	"bufio"
-	"encoding/hex"
 	"fmt"
 	"io"
 	"os"
 	"os/exec"
-	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -16,7 +14,8 @@ import (
 )
 
 // The test's side of a helper process: starting it, reading its lines,
-// sending it commands, and killing and reaping it.
+// sending it commands, and killing and reaping it. The questions a part
+// answers live in that part's file.
 
 // helperOpts are how a helper is started.
 type helperOpts struct {
@@ -183,71 +182,4 @@ func (h *helper) kill() {
 			return
 		}
 	}
-}
-
-// register asks a sender helper for a registration and returns its ticket.
-func (h *helper) register(chunks, chunkSize, uses, blockAt int, seed byte) *Ticket {
-	h.t.Helper()
-	h.send(fmt.Sprintf("register %d %d %d %d %d", chunks, chunkSize, uses, blockAt, seed))
-	return decodeTicketHex(h.t, h.expect("ticket ", 10*time.Second))
-}
-
-// ask sends a sender helper a command that it answers with "<cmd> <n>",
-// and returns n.
-func (h *helper) ask(cmd string) int {
-	h.t.Helper()
-	h.send(cmd)
-	n, err := strconv.Atoi(h.expect(cmd+" ", 10*time.Second))
-	if err != nil {
-		h.t.Fatal(err)
-	}
-	return n
-}
-
-// live asks a sender helper how many registrations it still holds.
-func (h *helper) live() int { h.t.Helper(); return h.ask("live") }
-
-// fds asks a sender helper for its settled descriptor count.
-func (h *helper) fds() int { h.t.Helper(); return h.ask("fds") }
-
-// goroutines asks a sender helper how many goroutines it runs, waiting up
-// to 3 s for the count to drop to at most want.
-func (h *helper) goroutines(want int) int {
-	h.t.Helper()
-	deadline := time.Now().Add(3 * time.Second)
-	for {
-		n := h.ask("goroutines")
-		if n <= want || time.Now().After(deadline) {
-			return n
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
-
-// report asks an impostor what it received: how many connections, and
-// every byte.
-func (h *helper) report() (conns int, received []byte) {
-	h.t.Helper()
-	h.send("report")
-	return parseReport(h.t, h.expect("report ", 10*time.Second))
-}
-
-func parseReport(t testing.TB, s string) (int, []byte) {
-	t.Helper()
-	f := strings.Fields(strings.ReplaceAll(s, ",", " "))
-	if len(f) != 2 {
-		t.Fatalf("impostor report %q", s)
-	}
-	n, err := strconv.Atoi(f[0])
-	if err != nil {
-		t.Fatal(err)
-	}
-	if f[1] == "-" {
-		return n, nil
-	}
-	b, err := hex.DecodeString(f[1])
-	if err != nil {
-		t.Fatal(err)
-	}
-	return n, b
 }

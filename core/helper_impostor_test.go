@@ -16,7 +16,8 @@ import (
 )
 
 // The impostor helper: a plain socket at an exporter's address that answers
-// receivers the way an attacker could, and records every byte they send it.
+// receivers the way an attacker could, and records every byte they send it;
+// and the test's question to it (report).
 
 // helperImpostor listens at VMMIPC_TEST_ADDR with a plain socket (or on the
 // inherited listening descriptor VMMIPC_TEST_LISTEN_FD), says "listening
@@ -172,4 +173,12 @@ func sendWithDescriptor(t *testing.T, uc *net.UnixConn, msg []byte) {
 	fd := newMemfd(t, 4096, pattern(4096, 1))
 	defer unix.Close(fd)
 	_, _, _ = uc.WriteMsgUnix(msg, unix.UnixRights(fd), nil)
+}
+
+// report asks an impostor what it received: how many connections, and
+// every byte.
+func (h *helper) report() (conns int, received []byte) {
+	h.t.Helper()
+	h.send("report")
+	return parseReport(h.t, h.expect("report ", 10*time.Second))
 }

@@ -11,13 +11,15 @@ import (
 	"sync"
 	"syscall"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
 
 // The sender helper: a server in a process of its own that registers memfds
 // on request and says what it holds, and that can exec itself or fork a
-// child that inherits its listening socket (attack_impostor_test.go).
+// child that inherits its listening socket (attack_impostor_test.go); and
+// the test's questions to it (register, live, fds, goroutines).
 
 // helperSender runs a server, says "serving <address>" and obeys commands
 // on stdin until it closes:
@@ -198,4 +200,43 @@ func forkListener(s *Server, out *lineWriter, mode, then string) error {
 		os.Exit(0)
 	}
 	return fmt.Errorf("fork-listener: %q is neither close nor exit", then)
+}
+
+// register asks a sender helper for a registration and returns its ticket.
+func (h *helper) register(chunks, chunkSize, uses, blockAt int, seed byte) *Ticket {
+	h.t.Helper()
+	h.send(fmt.Sprintf("register %d %d %d %d %d", chunks, chunkSize, uses, blockAt, seed))
+	return decodeTicketHex(h.t, h.expect("ticket ", 10*time.Second))
+}
+
+// ask sends a sender helper a command that it answers with "<cmd> <n>",
+// and returns n.
+func (h *helper) ask(cmd string) int {
+	h.t.Helper()
+	h.send(cmd)
+	n, err := strconv.Atoi(h.expect(cmd+" ", 10*time.Second))
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	return n
+}
+
+// live asks a sender helper how many registrations it still holds.
+func (h *helper) live() int { h.t.Helper(); return h.ask("live") }
+
+// fds asks a sender helper for its settled descriptor count.
+func (h *helper) fds() int { h.t.Helper(); return h.ask("fds") }
+
+// goroutines asks a sender helper how many goroutines it runs, waiting up
+// to 3 s for the count to drop to at most want.
+func (h *helper) goroutines(want int) int {
+	h.t.Helper()
+	deadline := time.Now().Add(3 * time.Second)
+	for {
+		n := h.ask("goroutines")
+		if n <= want || time.Now().After(deadline) {
+			return n
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
 }

@@ -5,6 +5,8 @@ import (
 	"encoding/hex"
 	"fmt"
 	"os"
+	"strconv"
+	"strings"
 	"sync"
 	"testing"
 
@@ -129,4 +131,24 @@ func decodeTicketHex(t testing.TB, s string) *Ticket {
 		t.Fatal(err)
 	}
 	return tk
+}
+
+func parseReport(t testing.TB, s string) (int, []byte) {
+	t.Helper()
+	f := strings.Fields(strings.ReplaceAll(s, ",", " "))
+	if len(f) != 2 {
+		t.Fatalf("impostor report %q", s)
+	}
+	n, err := strconv.Atoi(f[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if f[1] == "-" {
+		return n, nil
+	}
+	b, err := hex.DecodeString(f[1])
+	if err != nil {
+		t.Fatal(err)
+	}
+	return n, b
 }
