@@ -11,8 +11,9 @@ import (
 
 // Registrations from the sender's side: here RegisterAgain and the local
 // calls that take only the very ticket issued; Wait in
-// registration_wait_test.go, what a registration accepts in
-// registration_checks_test.go, how its uses are spent in
+// registration_wait_test.go, what Register and HostFile accept in
+// registration_spec_test.go, the option bounds and the address-space check
+// in registration_bounds_test.go, how uses are spent in
 // registration_uses_test.go.
 
 // registerPage registers one page of pattern(1) with opts on a server of
