@@ -8,66 +8,9 @@ import (
 	"testing"
 )
 
-// What the import cache keeps: never what ends with this use, is larger
-// than the bound or bypasses the cache; at most its byte bound, evicting
-// the least recently used; and the bound VMMIPC_CACHE_BYTES sets.
-
-// TestCacheMisses: what is never kept: mappings whose exporter said the
-// buffer ends with this use, mappings larger than the bound, and imports
-// that bypass the cache (VMMIPC_IMPORT_NO_CACHE), which neither reuse a
-// kept mapping nor keep their own.
-func TestCacheMisses(t *testing.T) {
-	before := cacheTest(t)
-	s := newTestServer(t)
-	once := registerCounting(t, s, cacheSize, 5, RegisterOptions{Uses: 1})
-	unmapRef(t, importHost(t, once.tk, ImportOptions{}))
-	expectCache(t, "a use that ended the buffer", before, CacheInfo{Misses: 1})
-	expectMapped(t, "a use that ended the buffer", 0)
-
-	kept := registerCounting(t, s, cacheSize, 6, RegisterOptions{})
-	r := importHost(t, kept.tk, ImportOptions{})
-	unmapRef(t, r)
-	expectCache(t, "kept", before, CacheInfo{Entries: 1, UnreferencedBytes: cacheSize, Misses: 2})
-	bypass := importHost(t, kept.tk, ImportOptions{NoCache: true})
-	if bypass.Base == r.Base || kept.exports.Load() != 2*cachePages {
-		t.Fatalf("the bypass mapped at %#x (the kept mapping is at %#x) with %d descriptors", bypass.Base, r.Base, kept.exports.Load()-cachePages)
-	}
-	if err := verifyRef(bypass, 6); err != nil {
-		t.Fatal(err)
-	}
-	expectMapped(t, "the kept mapping and the bypass", 2*cacheSize)
-	unmapRef(t, bypass)
-	expectCache(t, "the bypass undone", before, CacheInfo{Entries: 1, UnreferencedBytes: cacheSize, Misses: 3})
-	expectMapped(t, "the bypass undone", cacheSize)
-	hit := importHost(t, kept.tk, ImportOptions{})
-	if hit.Base != r.Base {
-		t.Fatal("the bypass disturbed the kept mapping")
-	}
-	unmapRef(t, hit)
-
-	// Larger than the bound: never kept.
-	if err := SetCacheLimit(cacheSize - 1); err != nil {
-		t.Fatal(err)
-	}
-	expectCache(t, "a bound smaller than the kept mapping", before, CacheInfo{Hits: 1, Misses: 3, Evictions: 1})
-	big := registerCounting(t, s, cacheSize, 7, RegisterOptions{})
-	unmapRef(t, importHost(t, big.tk, ImportOptions{}))
-	expectCache(t, "larger than the bound", before, CacheInfo{Hits: 1, Misses: 4, Evictions: 1})
-	expectMapped(t, "larger than the bound", 0)
-	// Off: nothing is kept or hit.
-	if err := SetCacheLimit(0); err != nil {
-		t.Fatal(err)
-	}
-	a := importHost(t, big.tk, ImportOptions{})
-	b := importHost(t, big.tk, ImportOptions{})
-	if a.Base == b.Base {
-		t.Fatal("with the cache off, two imports share a mapping")
-	}
-	unmapRef(t, a)
-	unmapRef(t, b)
-	expectCache(t, "cache off", before, CacheInfo{Hits: 1, Misses: 6, Evictions: 1})
-	expectMapped(t, "cache off", 0)
-}
+// What the import cache keeps: at most its byte bound, evicting the least
+// recently used; never what ends with this use, is larger than the bound or
+// bypasses the cache; and the bound VMMIPC_CACHE_BYTES sets.
 
 // TestCacheEvictionUnderBound keeps at most 3 buffers' worth of
 // unreferenced mappings: importing and dropping 5 evicts the 2 least
@@ -178,6 +121,63 @@ func TestCacheAddressSpaceBound(t *testing.T) {
 		t.Fatalf("nothing held: %d bytes mapped, the cache counts %d referenced and %d not; bound %d", mapped, info.ReferencedBytes, info.UnreferencedBytes, bound)
 	}
 	t.Logf("%+v", info)
+}
+
+// TestCacheMisses: what is never kept: mappings whose exporter said the
+// buffer ends with this use, mappings larger than the bound, and imports
+// that bypass the cache (VMMIPC_IMPORT_NO_CACHE), which neither reuse a
+// kept mapping nor keep their own.
+func TestCacheMisses(t *testing.T) {
+	before := cacheTest(t)
+	s := newTestServer(t)
+	once := registerCounting(t, s, cacheSize, 5, RegisterOptions{Uses: 1})
+	unmapRef(t, importHost(t, once.tk, ImportOptions{}))
+	expectCache(t, "a use that ended the buffer", before, CacheInfo{Misses: 1})
+	expectMapped(t, "a use that ended the buffer", 0)
+
+	kept := registerCounting(t, s, cacheSize, 6, RegisterOptions{})
+	r := importHost(t, kept.tk, ImportOptions{})
+	unmapRef(t, r)
+	expectCache(t, "kept", before, CacheInfo{Entries: 1, UnreferencedBytes: cacheSize, Misses: 2})
+	bypass := importHost(t, kept.tk, ImportOptions{NoCache: true})
+	if bypass.Base == r.Base || kept.exports.Load() != 2*cachePages {
+		t.Fatalf("the bypass mapped at %#x (the kept mapping is at %#x) with %d descriptors", bypass.Base, r.Base, kept.exports.Load()-cachePages)
+	}
+	if err := verifyRef(bypass, 6); err != nil {
+		t.Fatal(err)
+	}
+	expectMapped(t, "the kept mapping and the bypass", 2*cacheSize)
+	unmapRef(t, bypass)
+	expectCache(t, "the bypass undone", before, CacheInfo{Entries: 1, UnreferencedBytes: cacheSize, Misses: 3})
+	expectMapped(t, "the bypass undone", cacheSize)
+	hit := importHost(t, kept.tk, ImportOptions{})
+	if hit.Base != r.Base {
+		t.Fatal("the bypass disturbed the kept mapping")
+	}
+	unmapRef(t, hit)
+
+	// Larger than the bound: never kept.
+	if err := SetCacheLimit(cacheSize - 1); err != nil {
+		t.Fatal(err)
+	}
+	expectCache(t, "a bound smaller than the kept mapping", before, CacheInfo{Hits: 1, Misses: 3, Evictions: 1})
+	big := registerCounting(t, s, cacheSize, 7, RegisterOptions{})
+	unmapRef(t, importHost(t, big.tk, ImportOptions{}))
+	expectCache(t, "larger than the bound", before, CacheInfo{Hits: 1, Misses: 4, Evictions: 1})
+	expectMapped(t, "larger than the bound", 0)
+	// Off: nothing is kept or hit.
+	if err := SetCacheLimit(0); err != nil {
+		t.Fatal(err)
+	}
+	a := importHost(t, big.tk, ImportOptions{})
+	b := importHost(t, big.tk, ImportOptions{})
+	if a.Base == b.Base {
+		t.Fatal("with the cache off, two imports share a mapping")
+	}
+	unmapRef(t, a)
+	unmapRef(t, b)
+	expectCache(t, "cache off", before, CacheInfo{Hits: 1, Misses: 6, Evictions: 1})
+	expectMapped(t, "cache off", 0)
 }
 
 // TestCacheBytesEnv: VMMIPC_CACHE_BYTES sets the bound (read once per
