@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"fmt"
 	"math/rand/v2"
+	"os"
 	"strconv"
 	"sync"
 	"testing"
@@ -234,6 +235,20 @@ func runAtOnce(n int, f func(i int) error) (failed int, first error) {
 		}
 	}
 	return failed, first
+}
+
+// dirNames lists the names in dir, sorted (as os.ReadDir returns them).
+func dirNames(t testing.TB, dir string) []string {
+	t.Helper()
+	es, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	for _, e := range es {
+		names = append(names, e.Name())
+	}
+	return names
 }
 
 // cat concatenates byte slices.
