@@ -51,13 +51,7 @@ func TestRoomWaitsForDescriptors(t *testing.T) {
 		counts++
 		return free, true
 	}
-	got := make(chan bool, 1)
-	go func() { got <- a.room() }()
-	select {
-	case <-got:
-		t.Fatal("room() admitted a connection with one descriptor free")
-	case <-time.After(300 * time.Millisecond):
-	}
+	got := roomWaits(t, a, 300*time.Millisecond, "a connection with one descriptor free")
 	mu.Lock()
 	free, n := 2, counts
 	mu.Unlock()
@@ -75,16 +69,25 @@ func TestRoomWaitsForDescriptors(t *testing.T) {
 	// One held connection (authenticated, so not evicted to make room)
 	// needs one more for its chunk: two free are no longer enough.
 	a.authenticated(a.admit(nil))
-	go func() { got <- a.room() }()
-	select {
-	case <-got:
-		t.Fatal("room() admitted a second connection with two descriptors free and one connection held")
-	case <-time.After(100 * time.Millisecond):
-	}
+	got = roomWaits(t, a, 100*time.Millisecond, "a second connection with two descriptors free and one connection held")
 	mu.Lock()
 	free = 3
 	mu.Unlock()
 	if ok := <-got; !ok {
 		t.Fatal("room() said closed")
 	}
+}
+
+// roomWaits asks a.room() on a goroutine of its own and fails if it answers
+// within wait (it admitted what); its answer comes on the channel returned.
+func roomWaits(t *testing.T, a *admission, wait time.Duration, what string) <-chan bool {
+	t.Helper()
+	got := make(chan bool, 1)
+	go func() { got <- a.room() }()
+	select {
+	case <-got:
+		t.Fatalf("room() admitted %s", what)
+	case <-time.After(wait):
+	}
+	return got
 }

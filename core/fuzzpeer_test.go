@@ -12,10 +12,10 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// The peers that fuzz_test.go's targets talk to or impersonate: descriptor
-// plans over fuzzed byte streams, a live server shared by the iterations of
-// one fuzz process, a fake exporter that answers a real receiver, and the
-// rules a server's reply must follow.
+// The peers that the fuzz targets (fuzz_*_test.go) talk to or
+// impersonate: descriptor plans over fuzzed byte streams, a live server
+// shared by the iterations of one fuzz process, a fake exporter that
+// answers a real receiver, and the rules a server's reply must follow.
 
 // sampleTicket is a well-formed ticket used as a seed.
 func sampleTicket() *Ticket {

@@ -13,13 +13,17 @@ import (
 type holdFixture struct {
 	s      *Server
 	anchor *Ticket
+	before CacheInfo // the cache as the test started (cacheTest)
 }
 
+// newHoldFixture starts every hold test: from an empty cache (cacheTest),
+// with a server of its own.
 func newHoldFixture(t *testing.T) holdFixture {
 	t.Helper()
+	before := cacheTest(t)
 	s := newTestServer(t)
 	a := registerCounting(t, s, cacheSize, 21, RegisterOptions{Uses: 0})
-	return holdFixture{s: s, anchor: a.tk}
+	return holdFixture{s: s, anchor: a.tk, before: before}
 }
 
 // grant registers one more use of the anchor; released flips when its
@@ -49,6 +53,16 @@ func releasedSoon(t *testing.T, f holdFixture, g *Ticket, what string) {
 	}
 }
 
+// letGo releases the receiver's hold on g and fails unless the grant is
+// then released.
+func letGo(t *testing.T, f holdFixture, g *Ticket, what string) {
+	t.Helper()
+	if err := Release(g); err != nil {
+		t.Fatalf("%s: Release: %v", what, err)
+	}
+	releasedSoon(t, f, g, what)
+}
+
 var holdImport = ImportOptions{Hold: true}
 
 // TestHoldKeepsTheSenderUntilLetGo: a holdable grant used by a receiver
@@ -56,7 +70,6 @@ var holdImport = ImportOptions{Hold: true}
 // receiver lets go; a cache hit holds on the same session, with no new
 // connection; the counts on both sides follow.
 func TestHoldKeepsTheSenderUntilLetGo(t *testing.T) {
-	before := cacheTest(t)
 	f := newHoldFixture(t)
 	g1, rel1 := f.grant(t, true)
 	r := importHost(t, g1, holdImport)
@@ -70,8 +83,8 @@ func TestHoldKeepsTheSenderUntilLetGo(t *testing.T) {
 	// and nothing more is held on either side.
 	again := importHost(t, g1, holdImport)
 	Unmap(again.ID, again.Base)
-	if !waitUntil(5*time.Second, func() bool { return cacheDelta(before).ConfirmsFailed == 1 }) {
-		t.Fatalf("the refused use was not counted: %+v", cacheDelta(before))
+	if !waitUntil(5*time.Second, func() bool { return cacheDelta(f.before).ConfirmsFailed == 1 }) {
+		t.Fatalf("the refused use was not counted: %+v", cacheDelta(f.before))
 	}
 	if f.s.Holds() != 1 || GetCacheInfo().Holds != 1 {
 		t.Fatalf("holds: server %d, receiver %d, want 1 and 1", f.s.Holds(), GetCacheInfo().Holds)
@@ -82,7 +95,7 @@ func TestHoldKeepsTheSenderUntilLetGo(t *testing.T) {
 	g2, rel2 := f.grant(t, true)
 	r2 := importHost(t, g2, holdImport) // a hit: one use message on the session
 	defer Unmap(r2.ID, r2.Base)
-	if d := cacheDelta(before); d.Hits != 2 {
+	if d := cacheDelta(f.before); d.Hits != 2 {
 		t.Fatalf("the third import was not a cache hit: %+v", d)
 	}
 	if got := GetCacheInfo().HolderSessions; got > sessions { // earlier tests' may close meanwhile
@@ -96,10 +109,7 @@ func TestHoldKeepsTheSenderUntilLetGo(t *testing.T) {
 		t.Fatalf("server holds %d, want 2", f.s.Holds())
 	}
 
-	if err := Release(g1); err != nil {
-		t.Fatal(err)
-	}
-	releasedSoon(t, f, g1, "after Release")
+	letGo(t, f, g1, "after Release")
 	stillHeld(t, f, g2, "the other hold after the first was let go")
 	if rel2.Load() || !rel1.Load() {
 		t.Fatalf("released: first %v, second %v; want true, false", rel1.Load(), rel2.Load())
@@ -107,10 +117,7 @@ func TestHoldKeepsTheSenderUntilLetGo(t *testing.T) {
 	if err := Release(g1); CodeOf(err) != ENOENT {
 		t.Fatalf("releasing twice: %v, want ENOENT", err)
 	}
-	if err := Release(g2); err != nil {
-		t.Fatal(err)
-	}
-	releasedSoon(t, f, g2, "after the second Release")
+	letGo(t, f, g2, "after the second Release")
 	if !waitUntil(5*time.Second, func() bool { return f.s.Holds() == 0 && GetCacheInfo().Holds == 0 }) {
 		t.Fatalf("holds left: server %d, receiver %d", f.s.Holds(), GetCacheInfo().Holds)
 	}
@@ -120,7 +127,6 @@ func TestHoldKeepsTheSenderUntilLetGo(t *testing.T) {
 // connection (what a receiver's death does: the kernel closes it) lets go
 // of every hold on it, however taken.
 func TestHoldEndsWithTheReceiversConnection(t *testing.T) {
-	cacheTest(t)
 	f := newHoldFixture(t)
 	g1, _ := f.grant(t, true)
 	r := importHost(t, g1, holdImport)
@@ -149,17 +155,13 @@ func TestHoldEndsWithTheReceiversConnection(t *testing.T) {
 		t.Fatalf("a use after the holder session broke: %v", err)
 	}
 	stillHeld(t, f, g3, "a use on the new session")
-	if err := Release(g3); err != nil {
-		t.Fatal(err)
-	}
-	releasedSoon(t, f, g3, "release on the new session")
+	letGo(t, f, g3, "release on the new session")
 }
 
 // TestHoldNeedsBothSides: a grant made without Hold is released as soon as
 // it is used up, whoever asks to hold; a receiver that does not ask to hold
 // holds nothing.
 func TestHoldNeedsBothSides(t *testing.T) {
-	cacheTest(t)
 	f := newHoldFixture(t)
 	plain, _ := f.grant(t, false)
 	r := importHost(t, plain, holdImport)
@@ -187,7 +189,6 @@ func TestHoldNeedsBothSides(t *testing.T) {
 // neither with a release of their ids nor with a forged use; a use needs
 // the used registration's own secret.
 func TestNoReceiverReleasesAnothersHold(t *testing.T) {
-	cacheTest(t)
 	f := newHoldFixture(t)
 	victim, _ := f.grant(t, true)
 	if err := Confirm(victim, holdImport); err != nil {
@@ -252,7 +253,6 @@ func mustDigest(t *testing.T, tk *Ticket) [32]byte {
 // TestHeldReleasesInBatches: many holds let go of at once all arrive (in
 // messages of at most maxReleaseBatch ids) and nothing stays held.
 func TestHeldReleasesInBatches(t *testing.T) {
-	cacheTest(t)
 	f := newHoldFixture(t)
 	const n = 3*maxReleaseBatch/2 + 7
 	grants := make([]*Ticket, n)
@@ -282,7 +282,6 @@ func TestHeldReleasesInBatches(t *testing.T) {
 // longer lives is refused with ENOENT before anything is spent, and the
 // receiver becomes a holder itself.
 func TestHoldForAnEndedSession(t *testing.T) {
-	cacheTest(t)
 	f := newHoldFixture(t)
 	var token holderToken
 	token[0] = 1
@@ -307,7 +306,6 @@ func TestHoldForAnEndedSession(t *testing.T) {
 // stream that names the holder session with hold-for) is held there too,
 // and its Release lets go of it.
 func TestHoldOnASecondStream(t *testing.T) {
-	cacheTest(t)
 	f := newHoldFixture(t)
 	other := registerCounting(t, f.s, cacheSize, 22, RegisterOptions{Uses: 0})
 	sessions := GetCacheInfo().HolderSessions
@@ -328,24 +326,17 @@ func TestHoldOnASecondStream(t *testing.T) {
 		t.Fatalf("sessions %d (had %d), holds %d; want one more and 2", GetCacheInfo().HolderSessions, sessions, GetCacheInfo().Holds)
 	}
 	stillHeld(t, f, g2, "a stream held through hold-for")
-	if err := Release(g2); err != nil {
-		t.Fatalf("releasing a use held through hold-for: %v", err)
-	}
-	releasedSoon(t, f, g2, "after Release")
+	letGo(t, f, g2, "a use held through hold-for")
 	if !released.Load() {
 		t.Fatal("OnRelease did not run")
 	}
-	if err := Release(g1); err != nil {
-		t.Fatal(err)
-	}
-	releasedSoon(t, f, g1, "after Release")
+	letGo(t, f, g1, "after Release")
 }
 
 // TestHolderSessionEndsWithItsExporter: when the exporter goes (here its
 // server closes, as its exit would), the receiver's holder session is
 // closed at once, not kept open until its next use.
 func TestHolderSessionEndsWithItsExporter(t *testing.T) {
-	cacheTest(t)
 	f := newHoldFixture(t)
 	sessions := GetCacheInfo().HolderSessions
 	g, _ := f.grant(t, true)

@@ -79,16 +79,7 @@ func (l *nsLab) container(o containerOpts) []string {
 // files lists the socket directory.
 func (l *nsLab) files(t *testing.T) []string {
 	t.Helper()
-	es, err := os.ReadDir(l.shared)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var names []string
-	for _, e := range es {
-		names = append(names, e.Name())
-	}
-	sort.Strings(names)
-	return names
+	return dirNames(t, l.shared)
 }
 
 // expectFiles fails unless the socket directory holds exactly names.

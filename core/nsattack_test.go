@@ -8,7 +8,7 @@ import (
 	"testing"
 )
 
-// The attacks of attack_test.go, and those a shared socket directory
+// The attacks of attack_*_test.go, and those a shared socket directory
 // allows, with exporter, receiver and attacker each in a container of its
 // own (namespace_test.go), all of our uid, sharing only the directory. Each
 // asserts that the receiver fails at once with the cause, that the

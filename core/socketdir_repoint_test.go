@@ -97,14 +97,7 @@ func (l *repointLab) decoys(t *testing.T, addr string) []string {
 
 func expectEntries(t *testing.T, dir, what string, want ...string) {
 	t.Helper()
-	es, err := os.ReadDir(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var got []string
-	for _, e := range es {
-		got = append(got, e.Name())
-	}
+	got := dirNames(t, dir)
 	sort.Strings(want)
 	if strings.Join(got, " ") != strings.Join(want, " ") {
 		t.Fatalf("%s: %s holds %q, want %q", what, dir, got, want)

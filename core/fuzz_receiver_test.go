@@ -1,0 +1,189 @@
+package core
+
+import (
+	"net"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// Fuzz target for a real receiver's handshake against a fuzzed fake
+// exporter in this process, and what that exporter needs.
+
+// What FuzzReceiverHandshake's fake exporter answers a hello with (mode & 3).
+const (
+	answerFuzzed     = iota // fuzzed bytes (descriptors attached per plan)
+	answerBadProof          // a challenge with a fuzzed nonce and proof, then the bytes
+	answerNearlyGood        // a challenge with a real HMAC of a transcript that differs
+	answerGood              // the right challenge; the receiver's proof is checked; then the bytes
+)
+
+// FuzzReceiverHandshake is a fuzzed fake exporter answering a real
+// receiver's hello. The exporter lives in this process, so the ticket's
+// pid, start time and SO_PEERCRED all check out and only the handshake
+// stands between the receiver and whatever it is sent. Without the right
+// server proof, Open must fail, the receiver must not send its own proof
+// (or anything else after its hello), and every descriptor it was sent must
+// be closed. With it, the receiver's proof must check out, and the stream
+// that follows must hand out only chunks that fit the ticket.
+func FuzzReceiverHandshake(f *testing.F) {
+	const count, total = 2, 2 * 4096
+	welcome := welcomeMsg{Count: count, Total: total, Kind: MemoryHost, BufferID: sampleTicket().BufferID}.encode()
+	chunks, plan := streamTranscript(total, count)
+	good := cat(welcome, chunks)
+	goodPlan := shiftPlan(plan, len(welcome))
+	for _, m := range []uint8{answerFuzzed, answerBadProof, answerGood} {
+		f.Add(m, make([]byte, challengeSize), good, goodPlan)
+	}
+	for how := byte(0); how < nearMisses; how++ {
+		f.Add(uint8(answerNearlyGood), []byte{how}, good, goodPlan)
+	}
+	f.Add(uint8(answerFuzzed), []byte{}, cat(challengeMsg{}.encode(), good), shiftPlan(goodPlan, headerSize+challengeSize))
+	f.Add(uint8(answerFuzzed), []byte{}, encodeMsg(msgBusy, nil), []byte{})
+	f.Add(uint8(answerFuzzed), []byte{}, errorMsg{Code: ENOENT, Text: "used up"}.encode(), []byte{})
+	f.Add(uint8(answerFuzzed), []byte{}, welcome, []byte{0, 0, 1})
+	f.Add(uint8(answerGood), []byte{}, cat(welcomeMsg{Count: 3, Total: total, Kind: MemoryHost}.encode(), chunks), goodPlan)
+	f.Add(uint8(answerGood), []byte{}, cat(errorMsg{Code: EAUTH, Text: "no"}.encode()), []byte{})
+	runs, runPlan := runTranscript(total, count, count)
+	f.Add(uint8(answerGood|4), []byte{}, cat(welcome, runs), shiftPlan(runPlan, len(welcome)))
+	f.Add(uint8(answerGood|4), []byte{}, good, goodPlan)
+	f.Fuzz(func(t *testing.T, mode uint8, challenge, data, rawPlan []byte) {
+		if len(data) > 64<<10 {
+			return
+		}
+		fdsBefore := ourFDs().now(t) // the last iteration ended with every descriptor closed
+		file := newMemfd(t, total, pattern(total, 5))
+		var proofChecked bool
+		var after []byte // what the receiver sent after its hello
+		fake := newFakeExporter(t, count, total, func(uc *net.UnixConn, tk *Ticket) {
+			c, err := newConn(uc, 5*time.Second, "server")
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			body, ok := recvFromReceiver(t, c, msgHello, "at first")
+			if !ok {
+				return
+			}
+			hello, err := parseHello(body)
+			if err != nil || hello.RegID != tk.RegID || hello.Flags != 0 {
+				t.Errorf("the receiver's hello %+v, %v", hello, err)
+				return
+			}
+			tr := serverTranscript(t, uc, tk, hello)
+			raw, _ := uc.SyscallConn()
+			var sendErr error
+			send := func(b []byte, plan []fdAttach) {
+				_ = raw.Write(func(s uintptr) bool {
+					sendErr = sendWithFDs(int(s), b, plan, file)
+					return true
+				})
+			}
+			plan := parseFDPlan(rawPlan, len(data))
+			switch mode & 3 {
+			case answerFuzzed:
+				send(data, plan)
+			case answerBadProof:
+				var m challengeMsg
+				copy(m.Nonce[:], challenge)
+				copy(m.Proof[:], challenge[min(len(challenge), nonceSize):])
+				send(cat(m.encode(), data), shiftPlan2(plan, headerSize+challengeSize))
+			case answerNearlyGood:
+				tr.ServerNonce, _ = newNonce()
+				m := challengeMsg{Nonce: tr.ServerNonce, Proof: nearMissProof(tr, tk.Secret, roleServer, challenge)}
+				send(cat(m.encode(), data), shiftPlan2(plan, headerSize+challengeSize))
+			case answerGood:
+				tr.ServerNonce, _ = newNonce()
+				send(challengeMsg{Nonce: tr.ServerNonce, Proof: tr.proof(tk.Secret, roleServer)}.encode(), nil)
+				body, ok := recvFromReceiver(t, c, msgProof, "after the right challenge")
+				if !ok {
+					return
+				}
+				pm, err := parseProof(body)
+				if err != nil || !tr.verify(tk.Secret, roleReceiver, pm.Proof) {
+					t.Errorf("the receiver's proof does not check out (%v)", err)
+					return
+				}
+				proofChecked = true
+				send(data, plan)
+			}
+			_ = sendErr // EPIPE once the receiver gave up is fine
+			_ = uc.CloseWrite()
+			_ = uc.SetReadDeadline(time.Now().Add(5 * time.Second))
+			var buf [4096]byte
+			for {
+				n, err := uc.Read(buf[:])
+				after = append(after, buf[:n]...)
+				if err != nil {
+					break
+				}
+			}
+		})
+		start := time.Now()
+		s, err := Open(fake.tk, OpenOptions{Timeout: 2 * time.Second, Window: 2})
+		if err == nil {
+			checkStreamChunks(t, s, fake.tk, mode&4 != 0)
+			s.Close()
+		}
+		took := time.Since(start)
+		fake.close()
+		if mode&3 != answerGood {
+			if err == nil {
+				t.Fatalf("Open accepted an exporter that never proved it knows the secret (mode %d)", mode&3)
+			}
+			if msgs, _ := splitMessages(after); len(after) > 0 {
+				t.Fatalf("the receiver sent %d bytes (%d messages, first %s) after its hello to an exporter that did not prove itself", len(after), len(msgs), firstName(msgs))
+			}
+		} else if !proofChecked && !t.Failed() {
+			t.Fatal("the fake exporter never checked the receiver's proof")
+		}
+		if took > 2*time.Second+3*time.Second {
+			t.Fatalf("the receiver took %v with a timeout of 2 s", took)
+		}
+		unix.Close(file)
+		ourFDs().waitFor(t, fdsBefore, "after a fuzzed exporter")
+	})
+}
+
+// recvFromReceiver reads what FuzzReceiverHandshake's fake exporter
+// expects next: a message of type want, whose body it returns, closing any
+// descriptor attached. Anything else is an error of the test (t.Errorf,
+// since the exporter runs on a goroutine of its own), and ok is false.
+func recvFromReceiver(t *testing.T, c *conn, want uint8, when string) (body []byte, ok bool) {
+	t.Helper()
+	f, err := c.recv()
+	closeFD(&f.FD)
+	if err != nil || f.Type != want {
+		t.Errorf("%s the receiver sent %s, %v; want a %s", when, msgName(f.Type), err, msgName(want))
+		return nil, false
+	}
+	return f.Body, true
+}
+
+func firstName(msgs []rawMsg) string {
+	if len(msgs) == 0 {
+		return "none whole"
+	}
+	return msgName(msgs[0].Type)
+}
+
+// shiftPlan moves the offsets of a raw descriptor plan (3-byte entries) by
+// delta bytes.
+func shiftPlan(plan []byte, delta int) []byte {
+	out := append([]byte(nil), plan...)
+	for i := 0; i+3 <= len(out); i += 3 {
+		at := int(out[i]) | int(out[i+1])<<8
+		out[i], out[i+1] = byte(at+delta), byte((at+delta)>>8)
+	}
+	return out
+}
+
+// shiftPlan2 moves a parsed descriptor plan by delta bytes.
+func shiftPlan2(plan []fdAttach, delta int) []fdAttach {
+	out := make([]fdAttach, len(plan))
+	for i, p := range plan {
+		out[i] = fdAttach{p.at + delta, p.n}
+	}
+	return out
+}
