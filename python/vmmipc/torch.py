@@ -67,8 +67,6 @@ functions raise ImportError saying what is missing.
 
 from __future__ import annotations
 
-import threading
-
 import vmmipc as _vmmipc
 
 from . import _args, _reductions, _torch_receive, _torch_send
@@ -113,28 +111,18 @@ def set_ordering(mode: str) -> None:
     _torch_send.set_ordering(mode)
 
 
-_installed = False
-_install_lock = threading.Lock()
-
-
 def install() -> None:
     """Register reduce_tensor for torch.Tensor and torch.nn.Parameter and
     reduce_storage for the UntypedStorage classes torch registers, after
     torch.multiprocessing's own, and make each ForkingPickler.dump one batch
     (idempotent). Loads no library. Raises ImportError without torch."""
-    global _installed
     torch = torch_module()
     import torch.multiprocessing  # noqa: F401 - its init_reductions first, so ours replace it
-    with _install_lock:
-        if _installed:
-            return
-        for cls in (torch.Tensor, torch.nn.Parameter):
-            _reductions.register_reducer(cls, reduce_tensor)
-        for cls in torch._storage_classes:
-            if cls.__name__ == "UntypedStorage":
-                _reductions.register_reducer(cls, reduce_storage)
-        _reductions.wrap_dump(_torch_send.dump_in_batch)
-        _installed = True
+    pairs = [(torch.Tensor, reduce_tensor), (torch.nn.Parameter, reduce_tensor)]
+    pairs += [(cls, reduce_storage) for cls in torch._storage_classes
+              if cls.__name__ == "UntypedStorage"]
+    _reductions.init_reductions(_reductions.Reductions(forking=tuple(pairs),
+                                                       dump=_torch_send.dump_in_batch))
 
 
 try:
