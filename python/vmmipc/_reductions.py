@@ -13,7 +13,7 @@ and _mp, and the kinds' modules import this one.
     which no pickler's table names). `import vmmipc` installs it; it loads
     no library.
   - Frameworks' types (cuda.core Buffer: vmmipc.cuda_core; torch tensors and
-    storages: vmmipc.torch) pickle through vmmipc only in
+    storages: _torch_reductions) pickle through vmmipc only in
     multiprocessing, next to their own pickling: their reducers are
     registered with ForkingPickler. vmmipc.torch also wraps
     ForkingPickler.dump, so that one pickle's tensors are shared together.
