@@ -695,41 +695,6 @@ def test_views_of_one_storage_share_one_argument_tuple(fake):
     assert first[2:] == (0, 1 << 20, 0, b"event") and second[2] == 1 << 20
 
 
-def test_ordering_follows_the_socket_directory(monkeypatch):
-    """Across pods there is no shared /dev/shm for CUDA's interprocess
-    events: "auto" synchronizes the sender's stream instead when a socket
-    directory is set, and sends no event."""
-    synced = []
-
-    class Stream:
-        def __init__(self, device):
-            self.device = device
-
-        def synchronize(self):
-            synced.append(self.device)
-
-    class Cuda:
-        current_stream = Stream
-
-    class FakeTorch:
-        cuda = Cuda
-
-    monkeypatch.setattr(_torch_batch, "torch_module", lambda: FakeTorch)
-    with pytest.raises(ValueError, match="must be one of"):
-        vt.set_ordering("fence")
-    monkeypatch.delenv("VMMIPC_SOCKET_DIR", raising=False)
-    assert _torch_batch.ordering() == "event"
-    monkeypatch.setenv("VMMIPC_SOCKET_DIR", "/run/vmmipc")
-    assert _torch_batch.ordering() == "sync"
-    b = _torch_batch.Batch()
-    assert b.event(0) is None and b.event(0) is None and synced == [0], "once per batch"
-    try:
-        vt.set_ordering("event")
-        assert _torch_batch.ordering() == "event"
-    finally:
-        vt.set_ordering("auto")
-
-
 def test_a_refused_tensor_leaves_no_grant(fake):
     """A non-leaf tensor that requires grad is refused (RuntimeError naming
     requires_grad, the word torch's own test asserts) before anything is
@@ -749,18 +714,17 @@ def test_a_refused_tensor_leaves_no_grant(fake):
     assert len(fake.again) == granted, "the refused tensor's send made a grant"
 
 
-class _FakeEvent:
+class FakeEvent:
+    """Stands in for torch.cuda.Event(interprocess=True)."""
     made = 0
 
     def __init__(self, interprocess=False):
         assert interprocess
-        _FakeEvent.made += 1
-        self.handle = b"event-%d" % _FakeEvent.made
+        FakeEvent.made += 1
+        self.handle = b"event-%d" % FakeEvent.made
         self.done = False
-        self.records = 0
 
     def record(self, stream):
-        self.records += 1
         self.done = False
 
     def query(self):
@@ -770,44 +734,73 @@ class _FakeEvent:
         return self.handle
 
 
-class _FakeStream:
+class FakeCudaTorch:
+    """Stands in for torch where a batch records its events or synchronizes
+    instead (Batch.event): torch.cuda.device, current_stream (one a device,
+    counting synchronize calls) and Event."""
+
+    Event = FakeEvent
+
     def __init__(self):
-        self.syncs = 0
+        self.cuda = self  # torch.cuda.X is self.X
+        self.streams = {}
+        FakeEvent.made = 0
+
+    def device(self, device):
+        return contextlib.nullcontext()
+
+    def current_stream(self, device):
+        return self.streams.setdefault(device, _FakeStream())
+
+    def syncs(self) -> dict:
+        """device -> how often its stream was synchronized."""
+        return {d: s.syncs for d, s in self.streams.items() if s.syncs}
+
+
+class _FakeStream:
+    syncs = 0
 
     def synchronize(self):
         self.syncs += 1
 
 
-class _FakeCudaTorch:
-    class cuda:
-        stream = _FakeStream()
-        Event = _FakeEvent
-
-        @staticmethod
-        def device(d):
-            return contextlib.nullcontext()
-
-        @staticmethod
-        def current_stream(d):
-            return _FakeCudaTorch.cuda.stream
+def test_ordering_follows_the_socket_directory(monkeypatch):
+    """Across pods there is no shared /dev/shm for CUDA's interprocess
+    events: "auto" synchronizes the sender's stream instead when a socket
+    directory is set, and sends no event."""
+    torch = FakeCudaTorch()
+    monkeypatch.setattr(_torch_batch, "torch_module", lambda: torch)
+    with pytest.raises(ValueError, match="must be one of"):
+        vt.set_ordering("fence")
+    monkeypatch.delenv("VMMIPC_SOCKET_DIR", raising=False)
+    assert _torch_batch.ordering() == "event"
+    monkeypatch.setenv("VMMIPC_SOCKET_DIR", "/run/vmmipc")
+    assert _torch_batch.ordering() == "sync"
+    b = _torch_batch.Batch()
+    assert b.event(0) is None and b.event(0) is None, "no event: the stream synchronized"
+    assert torch.syncs() == {0: 1} and FakeEvent.made == 0, "once per batch"
+    try:
+        vt.set_ordering("event")
+        assert _torch_batch.ordering() == "event"
+    finally:
+        vt.set_ordering("auto")
 
 
 def test_interprocess_events_are_bounded_and_reused(monkeypatch):
     """At most MAX_EVENTS exist; an event that completed and is older than
     EVENT_KEEP_SECONDS is recorded again (same handle); with every event in
     use a pickle synchronizes its stream and sends none (torch's bound)."""
+    torch = FakeCudaTorch()
     monkeypatch.setattr(_torch_batch, "MAX_EVENTS", 3)
     monkeypatch.setattr(_torch_batch, "EVENT_KEEP_SECONDS", 0.0)
-    monkeypatch.setattr(_torch_batch, "torch_module", lambda: _FakeCudaTorch)
+    monkeypatch.setattr(_torch_batch, "torch_module", lambda: torch)
     monkeypatch.setattr(_torch_batch, "_events", _torch_batch._SentEvents())
     monkeypatch.setattr(_torch_batch, "ordering", lambda: "event")
     events = _torch_batch._events
     handles = [_torch_batch.Batch().event(0) for _ in range(3)]
-    assert len(set(handles)) == 3 and events.counts() == (3, 3)
-    stream = _FakeCudaTorch.cuda.stream
-    syncs = stream.syncs
+    assert len(set(handles)) == 3 and events.counts() == (3, 3) and torch.syncs() == {}
     assert _torch_batch.Batch().event(0) is None, "a 4th event while 3 are in use"
-    assert stream.syncs == syncs + 1, "with no event to send, the pickle synchronizes"
+    assert torch.syncs() == {0: 1}, "with no event to send, the pickle synchronizes"
     for _, _, e, _ in list(events._kept):
         e.done = True
     again = _torch_batch.Batch().event(0)
