@@ -317,7 +317,7 @@ def cache_info() -> CacheInfo:
 
 
 # How long a process that is exiting waits for the confirmations its cache
-# hits queued (confirm_later: HostBuffer and vmmipc.torch unpickle with it).
+# hits queued (confirm_later: import_stream, confirm, HostBuffer.from_ticket).
 # They run on a library thread; were the process to end first, each
 # sender's grant would stay pending, keeping what it lends alive until its
 # ttl. One confirmation takes about a millisecond; the bound is for a sender

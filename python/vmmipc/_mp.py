@@ -11,7 +11,7 @@ A multiprocessing Queue pickles in a feeder thread: an exception raised
 there is printed and dropped, and the receiver waits in get() for an object
 that never comes. guarded_reduce turns such a failure into a pickle whose
 unpickling raises the same error in the receiver. This module knows no
-vmmipc type: the reducers (_reductions, cuda_core, torch) use it.
+vmmipc type: the reducers (_reductions, cuda_core, _torch_reductions) use it.
 """
 
 from __future__ import annotations

@@ -1,22 +1,26 @@
-"""Where vmmipc's pickling is installed: paired reduce_* / rebuild_*
-functions and the one place that registers reducers.
+"""Where vmmipc's pickling is installed: HostBuffer's reduce / rebuild pair,
+and init_reductions(), the one function that registers reducers, for every
+kind of object vmmipc pickles.
 
-The types know nothing of their reducers, so imports run one way: this
-module imports _host and _mp; they import nothing of it.
+Each kind's reduce_X and rebuild_X stand side by side in one module, which
+also says what the kind registers (a Reductions value); the types know
+nothing of their reducers, so imports run one way: this module imports _host
+and _mp, and the kinds' modules import this one.
 
   - HostBuffer pickles through vmmipc with every pickler (pickle.dumps,
-    copy, multiprocessing): its reducer is registered with copyreg, where
+    copy, multiprocessing): HOST registers its reducer with copyreg, where
     HostBuffer.__reduce_ex__ finds it (instances are of per-size subclasses,
-    which no pickler's table names). Installed by
-    init_reductions(), which `import vmmipc` calls; it loads no library.
-  - Frameworks' types (cuda.core Buffer, torch storages) pickle through
-    vmmipc only in multiprocessing, next to their own pickling: they are
-    registered with ForkingPickler by register_reducer(cls, reducer), which
-    vmmipc.cuda_core and vmmipc.torch call. vmmipc.torch also wraps
-    ForkingPickler.dump (wrap_dump), so that one pickle's tensors are shared
-    together.
+    which no pickler's table names). `import vmmipc` installs it; it loads
+    no library.
+  - Frameworks' types (cuda.core Buffer: vmmipc.cuda_core; torch tensors and
+    storages: _torch_reductions) pickle through vmmipc only in
+    multiprocessing, next to their own pickling: their reducers are
+    registered with ForkingPickler. vmmipc.torch also wraps
+    ForkingPickler.dump, so that one pickle's tensors are shared together.
+    vmmipc.cuda_core and vmmipc.torch install theirs when imported or
+    installed.
 
-Pickling a HostBuffer grants its anchor (grant());
+Pickling a HostBuffer grants its anchor (HostBuffer.grant());
 unpickling imports it (HostBuffer.from_ticket). A failure while a Queue's
 feeder thread pickles reaches the receiver's get() (_mp.guarded_reduce).
 """
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import copyreg
 import threading
+from typing import Callable, NamedTuple
 
 from ._host import HostBuffer
 
@@ -33,7 +38,41 @@ from ._host import HostBuffer
 # third of what importing vmmipc took.
 
 _lock = threading.Lock()
-_installed = False
+
+
+class Reductions(NamedTuple):
+    """What one kind of object registers so that it pickles through vmmipc
+    (built by the module of its reduce_X / rebuild_X pairs)."""
+    everywhere: tuple = ()  # (cls, reduce_X) pairs for every pickler (copyreg)
+    forking: tuple = ()     # (cls, reduce_X) pairs for multiprocessing only (ForkingPickler)
+    dump: Callable | None = None  # wrapper(dump) -> the ForkingPickler.dump to use instead
+
+
+def init_reductions(reductions: Reductions | None = None) -> None:
+    """Install reductions (default HOST, HostBuffer's), the one way vmmipc
+    registers reducers: each (cls, reduce_X) pair with copyreg or with
+    ForkingPickler (registering again replaces the pair, so installing twice
+    changes nothing), and ForkingPickler.dump wrapped once per wrapper, so
+    that every multiprocessing pickle (Queue, Pipe, Pool, Process arguments,
+    ForkingPickler.dumps) and every ForkingPickler(f).dump runs through it.
+    A reducer should wrap its work in _mp.guarded_reduce. Loads no library."""
+    r = HOST if reductions is None else reductions
+    with _lock:
+        for cls, reduce in r.everywhere:
+            copyreg.pickle(cls, reduce)
+        if not (r.forking or r.dump):
+            return  # HostBuffer's: `import vmmipc` imports no multiprocessing
+        from multiprocessing.reduction import ForkingPickler
+        for cls, reduce in r.forking:
+            ForkingPickler.register(cls, reduce)
+        if r.dump is not None and getattr(ForkingPickler.dump, "_vmmipc_wrapper", None) \
+                is not r.dump:
+            dump = r.dump(ForkingPickler.dump)
+            dump._vmmipc_wrapper = r.dump
+            ForkingPickler.dump = dump
+
+
+# ------------------------------------------------------------------ HostBuffer
 
 
 def reduce_host_buffer(hb: HostBuffer):
@@ -53,32 +92,4 @@ def rebuild_host_buffer(ticket, chunk_size):
     return HostBuffer.from_ticket(ticket, chunk_size, hold=True)
 
 
-def init_reductions() -> None:
-    """Install vmmipc's own reducers (idempotent; loads no library)."""
-    global _installed
-    with _lock:
-        if not _installed:
-            copyreg.pickle(HostBuffer, reduce_host_buffer)
-            _installed = True
-
-
-def register_reducer(cls: type, reducer) -> None:
-    """Make multiprocessing (ForkingPickler) pickle instances of cls with
-    reducer(obj) -> reduce tuple. For frameworks' types; a reducer should
-    wrap its work in _mp.guarded_reduce. Registering again replaces it."""
-    from multiprocessing.reduction import ForkingPickler
-    ForkingPickler.register(cls, reducer)
-
-
-def wrap_dump(wrapper) -> None:
-    """Replace ForkingPickler.dump by wrapper(the current dump) (once per
-    wrapper; idempotent): every multiprocessing pickle (Queue, Pipe, Pool,
-    Process arguments, ForkingPickler.dumps) and every ForkingPickler(f).dump
-    then runs through it. vmmipc.torch groups one pickle's tensors this way."""
-    from multiprocessing.reduction import ForkingPickler
-    with _lock:
-        if getattr(ForkingPickler.dump, "_vmmipc_wrapper", None) is wrapper:
-            return
-        dump = wrapper(ForkingPickler.dump)
-        dump._vmmipc_wrapper = wrapper
-        ForkingPickler.dump = dump
+HOST = Reductions(everywhere=((HostBuffer, reduce_host_buffer),))

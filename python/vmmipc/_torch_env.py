@@ -1,6 +1,6 @@
-"""What vmmipc.torch's sending and receiving halves share: torch itself,
-imported lazily with an error that says what is missing, and the names of
-CUDA's handle types for messages."""
+"""What every vmmipc.torch module shares: torch itself, imported lazily with
+an error that says what is missing, which tensors vmmipc may send
+(plain_cuda), and the names of CUDA's handle types for messages."""
 
 from __future__ import annotations
 
@@ -30,9 +30,18 @@ def torch_module():
     return torch
 
 
-def torch_reductions():
+def torch_mp_reductions():
+    """torch.multiprocessing.reductions: torch's own reducers, which every
+    tensor and storage vmmipc does not send keeps."""
     torch_module()
     return _modules[1]
+
+
+def plain_cuda(torch, tensor) -> bool:
+    """Whether tensor is a CUDA tensor vmmipc may send: strided, neither
+    nested nor quantized (sparse and the others keep torch's reducer)."""
+    return (tensor.is_cuda and tensor.layout == torch.strided and not tensor.is_nested
+            and not tensor.is_quantized)
 
 
 def handle_type_names(bits: int) -> str:

@@ -68,7 +68,7 @@ class User:
         self.ptr = storage.data_ptr()
         self.nbytes = storage.nbytes()
         self.lo, self.hi = lo, hi
-        self.finalizer = None  # tells Runs when the storage dies; detached when it leaves
+        self.finalizer = None  # tells RunAnchors when the storage dies; detached when it leaves
 
     def unchanged(self, storage) -> bool:
         return storage.data_ptr() == self.ptr and storage.nbytes() == self.nbytes
@@ -122,7 +122,7 @@ class Pending:
         self.storage, self.range = storage, rng
 
 
-class Runs:
+class RunAnchors:
     """This process's run anchors, by storage."""
 
     def __init__(self):
@@ -167,15 +167,15 @@ class Runs:
         A run that cannot be registered whole is registered storage by
         storage (so that the error, if any, names one storage)."""
         rest = self._attach_pinned(pending)
-        for run in _runs_of(rest):
-            if len(run) > 1:
+        for group in _groups(rest):
+            if len(group) > 1:
                 try:
-                    self._anchor(run)
+                    self._anchor(group)
                     continue
                 except _errors.VmmipcError as e:
                     log.debug("vmmipc.torch: a run of %d storages could not be registered "
-                              "whole (%s); registering them one by one", len(run), e)
-            for p in run:
+                              "whole (%s); registering them one by one", len(group), e)
+            for p in group:
                 self._anchor([p])
 
     def _attach_pinned(self, pending: list[Pending]) -> list[Pending]:
@@ -198,14 +198,16 @@ class Runs:
                     rest.append(p)
         return rest
 
-    def _anchor(self, run: list[Pending]) -> RunAnchor:
-        lo = min(p.range.base for p in run)
-        hi = max(p.range.base + p.range.size for p in run)
-        device = run[0].range.device
+    def _anchor(self, group: list[Pending]) -> RunAnchor:
+        """Register one run, group's merged covering ranges, and attach
+        group to its new anchor."""
+        lo = min(p.range.base for p in group)
+        hi = max(p.range.base + p.range.size for p in group)
+        device = group[0].range.device
         made = RunAnchor(Anchor(share(lo, hi - lo, uses=0)), device, lo, hi - lo,
                          next(self._serials))
         with self._lock:
-            for p in run:
+            for p in group:
                 self._attach(made, p)
             if made.fully_pinned():
                 self._live.append(made)
@@ -251,8 +253,8 @@ class Runs:
         run.users.clear()
 
     def retire(self, run: RunAnchor) -> None:
-        """Retire run, whose anchor registration ended outside Runs (a grant
-        of it was refused): its storages get a new anchor when next planned."""
+        """Retire run, whose anchor registration ended outside RunAnchors (a
+        grant of it was refused): its storages get a new anchor when next planned."""
         with self._lock:
             self._retire(run)
 
@@ -281,14 +283,14 @@ class Runs:
             return len(self._live)
 
 
-def _storage_freed(runs: Runs, sid: int) -> None:
+def _storage_freed(anchors: RunAnchors, sid: int) -> None:
     # A weakref.finalize callback: runs wherever the storage died.
-    reaper.submit(runs.storage_freed, sid)
+    reaper.submit(anchors.storage_freed, sid)
 
 
-def _runs_of(pending: list[Pending]) -> list[list[Pending]]:
-    """Group storages into runs: same device, covering ranges that overlap
-    or touch."""
+def _groups(pending: list[Pending]) -> list[list[Pending]]:
+    """Group storages into runs, one group each: same device, covering
+    ranges that overlap or touch."""
     out: list[list[Pending]] = []
     end = 0
     for p in sorted(pending, key=lambda p: (p.range.device, p.range.base)):
@@ -312,4 +314,4 @@ def no_posix_fd(storage, handle_types: int) -> Exception:
         "(torch's own CUDA IPC then shares it)", _errors.EINVAL, "vmmipc.torch")
 
 
-runs = Runs()
+run_anchors = RunAnchors()

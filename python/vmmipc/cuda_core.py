@@ -265,8 +265,10 @@ def reduce_buffer(buf):
                               lambda: (_rebuild_buffer, (grant_buffer(buf),)))
 
 
-def _register_reducer() -> None:
-    _reductions.register_reducer(_core().Buffer, reduce_buffer)
+def _buffer_reductions() -> _reductions.Reductions:
+    """What vmmipc.cuda_core registers: reduce_buffer for cuda.core's Buffer,
+    with multiprocessing. ImportError without cuda.core."""
+    return _reductions.Reductions(forking=((_core().Buffer, reduce_buffer),))
 
 
 def install() -> None:
@@ -274,12 +276,13 @@ def install() -> None:
     load libvmmipc.so, so that a missing library raises here, before any
     child is started. Raises ImportError if cuda.core is missing,
     LibraryNotFoundError if the library cannot be loaded."""
-    _register_reducer()
+    _reductions.init_reductions(_buffer_reductions())
     _lib.lib("vmmipc.cuda_core.install")
 
 
 try:
-    _register_reducer()  # loads no library: a forkserver may preload this module
+    # Loads no library: a forkserver may preload this module.
+    _reductions.init_reductions(_buffer_reductions())
 except ImportError:
     pass  # no cuda.core: the functions above raise a clear ImportError when used
 

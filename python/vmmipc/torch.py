@@ -67,16 +67,14 @@ functions raise ImportError saying what is missing.
 
 from __future__ import annotations
 
-import threading
-
 import vmmipc as _vmmipc
 
-from . import _args, _reductions, _torch_receive, _torch_send
-from ._torch_env import POSIX_FD_HANDLE, handle_type_names, torch_module
+from . import _args, _reductions, _torch_batch, _torch_received, _torch_reductions
+from ._torch_batch import EVENT_KEEP_SECONDS, MAX_PENDING_PICKLES, batch
+from ._torch_blob import open_tensors, share_tensors
+from ._torch_env import POSIX_FD_HANDLE, handle_type_names
 from ._torch_pool import PoolInfo, SharingPool, release_sharing_pool, sharing_pool, sharing_pools
-from ._torch_receive import open_tensors
-from ._torch_send import (EVENT_KEEP_SECONDS, MAX_PENDING_PICKLES, batch, is_vmm_tensor,
-                          reduce_storage, reduce_tensor, share_tensors)
+from ._torch_reductions import is_vmm_tensor, reduce_storage, reduce_tensor
 
 
 def set_receive_device(device: int | None) -> None:
@@ -85,7 +83,7 @@ def set_receive_device(device: int | None) -> None:
     the exporter's GPU, found by UUID. An ordinal: that device of this
     process gets read-write access and the tensor is on it (checked when a
     tensor arrives). TypeError if not an integer, InvalidError if < 0."""
-    _torch_receive.set_receive_device(device)
+    _torch_received.set_receive_device(device)
 
 
 def set_pickle_ttl(ttl: float | None) -> None:
@@ -96,7 +94,7 @@ def set_pickle_ttl(ttl: float | None) -> None:
     vmmipc.register_again checks its ttl (TypeError, InvalidError)."""
     if ttl is not None:
         _args.milliseconds(ttl, "ttl", 1, _vmmipc.MAX_TTL_MS, "vmmipc.torch.set_pickle_ttl")
-    _torch_send.set_pickle_ttl(ttl)
+    _torch_batch.set_pickle_ttl(ttl)
 
 
 def set_ordering(mode: str) -> None:
@@ -107,14 +105,10 @@ def set_ordering(mode: str) -> None:
     (pickling waits until the work queued on the current stream has
     finished; works between any containers), or "auto" (the default: "sync"
     when VMMIPC_SOCKET_DIR is set, else "event"). ValueError for others."""
-    if mode not in _torch_send.ORDERINGS:
+    if mode not in _torch_batch.ORDERINGS:
         raise ValueError(f"vmmipc.torch.set_ordering: mode must be one of "
-                         f"{', '.join(map(repr, _torch_send.ORDERINGS))}, not {mode!r}")
-    _torch_send.set_ordering(mode)
-
-
-_installed = False
-_install_lock = threading.Lock()
+                         f"{', '.join(map(repr, _torch_batch.ORDERINGS))}, not {mode!r}")
+    _torch_batch.set_ordering(mode)
 
 
 def install() -> None:
@@ -122,19 +116,7 @@ def install() -> None:
     reduce_storage for the UntypedStorage classes torch registers, after
     torch.multiprocessing's own, and make each ForkingPickler.dump one batch
     (idempotent). Loads no library. Raises ImportError without torch."""
-    global _installed
-    torch = torch_module()
-    import torch.multiprocessing  # noqa: F401 - its init_reductions first, so ours replace it
-    with _install_lock:
-        if _installed:
-            return
-        for cls in (torch.Tensor, torch.nn.Parameter):
-            _reductions.register_reducer(cls, reduce_tensor)
-        for cls in torch._storage_classes:
-            if cls.__name__ == "UntypedStorage":
-                _reductions.register_reducer(cls, reduce_storage)
-        _reductions.wrap_dump(_torch_send.dump_in_batch)
-        _installed = True
+    _reductions.init_reductions(_torch_reductions.reductions())
 
 
 try:

@@ -221,9 +221,9 @@ def child_receiver_lifetime(q, res):
                             f"cuMemGetAddressRange gave {after[0]}")
         if after[1].entries or after[1].referenced_bytes or after[1].unreferenced_bytes:
             problems.append(f"after the last view died: cache_info {after[1]}")
-        from vmmipc import _torch_receive
-        if _torch_receive.received_storages():
-            problems.append(f"{_torch_receive.received_storages()} received storages still known")
+        from vmmipc import _torch_received
+        if _torch_received.received_storages():
+            problems.append(f"{_torch_received.received_storages()} received storages still known")
         return {"problems": problems}
     res.put(guard(run))
 

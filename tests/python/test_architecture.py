@@ -181,6 +181,17 @@ def test_only_torch_imports_its_halves():
     assert not bad, bad
 
 
+def test_torchs_sender_and_receiver_state_never_import_each_other():
+    # torch.multiprocessing.reductions' shape: each reduce_X beside its
+    # rebuild_X (_torch_reductions), which uses both sides; neither side
+    # uses the other (the layers alone would allow _torch_batch to).
+    graph = import_graph()
+    sender, receiver = {"_torch_runs", "_torch_batch"}, {"_torch_received"}
+    bad = [(m, d) for m in sender for d in graph[m] if d in receiver]
+    bad += [(m, d) for m in receiver for d in graph[m] if d in sender]
+    assert not bad, bad
+
+
 def test_one_module_wraps_forking_pickler_dump():
     writers = [name for name, tree in modules().items() for node in ast.walk(tree)
                if isinstance(node, ast.Assign) for t in node.targets

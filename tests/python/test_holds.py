@@ -161,13 +161,13 @@ class _Storage:
     """A stand-in for a received torch storage (only its lifetime matters)."""
 
 
-def test_torch_receiver_holds_each_grant_while_a_storage_needs_it(monkeypatch):
+def test_torch_receiver_holds_each_ticket_while_a_storage_needs_it(monkeypatch):
     import gc
 
-    from vmmipc import _torch_receive
+    from vmmipc import _torch_received
     released = []
-    monkeypatch.setattr(_torch_receive, "release", released.append)
-    holds = _torch_receive._Holds()
+    monkeypatch.setattr(_torch_received, "release", released.append)
+    holds = _torch_received.Holds()
     a, b = _Storage(), _Storage()
     holds.attach(a, "g1")  # one pickle of a and b
     holds.attach(b, "g1")
@@ -193,14 +193,14 @@ def test_torch_receiver_holds_each_grant_while_a_storage_needs_it(monkeypatch):
 def test_torch_receiver_ignores_a_release_that_finds_nothing(monkeypatch):
     import gc
 
-    from vmmipc import _torch_receive
+    from vmmipc import _torch_received
 
-    def gone(grant):
+    def gone(ticket):
         raise vmmipc.NotFoundError("holds no use", vmmipc.ENOENT, "vmmipc.release")
-    monkeypatch.setattr(_torch_receive, "release", gone)
-    holds = _torch_receive._Holds()
+    monkeypatch.setattr(_torch_received, "release", gone)
+    holds = _torch_received.Holds()
     s = _Storage()
-    holds.attach(s, "old-sender's grant")
+    holds.attach(s, "old-sender's ticket")
     del s
     gc.collect()  # a finalizer: it must not raise
     assert holds.held() == 0

@@ -96,7 +96,7 @@ def test_feeder_thread_failure_reaches_the_receiver_without_a_library(tmp_path):
                 out.put("other: " + repr(e))
 
         if __name__ == "__main__":
-            _reductions.register_reducer(NeedsLibrary, reduce)
+            _reductions.init_reductions(_reductions.Reductions(forking=((NeedsLibrary, reduce),)))
             ctx = mp.get_context("spawn")
             q, out = ctx.Queue(), ctx.Queue()
             p = ctx.Process(target=child, args=(q, out))

@@ -26,7 +26,8 @@ import pytest
 
 import vmmipc
 import vmmipc.torch as vt
-from vmmipc import _anchor, _mp, _torch_receive, _torch_runs, _torch_send
+from vmmipc import (_anchor, _mp, _torch_batch, _torch_blob, _torch_received, _torch_reductions,
+                    _torch_runs)
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 needs_torch = pytest.mark.skipif(
@@ -142,8 +143,8 @@ BASE = 20 * CHUNK  # chunk-aligned, as a segment's chunks are
 R = Range(BASE, CHUNK, vt.POSIX_FD_HANDLE, 0)
 
 
-def plan(runs, *storages):
-    runs.plan([runs.pending(s) for s in storages])
+def plan(anchors, *storages):
+    anchors.plan([anchors.pending(s) for s in storages])
 
 
 # ----------------------------------------------- the module without torch
@@ -181,99 +182,99 @@ def test_storages_sent_together_get_one_anchor_per_run(fake):
     """A model packed in chunks: neighbours that share or touch chunks form
     one run, registered once; a gap of unmapped (or unsent) chunks starts
     another; so does another device."""
-    runs = _torch_runs.Runs()
+    anchors = _torch_runs.RunAnchors()
     a = Storage(BASE, 30 << 20)                   # chunks 0-1
     b = Storage(BASE + (30 << 20), 4 << 20)       # chunk 1 (shared with a)
     c = Storage(BASE + (40 << 20), 20 << 20)      # chunk 2 (touches)
     far = Storage(BASE + (100 << 20), 1 << 20)    # chunk 5: a run of its own
     other = Storage(BASE + 1, 1 << 20, Device("cuda", 1))  # same addresses, another GPU
     fake.ranges[other.ptr] = Range(BASE, CHUNK, vt.POSIX_FD_HANDLE, 1)
-    plan(runs, a, b, far, c)
-    plan(runs, other)
+    plan(anchors, a, b, far, c)
+    plan(anchors, other)
     assert fake.shared == [(BASE, 60 << 20, 0), (BASE + (100 << 20), CHUNK, 0), (BASE, CHUNK, 0)]
-    ra, rb, rc, rf, ro = (runs.attached(s) for s in (a, b, c, far, other))
+    ra, rb, rc, rf, ro = (anchors.attached(s) for s in (a, b, c, far, other))
     assert ra is rb is rc and len({id(ra), id(rf), id(ro)}) == 3
     assert (rc.base, rc.size, ro.device) == (BASE, 60 << 20, 1)
-    assert runs.live() == 3
+    assert anchors.live() == 3
 
 
 def test_resending_attached_storages_asks_the_driver_nothing(fake):
-    runs = _torch_runs.Runs()
+    anchors = _torch_runs.RunAnchors()
     s = [Storage(BASE + i * (1 << 20), 1 << 20) for i in range(40)]
-    plan(runs, *s)
+    plan(anchors, *s)
     asked = len(fake.queries)
     for _ in range(3):
-        assert all(runs.attached(x) is not None for x in s)
+        assert all(anchors.attached(x) is not None for x in s)
     assert len(fake.queries) == asked and len(fake.shared) == 1
 
 
 def test_a_storage_pinned_by_live_users_joins_their_anchor(fake):
-    runs = _torch_runs.Runs()
+    anchors = _torch_runs.RunAnchors()
     a, b = Storage(BASE, 10 << 20), Storage(BASE + (10 << 20), 10 << 20)
-    plan(runs, a, b)
+    plan(anchors, a, b)
     view = Storage(BASE + (4 << 20), 8 << 20)  # another storage in the same chunk, pinned by a
-    plan(runs, view)
-    assert runs.attached(view) is runs.attached(a) and len(fake.shared) == 1
+    plan(anchors, view)
+    assert anchors.attached(view) is anchors.attached(a) and len(fake.shared) == 1
 
 
 def test_a_storage_over_unpinned_chunks_gets_a_new_anchor(fake):
     """A segment that grew: the new storage starts in the anchor's last chunk
     and runs into new ones; no live user pins the new chunks, so it gets an
     anchor of its own (which overlaps the old one) and the old one stays."""
-    runs = _torch_runs.Runs()
+    anchors = _torch_runs.RunAnchors()
     a = Storage(BASE, 30 << 20)  # chunks 0-1
-    plan(runs, a)
+    plan(anchors, a)
     across = Storage(BASE + (35 << 20), 20 << 20)  # chunks 1-2
-    plan(runs, across)
+    plan(anchors, across)
     assert fake.shared == [(BASE, 40 << 20, 0), (BASE + CHUNK, 40 << 20, 0)]
-    assert runs.attached(across) is not runs.attached(a) and runs.live() == 2
+    assert anchors.attached(across) is not anchors.attached(a) and anchors.live() == 2
 
 
 def test_a_dead_storage_retires_its_anchor_and_a_new_one_never_matches(fake):
     """torch may unmap a chunk once the storages in it died and map a new one
     at the same address: an anchor with a chunk nobody pins is retired at
     once (and ended on the reaper), and a new storage there gets a new one."""
-    runs = _torch_runs.Runs()
+    anchors = _torch_runs.RunAnchors()
     keep, dies = Storage(BASE, 10 << 20), Storage(BASE + CHUNK, 10 << 20)
-    plan(runs, keep, dies)
-    first = runs.attached(keep)
+    plan(anchors, keep, dies)
+    first = anchors.attached(keep)
     del dies
     gc.collect()
     drain()
-    assert fake.unregistered == ["anchor-1"] and runs.live() == 0
-    assert runs.attached(keep) is None, "its anchor was retired: it is planned again"
+    assert fake.unregistered == ["anchor-1"] and anchors.live() == 0
+    assert anchors.attached(keep) is None, "its anchor was retired: it is planned again"
     new = Storage(BASE + CHUNK, 10 << 20)
-    plan(runs, keep, new)
-    assert runs.attached(new) is runs.attached(keep) is not first and len(fake.shared) == 2
+    plan(anchors, keep, new)
+    assert anchors.attached(new) is anchors.attached(keep) is not first and len(fake.shared) == 2
 
 
 def test_a_freed_storage_is_not_trusted_before_the_reaper_hears_of_it(fake):
-    runs = _torch_runs.Runs()
+    anchors = _torch_runs.RunAnchors()
     old = Storage(BASE, 1 << 20)
-    plan(runs, old)
+    plan(anchors, old)
     gate = threading.Event()
     _anchor.reaper.submit(gate.wait, 10)  # the reaper is held up
     del old
     gc.collect()
     new = Storage(BASE, 1 << 20)
-    plan(runs, new)
+    plan(anchors, new)
     gate.set()
     assert len(fake.shared) == 2, "nothing pinned the chunk: the new storage needs a new anchor"
     drain()
-    assert fake.unregistered == ["anchor-1"] and runs.live() == 1
+    assert fake.unregistered == ["anchor-1"] and anchors.live() == 1
 
 
 def test_a_moved_storage_leaves_its_old_anchor(fake):
-    runs = _torch_runs.Runs()
+    anchors = _torch_runs.RunAnchors()
     s = Storage(BASE, 1 << 20)
-    plan(runs, s)
-    first = runs.attached(s)
+    plan(anchors, s)
+    first = anchors.attached(s)
     s.ptr, s.size = BASE + (40 << 20), 2 << 20  # what resize_ does
-    assert runs.attached(s) is None
+    assert anchors.attached(s) is None
     drain()
     assert fake.unregistered == ["anchor-1"], "nothing pins the old range any more"
-    plan(runs, s)
-    assert runs.attached(s) not in (None, first)
+    plan(anchors, s)
+    assert anchors.attached(s) not in (None, first)
 
 
 def finalizers_of(obj) -> int:
@@ -284,16 +285,16 @@ def test_a_storage_attached_again_keeps_one_finalizer(fake):
     """A run is retired whenever a storage in it dies (a temporary beside
     the weights); the storages that live on are attached to a new anchor at
     the next send, each still with one finalizer, not one more per send."""
-    runs = _torch_runs.Runs()
+    anchors = _torch_runs.RunAnchors()
     keep = Storage(BASE, 1 << 20)
     for _ in range(20):
         temporary = Storage(BASE + CHUNK, 1 << 20)  # in the next chunk of the run
-        plan(runs, keep, temporary)
+        plan(anchors, keep, temporary)
         del temporary
         gc.collect()
         drain()
-        assert runs.attached(keep) is None, "a dead neighbour retired the anchor"
-    plan(runs, keep)
+        assert anchors.attached(keep) is None, "a dead neighbour retired the anchor"
+    plan(anchors, keep)
     assert finalizers_of(keep) == 1 and len(fake.shared) == 21
 
 
@@ -301,36 +302,36 @@ def test_an_anchor_that_lost_a_race_is_not_kept(fake):
     """Two threads plan the same storage: the anchor of the one that lost
     covers chunks its users do not pin, so it is retired at once, never
     counted live or joined later."""
-    runs = _torch_runs.Runs()
+    anchors = _torch_runs.RunAnchors()
     a = Storage(BASE, 1 << 20)
     b = Storage(BASE + CHUNK, 1 << 20)
-    pa, pb = runs.pending(a), runs.pending(b)
-    plan(runs, a)                  # the other thread's anchor, of a alone
-    runs._anchor([pa, pb])         # this thread's, planned before it saw that one
+    pa, pb = anchors.pending(a), anchors.pending(b)
+    plan(anchors, a)                  # the other thread's anchor, of a alone
+    anchors._anchor([pa, pb])         # this thread's, planned before it saw that one
     drain()
-    assert runs.live() == 1 and fake.unregistered == ["anchor-2"]
-    assert runs.attached(a).anchor.ticket == "anchor-1" and runs.attached(b) is None
+    assert anchors.live() == 1 and fake.unregistered == ["anchor-2"]
+    assert anchors.attached(a).anchor.ticket == "anchor-1" and anchors.attached(b) is None
 
 
 def test_an_anchor_that_ended_is_replaced_when_granting(fake):
     """A batch found an anchor whose registration has ended since: its
     grant is refused, so the storage gets a new anchor and the grant comes
     from that one."""
-    runs = _torch_runs.runs
+    anchors = _torch_runs.run_anchors
     s = Storage(BASE + (300 << 20), 1 << 20)
-    plan(runs, s)
-    old = runs.attached(s)
+    plan(anchors, s)
+    old = anchors.attached(s)
     fake.ended.add(old.anchor.ticket)
-    b = _torch_send.Batch()
+    b = _torch_batch.Batch()
     b._events[0] = b"event"
-    args = _torch_send._storage_args(s, old, b)
-    new = runs.attached(s)
+    args = _torch_reductions._storage_args(s, old, b)
+    new = anchors.attached(s)
     assert new is not None and new is not old and old.retired
     assert args[1] == new.id and fake.again[-1][0] == new.anchor.ticket != old.anchor.ticket
 
 
 def test_a_run_that_cannot_be_registered_whole_is_registered_one_by_one(fake, monkeypatch):
-    runs = _torch_runs.Runs()
+    anchors = _torch_runs.RunAnchors()
     a, b = Storage(BASE, 1 << 20), Storage(BASE + CHUNK, 1 << 20)
 
     def share(base, size, *, uses=1, ttl=None):
@@ -338,7 +339,7 @@ def test_a_run_that_cannot_be_registered_whole_is_registered_one_by_one(fake, mo
             raise vmmipc.InvalidError("mixed chunks", vmmipc.EINVAL, "vmmipc_register_cuda")
         return fake.share(base, size, uses=uses)
     monkeypatch.setattr(_torch_runs, "share", share)
-    plan(runs, a, b)
+    plan(anchors, a, b)
     assert fake.shared == [(BASE, CHUNK, 0), (BASE + CHUNK, CHUNK, 0)]
 
 
@@ -346,7 +347,7 @@ def test_memory_without_posix_fd_export_is_refused_naming_what_it_allows(fake):
     fabric = Storage(BASE + 512, 4096)
     fake.ranges[fabric.ptr] = Range(BASE, CHUNK, 0x8, 0)
     with pytest.raises(vmmipc.InvalidError) as e:
-        _torch_runs.Runs().pending(fabric)
+        _torch_runs.RunAnchors().pending(fabric)
     msg = str(e.value)
     assert e.value.status == vmmipc.EINVAL
     assert "allows export as CU_MEM_HANDLE_TYPE_FABRIC only" in msg
@@ -354,27 +355,27 @@ def test_memory_without_posix_fd_export_is_refused_naming_what_it_allows(fake):
     assert f"4096 bytes at {BASE + 512:#x}" in msg
     both = Storage(BASE, 1)
     fake.ranges[both.ptr] = Range(BASE, CHUNK, 0x9, 0)
-    assert _torch_runs.Runs().pending(both) is not None, "POSIX among others is fine"
+    assert _torch_runs.RunAnchors().pending(both) is not None, "POSIX among others is fine"
 
 
 def test_not_vmm_memory_is_left_to_torch(fake):
-    runs = _torch_runs.Runs()
-    assert runs.pending(Storage(0xdead, 64)) is None
-    assert runs.pending(Storage(BASE, 0)) is None
-    assert runs.pending(Storage(BASE, 64, Device("cpu", None))) is None
+    anchors = _torch_runs.RunAnchors()
+    assert anchors.pending(Storage(0xdead, 64)) is None
+    assert anchors.pending(Storage(BASE, 0)) is None
+    assert anchors.pending(Storage(BASE, 64, Device("cpu", None))) is None
     assert fake.queries == [(0xdead, 64)], "CPU and empty storages never ask the library"
 
 
 def test_reducers_route_by_memory(fake):
     torch_way = lambda: "torch's reducer"  # noqa: E731
     ours = lambda run, b: ("vmmipc", run)  # noqa: E731
-    route = _torch_send._reduce_through
+    route = _torch_reductions._reduce_through
     assert route("x", Storage(0xdead, 64), torch_way, ours) == "torch's reducer"
     assert route("x", Storage(BASE, 0), torch_way, ours) == "torch's reducer"
     assert route("x", Storage(BASE, 64, Device("cpu", None)), torch_way, ours) == "torch's reducer"
     s = Storage(BASE, 64)
     kind, run = route("x", s, torch_way, ours)
-    assert kind == "vmmipc" and run is _torch_runs.runs.attached(s)
+    assert kind == "vmmipc" and run is _torch_runs.run_anchors.attached(s)
 
 
 def test_reducer_errors_reach_the_caller(fake, monkeypatch):
@@ -383,7 +384,7 @@ def test_reducer_errors_reach_the_caller(fake, monkeypatch):
 
     monkeypatch.setattr(_torch_runs, "cuda_query_range", no_library)
     with pytest.raises(vmmipc.LibraryNotFoundError, match="libvmmipc.so not found"):
-        _torch_send._reduce_through("CUDA tensor", Storage(BASE, 64), lambda: None,
+        _torch_reductions._reduce_through("CUDA tensor", Storage(BASE, 64), lambda: None,
                                     lambda run, b: None)
 
 
@@ -392,12 +393,12 @@ def test_a_pickle_for_a_forked_child_registers_nothing(fake, monkeypatch, where)
     monkeypatch.setattr(_mp, "fork_destination", lambda: where)
     s = Storage(BASE + (3 << 20), 64)
     ours = lambda run, b: ("vmmipc", run)  # noqa: E731
-    with _torch_send.batch([s]):
+    with _torch_batch.batch([s]):
         if where == "pool":
             with pytest.raises(vmmipc.VmmipcForkError, match="fork-context pool"):
-                _torch_send._reduce_through("CUDA tensor", s, lambda: None, ours)
+                _torch_reductions._reduce_through("CUDA tensor", s, lambda: None, ours)
         else:
-            fn, args = _torch_send._reduce_through("CUDA tensor", s, lambda: None, ours)
+            fn, args = _torch_reductions._reduce_through("CUDA tensor", s, lambda: None, ours)
             assert fn is _mp.refuse_fork and args == ("queue",)
     assert fake.shared == [] and fake.again == [], "nothing registered for a forked child"
 
@@ -406,14 +407,14 @@ def test_a_pickle_for_a_forked_child_registers_nothing(fake, monkeypatch, where)
 
 
 def test_a_batch_makes_one_grant_per_anchor_and_keeps_its_storages(fake):
-    runs = _torch_runs.Runs()
+    anchors = _torch_runs.RunAnchors()
     s = [Storage(BASE + i * (1 << 20), 1 << 20) for i in range(5)]
     far = Storage(BASE + (200 << 20), 1 << 20)
-    plan(runs, *s, far)
+    plan(anchors, *s, far)
     alive = [weakref.ref(x) for x in s]
-    b = _torch_send.Batch()
-    tickets = {b.grant(runs.attached(x), x) for x in s}
-    tickets.add(b.grant(runs.attached(far), far))
+    b = _torch_batch.Batch()
+    tickets = {b.ticket(anchors.attached(x), x) for x in s}
+    tickets.add(b.ticket(anchors.attached(far), far))
     assert tickets == {"pickle-1", "pickle-2"}
     assert [(t, uses) for t, uses, *_ in fake.again] == [("anchor-1", 1), ("anchor-2", 1)]
     far_ref = weakref.ref(far)
@@ -432,22 +433,22 @@ def test_a_batch_makes_one_grant_per_anchor_and_keeps_its_storages(fake):
 
 
 def test_a_new_batch_makes_new_grants(fake):
-    runs = _torch_runs.Runs()
+    anchors = _torch_runs.RunAnchors()
     s = Storage(BASE, 1 << 20)
-    plan(runs, s)
-    run = runs.attached(s)
-    _torch_send.Batch().grant(run, s)
-    _torch_send.Batch().grant(run, s)
+    plan(anchors, s)
+    run = anchors.attached(s)
+    _torch_batch.Batch().ticket(run, s)
+    _torch_batch.Batch().ticket(run, s)
     assert [t for t, *_ in fake.again] == ["anchor-1", "anchor-1"], "one grant per batch"
 
 
 def test_the_pickle_ttl_reaches_the_grant(fake):
-    runs = _torch_runs.Runs()
+    anchors = _torch_runs.RunAnchors()
     s = Storage(BASE, 1 << 20)
-    plan(runs, s)
+    plan(anchors, s)
     vt.set_pickle_ttl(7.5)
     try:
-        _torch_send.Batch().grant(runs.attached(s), s)
+        _torch_batch.Batch().ticket(anchors.attached(s), s)
     finally:
         vt.set_pickle_ttl(None)
     assert fake.again[-1][:3] == ("anchor-1", 1, 7.5)
@@ -520,7 +521,7 @@ def test_settings_are_checked():
     try:
         vt.set_receive_device(1)
         vt.set_pickle_ttl(2.5)
-        assert (_torch_receive._target(), _torch_send.Batch().ttl) == (1, 2.5)
+        assert (_torch_received.receive_device(), _torch_batch.Batch().ttl) == (1, 2.5)
     finally:
         vt.set_receive_device(None)
         vt.set_pickle_ttl(None)
@@ -537,8 +538,8 @@ def test_uuid_bytes_from_torch_properties():
             import uuid
             return "GPU-" + str(uuid.UUID(bytes=want))
 
-    assert _torch_receive._uuid_bytes(Signed()) == want
-    assert _torch_receive._uuid_bytes(Printed()) == want
+    assert _torch_received._uuid_bytes(Signed()) == want
+    assert _torch_received._uuid_bytes(Printed()) == want
 
 
 def test_after_fork_the_child_has_fresh_state():
@@ -567,7 +568,7 @@ def test_after_fork_the_child_has_fresh_state():
 
 
 def test_received_storages_are_found_while_alive_only():
-    received = _torch_receive._WeakTable()
+    received = _torch_received.WeakTable()
     s = Storage(1, 1)
     assert received.add("k", s) is s
     assert received.add("k", Storage(2, 2)) is s, "the first one stays"
@@ -577,15 +578,15 @@ def test_received_storages_are_found_while_alive_only():
     assert received.get("k") is None and len(received) == 0
 
 
-def test_each_grant_is_redeemed_once():
-    redeemed = _torch_receive._Redeemed()
-    assert redeemed.add(b"g1") and not redeemed.add(b"g1")
-    redeemed.forget(b"g1")
-    assert redeemed.add(b"g1"), "forgotten (its redemption failed): redeemed again"
-    redeemed.LIMIT = 3
-    for g in (b"a", b"b", b"c"):
-        redeemed.add(g)
-    assert redeemed.add(b"g1") and not redeemed.add(b"c"), "bounded: the oldest go first"
+def test_each_ticket_is_spent_once():
+    spent = _torch_received.SpentTickets()
+    assert spent.add(b"t1") and not spent.add(b"t1")
+    spent.forget(b"t1")
+    assert spent.add(b"t1"), "forgotten (spending it failed): spent again"
+    spent.LIMIT = 3
+    for t in (b"a", b"b", b"c"):
+        spent.add(t)
+    assert spent.add(b"t1") and not spent.add(b"c"), "bounded: the oldest go first"
 
 
 def test_blobs_name_nothing_but_tensors_and_dtypes():
@@ -593,7 +594,7 @@ def test_blobs_name_nothing_but_tensors_and_dtypes():
     import pickle
     evil = pickle.dumps(os.system)
     with pytest.raises(pickle.UnpicklingError, match="may not name"):
-        _torch_receive._BlobUnpickler(io.BytesIO(evil)).load()
+        _torch_blob._BlobUnpickler(io.BytesIO(evil)).load()
     with pytest.raises(ValueError, match="not a vmmipc.torch blob"):
         vt.open_tensors(b"\x80\x05junk")
     with pytest.raises(TypeError, match="takes the bytes share_tensors returned"):
@@ -652,8 +653,8 @@ def test_tensor_metadata_round_trip(dtype):
     dt = getattr(torch, dtype)
     base = torch.arange(60).to(dt).reshape(6, 10)
     for view in (base, base[2:], base[:, 3:7], base.t(), base[1::2, ::3]):
-        got = _torch_receive.tensor_over(view.untyped_storage(),
-                                         *_torch_send.tensor_meta(torch, view))
+        got = _torch_reductions.tensor_over(view.untyped_storage(),
+                                         *_torch_reductions.tensor_meta(torch, view))
         assert got.dtype == dt and got.shape == view.shape and got.stride() == view.stride()
         assert got.storage_offset() == view.storage_offset() and torch.equal(got, view)
         assert got.untyped_storage() is view.untyped_storage(), "a view, not a copy"
@@ -662,7 +663,7 @@ def test_tensor_metadata_round_trip(dtype):
 @needs_torch
 def test_parameters_and_requires_grad_are_kept():
     import torch
-    meta, over = _torch_send.tensor_meta, _torch_receive.tensor_over
+    meta, over = _torch_reductions.tensor_meta, _torch_reductions.tensor_over
     p = torch.nn.Parameter(torch.randn(4, 4))
     got = over(p.untyped_storage(), *meta(torch, p))
     assert type(got) is torch.nn.Parameter and got.requires_grad and torch.equal(got, p)
@@ -680,86 +681,50 @@ def test_views_of_one_storage_share_one_argument_tuple(fake):
     """Tied weights and views: one storage's rebuild arguments are one tuple
     per batch (the pickler's memo sends it once; the receiver's table makes
     one storage of it), with one grant and one event for the batch."""
-    runs = _torch_runs.runs
+    anchors = _torch_runs.run_anchors
     s = Storage(BASE, 1 << 20)
     other = Storage(BASE + (1 << 20), 1 << 20)
-    plan(runs, s, other)
-    b = _torch_send.Batch()
+    plan(anchors, s, other)
+    b = _torch_batch.Batch()
     b._events[0] = b"event"  # recorded once per device; no GPU here
-    first = _torch_send._storage_args(s, runs.attached(s), b)
-    again = _torch_send._storage_args(s, runs.attached(s), b)
-    second = _torch_send._storage_args(other, runs.attached(other), b)
+    first = _torch_reductions._storage_args(s, anchors.attached(s), b)
+    again = _torch_reductions._storage_args(s, anchors.attached(s), b)
+    second = _torch_reductions._storage_args(other, anchors.attached(other), b)
     assert first is again and first != second
     assert first[0] is second[0] and len(fake.again) == 1, "one grant for the run"
     assert first[2:] == (0, 1 << 20, 0, b"event") and second[2] == 1 << 20
-
-
-def test_ordering_follows_the_socket_directory(monkeypatch):
-    """Across pods there is no shared /dev/shm for CUDA's interprocess
-    events: "auto" synchronizes the sender's stream instead when a socket
-    directory is set, and sends no event."""
-    synced = []
-
-    class Stream:
-        def __init__(self, device):
-            self.device = device
-
-        def synchronize(self):
-            synced.append(self.device)
-
-    class Cuda:
-        current_stream = Stream
-
-    class FakeTorch:
-        cuda = Cuda
-
-    monkeypatch.setattr(_torch_send, "torch_module", lambda: FakeTorch)
-    with pytest.raises(ValueError, match="must be one of"):
-        vt.set_ordering("fence")
-    monkeypatch.delenv("VMMIPC_SOCKET_DIR", raising=False)
-    assert _torch_send.ordering() == "event"
-    monkeypatch.setenv("VMMIPC_SOCKET_DIR", "/run/vmmipc")
-    assert _torch_send.ordering() == "sync"
-    b = _torch_send.Batch()
-    assert b.event(0) is None and b.event(0) is None and synced == [0], "once per batch"
-    try:
-        vt.set_ordering("event")
-        assert _torch_send.ordering() == "event"
-    finally:
-        vt.set_ordering("auto")
 
 
 def test_a_refused_tensor_leaves_no_grant(fake):
     """A non-leaf tensor that requires grad is refused (RuntimeError naming
     requires_grad, the word torch's own test asserts) before anything is
     granted: no registration is left holding its memory."""
-    runs = _torch_runs.runs
+    anchors = _torch_runs.run_anchors
     s = Storage(BASE, 1 << 20)
-    plan(runs, s)
+    plan(anchors, s)
     granted = len(fake.again)
 
     class NonLeaf:
         requires_grad, is_leaf = True, False
 
-    b = _torch_send.Batch()
+    b = _torch_batch.Batch()
     b._events[0] = b"event"
     with pytest.raises(RuntimeError, match="requires_grad"):
-        _torch_send._tensor_reduction(None, NonLeaf(), s, runs.attached(s), b)
+        _torch_reductions._tensor_reduction(None, NonLeaf(), s, anchors.attached(s), b)
     assert len(fake.again) == granted, "the refused tensor's send made a grant"
 
 
-class _FakeEvent:
+class FakeEvent:
+    """Stands in for torch.cuda.Event(interprocess=True)."""
     made = 0
 
     def __init__(self, interprocess=False):
         assert interprocess
-        _FakeEvent.made += 1
-        self.handle = b"event-%d" % _FakeEvent.made
+        FakeEvent.made += 1
+        self.handle = b"event-%d" % FakeEvent.made
         self.done = False
-        self.records = 0
 
     def record(self, stream):
-        self.records += 1
         self.done = False
 
     def query(self):
@@ -769,46 +734,75 @@ class _FakeEvent:
         return self.handle
 
 
-class _FakeStream:
+class FakeCudaTorch:
+    """Stands in for torch where a batch records its events or synchronizes
+    instead (Batch.event): torch.cuda.device, current_stream (one a device,
+    counting synchronize calls) and Event."""
+
+    Event = FakeEvent
+
     def __init__(self):
-        self.syncs = 0
+        self.cuda = self  # torch.cuda.X is self.X
+        self.streams = {}
+        FakeEvent.made = 0
+
+    def device(self, device):
+        return contextlib.nullcontext()
+
+    def current_stream(self, device):
+        return self.streams.setdefault(device, _FakeStream())
+
+    def syncs(self) -> dict:
+        """device -> how often its stream was synchronized."""
+        return {d: s.syncs for d, s in self.streams.items() if s.syncs}
+
+
+class _FakeStream:
+    syncs = 0
 
     def synchronize(self):
         self.syncs += 1
 
 
-class _FakeCudaTorch:
-    class cuda:
-        stream = _FakeStream()
-        Event = _FakeEvent
-
-        @staticmethod
-        def device(d):
-            return contextlib.nullcontext()
-
-        @staticmethod
-        def current_stream(d):
-            return _FakeCudaTorch.cuda.stream
+def test_ordering_follows_the_socket_directory(monkeypatch):
+    """Across pods there is no shared /dev/shm for CUDA's interprocess
+    events: "auto" synchronizes the sender's stream instead when a socket
+    directory is set, and sends no event."""
+    torch = FakeCudaTorch()
+    monkeypatch.setattr(_torch_batch, "torch_module", lambda: torch)
+    with pytest.raises(ValueError, match="must be one of"):
+        vt.set_ordering("fence")
+    monkeypatch.delenv("VMMIPC_SOCKET_DIR", raising=False)
+    assert _torch_batch.ordering() == "event"
+    monkeypatch.setenv("VMMIPC_SOCKET_DIR", "/run/vmmipc")
+    assert _torch_batch.ordering() == "sync"
+    b = _torch_batch.Batch()
+    assert b.event(0) is None and b.event(0) is None, "no event: the stream synchronized"
+    assert torch.syncs() == {0: 1} and FakeEvent.made == 0, "once per batch"
+    try:
+        vt.set_ordering("event")
+        assert _torch_batch.ordering() == "event"
+    finally:
+        vt.set_ordering("auto")
 
 
 def test_interprocess_events_are_bounded_and_reused(monkeypatch):
     """At most MAX_EVENTS exist; an event that completed and is older than
     EVENT_KEEP_SECONDS is recorded again (same handle); with every event in
     use a pickle synchronizes its stream and sends none (torch's bound)."""
-    monkeypatch.setattr(_torch_send, "MAX_EVENTS", 3)
-    monkeypatch.setattr(_torch_send, "EVENT_KEEP_SECONDS", 0.0)
-    monkeypatch.setattr(_torch_send, "torch_module", lambda: _FakeCudaTorch)
-    monkeypatch.setattr(_torch_send, "_events", _torch_send._SentEvents())
-    monkeypatch.setattr(_torch_send, "ordering", lambda: "event")
-    events = _torch_send._events
-    handles = [_torch_send.Batch().event(0) for _ in range(3)]
-    assert len(set(handles)) == 3 and events.counts() == (3, 3)
-    stream = _FakeCudaTorch.cuda.stream
-    syncs = stream.syncs
-    assert _torch_send.Batch().event(0) is None, "a 4th event while 3 are in use"
-    assert stream.syncs == syncs + 1, "with no event to send, the pickle synchronizes"
+    torch = FakeCudaTorch()
+    monkeypatch.setattr(_torch_batch, "MAX_EVENTS", 3)
+    monkeypatch.setattr(_torch_batch, "EVENT_KEEP_SECONDS", 0.0)
+    monkeypatch.setattr(_torch_batch, "torch_module", lambda: torch)
+    monkeypatch.setattr(_torch_batch, "_events", _torch_batch._SentEvents())
+    monkeypatch.setattr(_torch_batch, "ordering", lambda: "event")
+    events = _torch_batch._events
+    handles = [_torch_batch.Batch().event(0) for _ in range(3)]
+    assert len(set(handles)) == 3 and events.counts() == (3, 3) and torch.syncs() == {}
+    assert _torch_batch.Batch().event(0) is None, "a 4th event while 3 are in use"
+    assert torch.syncs() == {0: 1}, "with no event to send, the pickle synchronizes"
     for _, _, e, _ in list(events._kept):
         e.done = True
-    again = _torch_send.Batch().event(0)
+    again = _torch_batch.Batch().event(0)
     assert again in handles, "a completed event is recorded again, not a new one made"
     assert events.counts()[0] == 3

@@ -1,0 +1,320 @@
+"""vmmipc.torch's receiver state: where received storages are mapped, the
+runs mapped here and the storages over them, which tickets' uses this
+process has spent, and which held tickets keep its storages safe. The
+rebuilders (_torch_reductions) use it; it knows nothing of them, nor of the
+sender.
+
+A receiver maps each run anchor once (MappedRun, map_run) and makes every
+storage a zero-copy view at its offset (storage_over: torch.as_tensor over
+__cuda_array_interface__). Each ticket (one grant per anchor per pickle)
+spends its use once, and holds it: the first storage of a run not mapped
+here imports the run with it (vmmipc.import_stream(hold=True): streamed on
+a miss, from the import cache on a hit); a ticket whose run is mapped here
+already is confirmed (vmmipc.confirm(hold=True): one message, not waited
+for, on this process's kept connection to the sender, no handshake, no
+driver call). `spent` remembers which tickets have been.
+
+The lifetime rule (torch.multiprocessing's): the sender keeps every storage
+of a grant alive, out of its allocator's reach, while this process holds
+its ticket's use (the header's "Holds"). A received storage needs only its
+newest ticket held: Holds counts, per ticket, the live storages whose
+newest ticket it is, and lets go of the use (vmmipc.release, batched by the
+library) when that count falls to zero: when those storages die, or a later
+pickle of the same storages took over. This process's end lets go of
+everything.
+
+A weak table of received storages, keyed by (anchor id, offset, size,
+device), gives a storage that arrives again (another view, another send)
+the same torch storage while any tensor over it lives. When the last storage
+over a run dies, the device is synchronized (no kernel may still use the
+memory) and the mapping reference dropped; the import cache may keep it
+mapped for the next send.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import threading
+import uuid
+import weakref
+
+from . import _args, _errors, _lib
+from ._anchor import after_fork
+from ._mapping import import_stream, release
+from ._ticket import Ticket
+from ._torch_env import torch_module
+
+log = logging.getLogger("vmmipc")
+
+_receive_device: int | None = None
+_local = threading.local()  # open_tensors' device, for its thread only
+
+
+def check_device(device, where: str) -> int | None:
+    if device is None:
+        return None
+    return _args.integer(device, "device", 0, _args.I32_MAX, where)
+
+
+def set_receive_device(device: int | None) -> None:
+    global _receive_device
+    _receive_device = check_device(device, "vmmipc.torch.set_receive_device")
+
+
+@contextlib.contextmanager
+def receiving_on(device: int | None, where: str):
+    """What this thread unpickles inside maps onto device (an ordinal;
+    None: as set_receive_device says), for open_tensors."""
+    saved = getattr(_local, "device", None)
+    _local.device = (check_device(device, where),) if device is not None else saved
+    try:
+        yield
+    finally:
+        _local.device = saved
+
+
+def receive_device() -> int | None:
+    """Where this thread maps what it unpickles now: None = the exporter's
+    GPU."""
+    override = getattr(_local, "device", None)
+    return _receive_device if override is None else override[0]
+
+
+class MappedRun:
+    """One Mapping of a run, shared by the storages over it: each holds it
+    (through its _Region); after the last one dies, the device is
+    synchronized and the mapping reference dropped."""
+
+    def __init__(self, mapping):
+        self.mapping = mapping
+        finalizer = weakref.finalize(self, _drop_mapping, mapping)
+        finalizer.atexit = False  # at exit nothing is unmapped under live tensors
+
+
+def _drop_mapping(mapping) -> None:
+    try:
+        torch_module().cuda.synchronize(mapping.device)
+    except Exception:  # noqa: BLE001 - unmapping must still happen
+        log.exception("vmmipc.torch: could not synchronize cuda:%d before unmapping",
+                      mapping.device)
+    mapping.close()
+
+
+class _Region:
+    """[offset, offset + nbytes) of a mapped run as torch.as_tensor reads it
+    (__cuda_array_interface__ v3). The storage torch makes over it holds this
+    object, and so the run, until the storage is freed."""
+    __slots__ = ("run", "addr", "nbytes", "__weakref__")
+
+    def __init__(self, run: MappedRun, offset: int, nbytes: int):
+        self.run = run
+        self.addr = run.mapping.addr + offset
+        self.nbytes = nbytes
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.addr, False),
+                "strides": None, "version": 3}
+
+
+class WeakTable:
+    """A thread-safe WeakValueDictionary whose add keeps the first value."""
+
+    def __init__(self):  # also after fork, in place
+        self._lock = threading.Lock()
+        self._values = weakref.WeakValueDictionary()
+
+    def get(self, key):
+        with self._lock:
+            return self._values.get(key)
+
+    def add(self, key, value):
+        """value, or the one another thread stored for key first."""
+        with self._lock:
+            return self._values.setdefault(key, value)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._values)
+
+
+class SpentTickets:
+    """Tickets whose use this process has spent (imported or confirmed),
+    and the events it has waited on for them: each at most once. Bounded:
+    the oldest are forgotten (a ticket is one use, so seeing it again means
+    the same pickle loaded again)."""
+
+    LIMIT = 1 << 16
+
+    def __init__(self):  # also after fork, in place
+        self._lock = threading.Lock()
+        self._seen: collections.OrderedDict = collections.OrderedDict()
+
+    def add(self, ticket) -> bool:
+        """True if ticket's use was not spent here before (and is now
+        marked)."""
+        with self._lock:
+            if ticket in self._seen:
+                return False
+            self._seen[ticket] = True
+            if len(self._seen) > self.LIMIT:
+                self._seen.popitem(last=False)
+            return True
+
+    def forget(self, ticket) -> None:
+        with self._lock:
+            self._seen.pop(ticket, None)
+
+
+class Holds:
+    """Which held ticket keeps each received storage safe, and how many live
+    storages each held ticket keeps: its use is let go of when none is
+    left. A storage's newest ticket takes over from its older one (the
+    sender keeps the same memory for both: within a live anchor, one offset
+    and size is one storage of the sender's)."""
+
+    def __init__(self):  # also after fork, in place
+        self._lock = threading.Lock()
+        self._count: dict = {}  # ticket -> live storages whose newest ticket it is
+        self._of: dict = {}     # id(storage) -> its cell: [newest ticket, weakref to it]
+
+    def attach(self, storage, ticket) -> None:
+        """storage is (also) covered by ticket, whose use this process holds.
+        Called for every storage of every load: one lock, and a finalizer
+        only for a storage seen the first time."""
+        key, new_cell = id(storage), None
+        with self._lock:
+            cell = self._of.get(key)
+            if cell is None or cell[1]() is not storage:
+                cell = new_cell = [None, weakref.ref(storage)]
+                self._of[key] = cell
+            old, cell[0] = cell[0], ticket
+            if old == ticket:
+                return
+            self._count[ticket] = self._count.get(ticket, 0) + 1
+            gone = old is not None and self._uncount(old)
+        if new_cell is not None:
+            weakref.finalize(storage, self._storage_died, key, new_cell).atexit = False
+        if gone:
+            _release_quietly(old)
+
+    def _storage_died(self, key, cell) -> None:
+        with self._lock:
+            if self._of.get(key) is cell:
+                del self._of[key]
+            ticket, cell[0] = cell[0], None
+            gone = ticket is not None and self._uncount(ticket)
+        if gone:
+            _release_quietly(ticket)
+
+    def _uncount(self, ticket) -> bool:
+        """One storage fewer for ticket (self._lock held); True when none is
+        left, and its use is to be let go of."""
+        n = self._count.get(ticket, 0) - 1
+        if n > 0:
+            self._count[ticket] = n
+            return False
+        self._count.pop(ticket, None)
+        return True
+
+    def held(self) -> int:
+        """Tickets whose use this process holds for live storages (for
+        tests)."""
+        with self._lock:
+            return len(self._count)
+
+
+def _release_quietly(ticket) -> None:
+    try:
+        release(ticket)  # queued: a library thread tells the sender
+    except _errors.VmmipcError:
+        pass  # not held (an old sender's grant), or its sender has gone: nothing held
+
+
+mapped_runs = WeakTable()  # (anchor id, target) -> MappedRun
+received = WeakTable()     # (anchor id, offset, nbytes, target) -> torch storage
+spent = SpentTickets()
+holds = Holds()
+
+
+def _reset_after_fork() -> None:
+    # Other modules hold these objects under their own names: each starts
+    # afresh in place.
+    for table in (mapped_runs, received, spent, holds):
+        table.__init__()
+
+
+after_fork(_reset_after_fork)
+
+
+def received_storages() -> int:
+    """Storages received and still alive here (for tests)."""
+    return len(received)
+
+
+def storage_over(torch, run: MappedRun, offset: int, nbytes: int):
+    """A torch storage over [offset, offset + nbytes) of a mapped run, zero
+    copy; it holds the run until it is freed."""
+    region = _Region(run, offset, nbytes)
+    tensor = torch.as_tensor(region)
+    if tensor.data_ptr() != region.addr or tensor.device != torch.device("cuda",
+                                                                          run.mapping.device):
+        raise RuntimeError(
+            f"torch.as_tensor did not wrap the imported memory in place (got {tensor.device} "
+            f"at {tensor.data_ptr():#x}, wanted cuda:{run.mapping.device} at {region.addr:#x})")
+    return tensor.untyped_storage()
+
+
+def _uuid_bytes(torch_uuid) -> bytes:
+    """The 16 bytes of torch's device-properties uuid (its .bytes are a list
+    of possibly signed chars; older builds only print it)."""
+    raw = getattr(torch_uuid, "bytes", None)
+    if raw is not None:
+        return bytes(b & 0xFF for b in raw)
+    return uuid.UUID(str(torch_uuid).removeprefix("GPU-")).bytes
+
+
+def _ordinal_of_exporter(torch, ticket, exporter_device: int) -> int:
+    want = Ticket(ticket).info().device_uuid
+    for ordinal in range(torch.cuda.device_count()):
+        if _uuid_bytes(torch.cuda.get_device_properties(ordinal).uuid) == want:
+            return ordinal
+    raise RuntimeError(f"the exporter's GPU (its cuda:{exporter_device}, UUID "
+                       f"{uuid.UUID(bytes=bytes(want))}) is not visible in this process, so its "
+                       "event cannot be waited on; make it visible (CUDA_VISIBLE_DEVICES)")
+
+
+def map_run(torch, ticket, anchor_id, target) -> tuple[MappedRun, bool]:
+    """The run's mapping here, and whether getting it spent ticket's use."""
+    key = (anchor_id, target)
+    run = mapped_runs.get(key)
+    if run is not None:
+        return run, False
+    device = _lib.DEVICE_SAME if target is None else target
+    # A miss streams the run with this ticket; a hit (the import cache kept
+    # the run mapped) spends it with one message on the kept connection.
+    # Either way the use is held.
+    mapping = import_stream(ticket, device, hold=True)
+    made = MappedRun(mapping)
+    run = mapped_runs.add(key, made)
+    if run is not made:  # another thread mapped it first: ours goes
+        mapping.close()
+    return run, True
+
+
+def wait_event(storage, ticket, exporter_device, event_handle, target) -> None:
+    """Make this thread's current stream wait on the sender's event."""
+    torch = torch_module()
+    event_device = (storage.device.index if target is None
+                    else _ordinal_of_exporter(torch, ticket, exporter_device))
+    try:
+        event = torch.cuda.Event.from_ipc_handle(event_device, event_handle)
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"cannot open the sender's CUDA event ({e}): CUDA keeps interprocess events in "
+            "/dev/shm, which this process does not share with the sender (another pod or "
+            "container). Have the sender call vmmipc.torch.set_ordering('sync') (the default "
+            "when VMMIPC_SOCKET_DIR is set), or share /dev/shm (--ipc=host, one pod)") from e
+    torch.cuda.current_stream(storage.device).wait_event(event)

@@ -1,0 +1,217 @@
+"""vmmipc.torch's reductions: each kind's reduce_X and rebuild_X side by
+side (a storage, a tensor over one), as torch.multiprocessing.reductions
+keeps them, and reductions(), what vmmipc.torch installs
+(_reductions.init_reductions registers it).
+
+A pair changes together: what reduce_storage sends is what rebuild_storage
+takes, (ticket, anchor id, offset, nbytes, exporter's device, event
+handle). The sender's state (batches, run anchors: _torch_batch,
+_torch_runs) and the receiver's (mapped runs, received storages, spent and
+held tickets: _torch_received) are modules of their own; this module uses
+both, and neither imports the other.
+
+The reducers route by memory: CUDA tensors and storages in VMM memory that
+allows POSIX-fd export go through vmmipc; other VMM memory raises
+(InvalidError, saying why); everything else (CPU, meta, the legacy
+cudaMalloc allocator, sparse, nested, quantized, empty) keeps torch's own
+reducer. One pickle is one batch (_torch_batch): one grant per run anchor,
+one event per device.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from . import _errors, _mp, _reductions
+from ._mapping import confirm
+from ._torch_batch import (Batch, anchor_pending, current_batch, dump_in_batch, find_run,
+                           run_anchor_of)
+from ._torch_env import plain_cuda, torch_module, torch_mp_reductions
+from ._torch_received import (holds, map_run, receive_device, received, spent, storage_over,
+                              wait_event)
+from ._torch_runs import RunAnchor, run_anchors
+
+
+def reductions() -> _reductions.Reductions:
+    """What vmmipc.torch installs: reduce_tensor for torch.Tensor and
+    torch.nn.Parameter and reduce_storage for the UntypedStorage classes
+    torch registers, after torch.multiprocessing's own (so that ours
+    replace them), with each ForkingPickler.dump one batch. ImportError
+    without torch."""
+    torch = torch_module()
+    import torch.multiprocessing  # noqa: F401 - its init_reductions first, so ours replace it
+    pairs = [(torch.Tensor, reduce_tensor), (torch.nn.Parameter, reduce_tensor)]
+    pairs += [(cls, reduce_storage) for cls in torch._storage_classes
+              if cls.__name__ == "UntypedStorage"]
+    return _reductions.Reductions(forking=tuple(pairs), dump=dump_in_batch)
+
+
+# ---------------------------------------------------------- route by memory
+
+
+def _raise(error):
+    raise error
+
+
+def _reduce_through(what: str, storage, torch_reduce, vmm_reduce):
+    """The one decision of both reducers: torch's own reducer for memory
+    that vmmipc does not hold; otherwise vmm_reduce(run, batch), guarded
+    (fork destinations refused before anything is registered, errors
+    carried to the receiver of a Queue)."""
+    b = current_batch()
+    where = b.where if b is not None else _mp.ASK
+    try:
+        run, pending = find_run(storage, b)
+    except _errors.VmmipcError as e:  # e.g. no POSIX fd, libvmmipc or libcuda missing
+        return _mp.guarded_reduce(what, functools.partial(_raise, e), where)
+    if run is None and pending is None:
+        return torch_reduce()
+
+    def reduce():
+        anchored = run if pending is None else anchor_pending(storage, pending, b)
+        return vmm_reduce(anchored, b)
+    return _mp.guarded_reduce(what, reduce, where)
+
+
+def is_vmm_tensor(obj) -> bool:
+    """Whether a tensor's (or storage's) memory is CUDA VMM memory, so that
+    pickling it goes through vmmipc rather than torch's CUDA IPC."""
+    torch = torch_module()
+    if isinstance(obj, torch.Tensor):
+        if not plain_cuda(torch, obj):
+            return False
+        obj = obj.untyped_storage()
+    if run_anchors.attached(obj) is not None:
+        return True
+    try:
+        return run_anchors.pending(obj) is not None
+    except _errors.InvalidError:
+        return True  # VMM memory, just not sendable
+
+
+# ------------------------------------------------------------------ storage
+
+
+def reduce_storage(storage):
+    """ForkingPickler reducer for torch.UntypedStorage: CUDA storages in VMM
+    memory go through vmmipc, all others through torch's own reduce_storage
+    (which refuses CUDA storages). Typed storages need no reducer of ours:
+    torch's reduces them to their UntypedStorage."""
+    own = torch_mp_reductions().reduce_storage
+    return _reduce_through("CUDA storage", storage, lambda: own(storage),
+                           lambda run, b: _storage_reduction(storage, run, b))
+
+
+def _storage_reduction(storage, run: RunAnchor, b: Batch | None):
+    return (rebuild_storage, _storage_args(storage, run, b))
+
+
+def _storage_args(storage, run: RunAnchor, b: Batch | None) -> tuple:
+    """rebuild_storage's arguments for storage (one tuple per storage and
+    batch, so the pickler's memo sends it once for all its views)."""
+    if b is not None:
+        found = b.args.get(id(storage))
+        if found is not None and found[0] is storage:
+            return found[1]
+    else:
+        b = Batch()
+    try:
+        ticket = b.ticket(run, storage)
+    except _errors.NotFoundError:
+        # The anchor ended under us (RunAnchors retired it after this batch
+        # found it, or its registration ended some other way): retire it
+        # here too and anchor the storage anew.
+        run_anchors.retire(run)
+        run = run_anchor_of(storage, None)
+        b.remember(storage, run)
+        ticket = b.ticket(run, storage)
+    device = storage.device.index
+    args = (ticket, run.id, storage.data_ptr() - run.base, storage.nbytes(), device,
+            b.event(device))
+    b.args[id(storage)] = (storage, args)
+    return args
+
+
+def rebuild_storage(ticket, anchor_id, offset, nbytes, exporter_device, event_handle):
+    """Unpickling side of a VMM storage: the storage received here already
+    at that place while it lives, else a view of the run mapped here (the
+    run imported with ticket when it is not). A ticket's use is spent once:
+    by the import, or else confirmed; its event waited on once; and held
+    while a storage whose newest ticket it is lives (_torch_received)."""
+    target = receive_device()
+    key = (anchor_id, offset, nbytes, target)
+    storage = received.get(key)
+    imported = False
+    if storage is None:
+        torch = torch_module()
+        torch.cuda.init()  # a fresh child may not have touched CUDA yet
+        run, imported = map_run(torch, ticket, anchor_id, target)
+        storage = received.add(key, storage_over(torch, run, offset, nbytes))
+    if spent.add(ticket):  # the first storage of this ticket here
+        try:
+            if not imported:
+                confirm(ticket, hold=True)
+            if event_handle is not None:  # None: the sender synchronized instead
+                wait_event(storage, ticket, exporter_device, event_handle, target)
+        except BaseException:
+            spent.forget(ticket)
+            raise
+    holds.attach(storage, ticket)
+    return storage
+
+
+# ------------------------------------------------------------------- tensor
+
+
+def reduce_tensor(tensor):
+    """ForkingPickler reducer for torch.Tensor and torch.nn.Parameter: CUDA
+    tensors in VMM memory that allows POSIX-fd export go through vmmipc;
+    other VMM memory raises (InvalidError, saying why); every other tensor
+    goes through torch's own reduce_tensor. Returns (rebuild, args) like
+    torch's: a receiver calls rebuild(*args)."""
+    torch = torch_module()
+    own = torch_mp_reductions().reduce_tensor
+    if not plain_cuda(torch, tensor):
+        return own(tensor)
+    storage = tensor.untyped_storage()
+    return _reduce_through("CUDA tensor", storage, lambda: own(tensor),
+                           lambda run, b: _tensor_reduction(torch, tensor, storage, run, b))
+
+
+def _tensor_reduction(torch, tensor, storage, run: RunAnchor, b: Batch | None):
+    # One call per tensor, its storage's arguments inline: the receiver's
+    # table of received storages gives views of one storage one storage.
+    # The checks first: a tensor refused must leave no grant behind.
+    meta = tensor_meta(torch, tensor)
+    return (rebuild_tensor, (_storage_args(storage, run, b),) + meta)
+
+
+def rebuild_tensor(storage_args, cls, storage_offset, size, stride, dtype, requires_grad):
+    """Unpickling side of a VMM tensor: its storage, then the view."""
+    return tensor_over(rebuild_storage(*storage_args), cls, storage_offset, size, stride, dtype,
+                       requires_grad)
+
+
+def tensor_meta(torch, tensor) -> tuple:
+    """What rebuilds tensor over its storage (tensor_over's arguments after
+    the storage), checking that it can be sent."""
+    if tensor.requires_grad and not tensor.is_leaf:
+        raise RuntimeError("cannot send a non-leaf tensor with requires_grad=True: autograd "
+                           "does not cross processes; send tensor.detach() instead")
+    if tensor.is_conj() or tensor.is_neg():
+        raise ValueError("cannot send a tensor with a lazy conjugate or negative bit through "
+                         "vmmipc: call tensor.resolve_conj() or tensor.resolve_neg() first")
+    torch.utils.hooks.warn_if_has_hooks(tensor)
+    return (type(tensor), tensor.storage_offset(), tuple(tensor.size()), tuple(tensor.stride()),
+            tensor.dtype, tensor.requires_grad)
+
+
+def tensor_over(storage, cls, storage_offset, size, stride, dtype, requires_grad):
+    """A tensor of class cls viewing storage as the sender's did."""
+    torch = torch_module()
+    tensor = torch.empty((0,), dtype=dtype, device=storage.device).set_(
+        storage, storage_offset, size, stride)
+    if issubclass(cls, torch.nn.Parameter):
+        # As a constructor argument: integer Parameters must say False there.
+        return cls(tensor, requires_grad=requires_grad)
+    return tensor.requires_grad_(requires_grad)
