@@ -26,8 +26,15 @@ type options struct {
 	hold   bool   // register_flags VMMIPC_REGISTER_HOLD
 }
 
+// defaultOptions are the options of NULL opts, and those of the fields a
+// short struct lacks: core.ABIDefaults.
+func defaultOptions() options {
+	uses, kind := core.ABIDefaults()
+	return options{uses: uses, kind: kind}
+}
+
 func readOptions(p *C.vmmipc_options) (options, error) {
-	o := options{uses: 1, kind: core.MemoryHost}
+	o := defaultOptions()
 	if p == nil {
 		return o, nil
 	}

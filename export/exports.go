@@ -57,7 +57,8 @@ func vmmipcgo_options_init(opts *C.vmmipc_options, size C.size_t) C.int {
 			return core.Errorf(core.EINVAL, "vmmipc_options_init: size is %d, smaller than the %d bytes of struct_size and uses, the least this library fills: pass sizeof *opts", uint64(size), least)
 		}
 		// Fill a full struct of ours, then copy only what the caller's holds.
-		d := C.vmmipc_options{uses: 1, timeout_ms: C.uint32_t(core.DefaultTimeout.Milliseconds()), memory_kind: C.VMMIPC_MEMORY_HOST}
+		o := defaultOptions()
+		d := C.vmmipc_options{uses: C.uint32_t(o.uses), timeout_ms: C.uint32_t(core.DefaultTimeout.Milliseconds()), memory_kind: C.uint32_t(o.kind)}
 		n := min(uintptr(size), unsafe.Sizeof(d))
 		d.struct_size = C.uint32_t(n)
 		copy(unsafe.Slice((*byte)(unsafe.Pointer(opts)), n), unsafe.Slice((*byte)(unsafe.Pointer(&d)), n))
