@@ -57,9 +57,8 @@ from multiprocessing.reduction import ForkingPickler
 # _gpu_helpers first: it puts this checkout's vmmipc and library on the path.
 import _gpu_helpers
 from _gpu_helpers import (Worker, guard, import_torch_expandable, is_vmm_memory, no_torch_gpu,
-                          pidfd_filter_state, pidfd_getfd_refused, problems_of, record,
-                          require_vmm, run_problems, set_expandable, settled_live, skip_all,
-                          summary)
+                          pidfd_getfd_refused, problems_of, record, require_vmm, run_problems,
+                          set_expandable, settled_live, skip_all, summary, torch_run_banner)
 from _mp_helpers import fd_count, settled_fd_count, wait_for
 
 torch, TORCH_MISSING = import_torch_expandable()  # before CUDA starts, here and in children
@@ -1453,11 +1452,8 @@ def main(argv):
     if err:
         record("setup", False, err)
         return summary()
-    filtered = pidfd_filter_state()
-    if filtered is None:
+    if torch_run_banner(torch) is None:
         return summary()
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, pidfd_getfd "
-          f"{'REFUSED (seccomp filter)' if filtered else 'allowed'}", flush=True)
     s = Session(vt)
     try:
         for name, title, fn in SCENARIOS:
