@@ -757,6 +757,21 @@ def child_event_multiprocess(ev, p2c, c2p):
     send_error(c2p, run)
 
 
+def child_waits_problems(ev, p2c, c2p, who):
+    """Record ev behind a long kernel, let the child (who) synchronize on it
+    (p2c), and check query() before and after its answer (c2p)."""
+    problems = []
+    torch.cuda._sleep(SLEEP_CYCLES)
+    ev.record()
+    p2c.put(0)
+    if ev.query():
+        problems.append(f"{who}: query() is True while the kernel before the event still runs")
+    get_reply(c2p, f"the {who}'s synchronize")
+    if not ev.query():
+        problems.append(f"{who}: query() is False after the child synchronized on the event")
+    return problems
+
+
 def event_multiprocess(s):
     ctx = mp.get_context("spawn")
     ev = torch.cuda.Event(enable_timing=False, interprocess=True)
@@ -764,14 +779,7 @@ def event_multiprocess(s):
     p2c, c2p = ctx.Queue(), ctx.Queue()
     p = start(ctx, child_event_multiprocess, ev, p2c, c2p)
     get_reply(c2p, "the child's start")
-    torch.cuda._sleep(SLEEP_CYCLES)
-    ev.record()
-    p2c.put(0)
-    if ev.query():
-        problems.append("query() is True while the kernel before the event still runs")
-    get_reply(c2p, "the child's synchronize")
-    if not ev.query():
-        problems.append("query() is False after the child synchronized on the event")
+    problems += child_waits_problems(ev, p2c, c2p, "child")
     return finish(p, problems), "an interprocess event as a Process argument"
 
 
@@ -809,14 +817,7 @@ def event_handles(s):
     p = start(ctx, child_event_importer, e0.ipc_handle(), p2c, c2p)
     try:
         get_reply(c2p, "the importer's start")
-        torch.cuda._sleep(SLEEP_CYCLES)
-        e0.record()
-        p2c.put(0)
-        if e0.query():
-            problems.append("importer: query() is True while the kernel before it still runs")
-        get_reply(c2p, "the importer's synchronize")
-        if not e0.query():
-            problems.append("importer: query() is False after the child synchronized on it")
+        problems += child_waits_problems(e0, p2c, c2p, "importer")
     finally:
         p2c.put(1)
     finish(p, problems, "the importer")
