@@ -25,6 +25,12 @@ const (
 	DefaultWindow = 16
 )
 
+// ABIDefaults are the C ABI's option defaults (vmmipc_options_init, NULL
+// opts, and fields beyond a caller's struct_size) where they differ from
+// the zero values here: one use (RegisterOptions' zero is unlimited) and
+// host memory. The receiver's timeout is DefaultTimeout.
+func ABIDefaults() (uses uint32, kind uint8) { return 1, MemoryHost }
+
 // Device arguments of an import, as VMMIPC_DEVICE_* in vmmipc.h; values >= 0
 // are CUDA ordinals.
 const (

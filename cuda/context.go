@@ -141,6 +141,21 @@ func (g *gpu) run(fn func() error) error {
 	return err
 }
 
+// reserve is cuMemAddressReserve of size bytes on g (aligned to align, no
+// fixed address, flags 0); the driver's out-of-memory is ENOMEM (no virtual
+// address space left), not ECUDA.
+func (g *gpu) reserve(size, align uint64) (uint64, error) {
+	var p C.CUdeviceptr
+	err := g.run(func() error {
+		r := C.vcu_mem_address_reserve(&p, C.size_t(size), C.size_t(align), 0)
+		if r == C.VCU_ERROR_OUT_OF_MEMORY {
+			return checkAs(core.ENOMEM, fmt.Sprintf("the driver has no %d bytes of virtual address space left: cuMemAddressReserve", size), r)
+		}
+		return check("cuMemAddressReserve", r)
+	})
+	return uint64(p), err
+}
+
 // granularity is the minimum allocation granularity of device memory on g.
 func granularity(g *gpu) (uint64, error) {
 	var n C.size_t

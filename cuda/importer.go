@@ -148,18 +148,11 @@ func (m *gpuImporter) Reserve(total uint64) (uint64, error) {
 	if !ok || total == 0 {
 		return 0, core.Errorf(core.EINVAL, "import: %d bytes cannot be reserved", total)
 	}
-	var base C.CUdeviceptr
-	err := m.gpu.run(func() error {
-		r := C.vcu_mem_address_reserve(&base, C.size_t(n), C.size_t(m.gran), 0)
-		if r == C.VCU_ERROR_OUT_OF_MEMORY {
-			return checkAs(core.ENOMEM, fmt.Sprintf("the driver has no %d bytes of virtual address space left: cuMemAddressReserve", n), r)
-		}
-		return check("cuMemAddressReserve", r)
-	})
+	base, err := m.gpu.reserve(n, m.gran)
 	if err != nil {
 		return 0, err
 	}
-	m.base, m.reserved, m.total = uint64(base), n, total
+	m.base, m.reserved, m.total = base, n, total
 	return m.base, nil
 }
 

@@ -36,15 +36,7 @@ type poolBackend struct {
 // Reserve is cuMemAddressReserve(size, alignment = the granularity, no
 // fixed address, flags 0).
 func (b poolBackend) Reserve(size uint64) (uint64, error) {
-	var p C.CUdeviceptr
-	err := b.g.run(func() error {
-		r := C.vcu_mem_address_reserve(&p, C.size_t(size), C.size_t(b.gran), 0)
-		if r == C.VCU_ERROR_OUT_OF_MEMORY {
-			return checkAs(core.ENOMEM, fmt.Sprintf("the driver has no %d bytes of virtual address space left: cuMemAddressReserve", size), r)
-		}
-		return check("cuMemAddressReserve", r)
-	})
-	return uint64(p), err
+	return b.g.reserve(size, b.gran)
 }
 
 // Map is cuMemCreate (exportable, on this GPU), cuMemMap at addr (offset 0,

@@ -26,8 +26,15 @@ type options struct {
 	hold   bool   // register_flags VMMIPC_REGISTER_HOLD
 }
 
+// defaultOptions are the options of NULL opts, and those of the fields a
+// short struct lacks: core.ABIDefaults.
+func defaultOptions() options {
+	uses, kind := core.ABIDefaults()
+	return options{uses: uses, kind: kind}
+}
+
 func readOptions(p *C.vmmipc_options) (options, error) {
-	o := options{uses: 1, kind: core.MemoryHost}
+	o := defaultOptions()
 	if p == nil {
 		return o, nil
 	}
@@ -107,6 +114,15 @@ func writeTicket(t *core.Ticket, out *C.vmmipc_ticket) error {
 	return nil
 }
 
+// copyOut copies the first size bytes of *full (all of it at most) to
+// out, and says how many: a caller built against an older, shorter struct
+// gets the fields it knows of, and nothing is written past them.
+func copyOut[T any](out, full *T, size C.size_t) uintptr {
+	n := min(uintptr(size), unsafe.Sizeof(*full))
+	copy(unsafe.Slice((*byte)(unsafe.Pointer(out)), n), unsafe.Slice((*byte)(unsafe.Pointer(full)), n))
+	return n
+}
+
 // u64s copies a C array of n uint64s (what names it), once
 // core.CheckCount has accepted n.
 func u64s(p *C.uint64_t, n C.uint64_t, what string) ([]uint64, error) {
@@ -126,6 +142,19 @@ func call(fn string, body func() error) (rc C.int) {
 		}
 	}()
 	return status(body())
+}
+
+// callOn is call for an export that works on handle h: body gets what
+// find (streamOf, poolOf) says lives behind it, or the call fails with
+// find's error.
+func callOn[T any](fn string, h C.uintptr_t, find func(string, C.uintptr_t) (T, error), body func(T) error) C.int {
+	return call(fn, func() error {
+		v, err := find(fn, h)
+		if err != nil {
+			return err
+		}
+		return body(v)
+	})
 }
 
 // status records err as this thread's last error and returns its code.

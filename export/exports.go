@@ -57,10 +57,9 @@ func vmmipcgo_options_init(opts *C.vmmipc_options, size C.size_t) C.int {
 			return core.Errorf(core.EINVAL, "vmmipc_options_init: size is %d, smaller than the %d bytes of struct_size and uses, the least this library fills: pass sizeof *opts", uint64(size), least)
 		}
 		// Fill a full struct of ours, then copy only what the caller's holds.
-		d := C.vmmipc_options{uses: 1, timeout_ms: C.uint32_t(core.DefaultTimeout.Milliseconds()), memory_kind: C.VMMIPC_MEMORY_HOST}
-		n := min(uintptr(size), unsafe.Sizeof(d))
-		d.struct_size = C.uint32_t(n)
-		copy(unsafe.Slice((*byte)(unsafe.Pointer(opts)), n), unsafe.Slice((*byte)(unsafe.Pointer(&d)), n))
+		o := defaultOptions()
+		d := C.vmmipc_options{uses: C.uint32_t(o.uses), timeout_ms: C.uint32_t(core.DefaultTimeout.Milliseconds()), memory_kind: C.uint32_t(o.kind)}
+		opts.struct_size = C.uint32_t(copyOut(opts, &d, size)) // within size: checked above
 		return nil
 	})
 }
@@ -209,26 +208,25 @@ func vmmipcgo_register_cuda_handles(handles, sizes *C.uint64_t, count C.uint64_t
 	})
 }
 
-// ownTicket reads a ticket of this process's own, and its server.
-func ownTicket(fn string, ticket *C.vmmipc_ticket) (*core.Server, *core.Ticket, error) {
-	t, err := readTicket(fn, ticket)
-	if err != nil {
-		return nil, nil, err
-	}
-	srv := core.StartedServer()
-	if srv == nil {
-		return nil, nil, core.Errorf(core.ENOENT, "%s: this process has registered nothing; the ticket belongs to pid %d", fn, t.Pid)
-	}
-	return srv, t, nil
+// callOwn is call for an export of a ticket of this process's own: body
+// gets the ticket and the server that registered it.
+func callOwn(fn string, ticket *C.vmmipc_ticket, body func(*core.Server, *core.Ticket) error) C.int {
+	return call(fn, func() error {
+		t, err := readTicket(fn, ticket)
+		if err != nil {
+			return err
+		}
+		srv := core.StartedServer()
+		if srv == nil {
+			return core.Errorf(core.ENOENT, "%s: this process has registered nothing; the ticket belongs to pid %d", fn, t.Pid)
+		}
+		return body(srv, t)
+	})
 }
 
 //export vmmipcgo_register_again
 func vmmipcgo_register_again(ticket *C.vmmipc_ticket, releaseFn C.vmmipc_release_fn, user C.uintptr_t, opts *C.vmmipc_options, ticketOut *C.vmmipc_ticket) C.int {
-	return call("vmmipc_register_again", func() error {
-		srv, t, err := ownTicket("vmmipc_register_again", ticket)
-		if err != nil {
-			return err
-		}
+	return callOwn("vmmipc_register_again", ticket, func(srv *core.Server, t *core.Ticket) error {
 		o, _, err := registerArgs("vmmipc_register_again", opts, ticketOut, 0, nil)
 		if err != nil {
 			return err
@@ -245,22 +243,14 @@ func vmmipcgo_register_again(ticket *C.vmmipc_ticket, releaseFn C.vmmipc_release
 
 //export vmmipcgo_unregister
 func vmmipcgo_unregister(ticket *C.vmmipc_ticket) C.int {
-	return call("vmmipc_unregister", func() error {
-		srv, t, err := ownTicket("vmmipc_unregister", ticket)
-		if err != nil {
-			return err
-		}
+	return callOwn("vmmipc_unregister", ticket, func(srv *core.Server, t *core.Ticket) error {
 		return srv.Unregister(t)
 	})
 }
 
 //export vmmipcgo_wait
 func vmmipcgo_wait(ticket *C.vmmipc_ticket, timeoutMs C.uint32_t) C.int {
-	return call("vmmipc_wait", func() error {
-		srv, t, err := ownTicket("vmmipc_wait", ticket)
-		if err != nil {
-			return err
-		}
+	return callOwn("vmmipc_wait", ticket, func(srv *core.Server, t *core.Ticket) error {
 		return srv.Wait(t, time.Duration(timeoutMs)*time.Millisecond)
 	})
 }
@@ -373,11 +363,7 @@ func badStream(fn string, h uintptr) error {
 
 //export vmmipcgo_stream_info
 func vmmipcgo_stream_info(stream C.uintptr_t, count, total *C.uint64_t) C.int {
-	return call("vmmipc_stream_info", func() error {
-		s, err := streamOf("vmmipc_stream_info", stream)
-		if err != nil {
-			return err
-		}
+	return callOn("vmmipc_stream_info", stream, streamOf, func(s *core.Stream) error {
 		if count != nil {
 			*count = C.uint64_t(s.Ticket().Count)
 		}
@@ -390,11 +376,7 @@ func vmmipcgo_stream_info(stream C.uintptr_t, count, total *C.uint64_t) C.int {
 
 //export vmmipcgo_pull_next
 func vmmipcgo_pull_next(stream C.uintptr_t, out *C.vmmipc_chunk) C.int {
-	return call("vmmipc_pull_next", func() error {
-		s, err := streamOf("vmmipc_pull_next", stream)
-		if err != nil {
-			return err
-		}
+	return callOn("vmmipc_pull_next", stream, streamOf, func(s *core.Stream) error {
 		if out == nil {
 			return core.Errorf(core.EINVAL, "vmmipc_pull_next: chunk_out is NULL")
 		}
@@ -506,15 +488,20 @@ func vmmipcgo_cache_get_info(out *C.vmmipc_cache_info, size C.size_t) C.int {
 		}
 		i := core.GetCacheInfo()
 		full := C.vmmipc_cache_info{
-			limit_bytes: C.uint64_t(i.LimitBytes), entries: C.uint64_t(i.Entries),
-			referenced_bytes: C.uint64_t(i.ReferencedBytes), unreferenced_bytes: C.uint64_t(i.UnreferencedBytes),
-			hits: C.uint64_t(i.Hits), misses: C.uint64_t(i.Misses),
-			evictions: C.uint64_t(i.Evictions), invalidations: C.uint64_t(i.Invalidations),
-			confirms_pending: C.uint64_t(i.ConfirmsPending), confirms_failed: C.uint64_t(i.ConfirmsFailed),
-			holds: C.uint64_t(i.Holds), holder_sessions: C.uint64_t(i.HolderSessions),
+			limit_bytes:        C.uint64_t(i.LimitBytes),
+			entries:            C.uint64_t(i.Entries),
+			referenced_bytes:   C.uint64_t(i.ReferencedBytes),
+			unreferenced_bytes: C.uint64_t(i.UnreferencedBytes),
+			hits:               C.uint64_t(i.Hits),
+			misses:             C.uint64_t(i.Misses),
+			evictions:          C.uint64_t(i.Evictions),
+			invalidations:      C.uint64_t(i.Invalidations),
+			confirms_pending:   C.uint64_t(i.ConfirmsPending),
+			confirms_failed:    C.uint64_t(i.ConfirmsFailed),
+			holds:              C.uint64_t(i.Holds),
+			holder_sessions:    C.uint64_t(i.HolderSessions),
 		}
-		n := min(uintptr(size), unsafe.Sizeof(full))
-		copy(unsafe.Slice((*byte)(unsafe.Pointer(out)), n), unsafe.Slice((*byte)(unsafe.Pointer(&full)), n))
+		copyOut(out, &full, size)
 		return nil
 	})
 }

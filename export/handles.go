@@ -40,45 +40,38 @@ func saveHandle(obj any) unsafe.Pointer {
 	return slot.addr
 }
 
-// lookupHandle returns the live object behind h, or nil.
-func lookupHandle(h uintptr) any {
+// inSlot runs f on h's slot, under the slot's lock; the zero T when h is
+// not (or no longer) in given.
+func inSlot[T any](h uintptr, f func(*handleSlot) T) (v T) {
 	handlesMu.Lock()
 	slot := given[h]
 	handlesMu.Unlock()
 	if slot == nil {
-		return nil
+		return v
 	}
 	slot.mu.Lock()
 	defer slot.mu.Unlock()
-	return slot.obj
+	return f(slot)
+}
+
+// lookupHandle returns the live object behind h, or nil.
+func lookupHandle(h uintptr) any {
+	return inSlot(h, func(s *handleSlot) any { return s.obj })
 }
 
 // handleClosed says whether h was a handle that has been closed (and is
 // still quarantined), as opposed to a value never handed out.
 func handleClosed(h uintptr) bool {
-	handlesMu.Lock()
-	slot := given[h]
-	handlesMu.Unlock()
-	if slot == nil {
-		return false
-	}
-	slot.mu.Lock()
-	defer slot.mu.Unlock()
-	return slot.obj == nil
+	return inSlot(h, func(s *handleSlot) bool { return s.obj == nil })
 }
 
 // takeHandle marks h closed and returns what it held (nil if stale).
 func takeHandle(h uintptr) any {
-	handlesMu.Lock()
-	slot := given[h]
-	handlesMu.Unlock()
-	if slot == nil {
-		return nil
-	}
-	slot.mu.Lock()
-	obj := slot.obj
-	slot.obj = nil
-	slot.mu.Unlock()
+	obj := inSlot(h, func(s *handleSlot) any {
+		obj := s.obj
+		s.obj = nil
+		return obj
+	})
 	if obj == nil {
 		return nil
 	}

@@ -84,11 +84,7 @@ func torchHandle(device int32, p *core.Pool) unsafe.Pointer {
 
 //export vmmipcgo_pool_alloc
 func vmmipcgo_pool_alloc(h C.uintptr_t, size C.uint64_t, out *C.uint64_t) C.int {
-	return call("vmmipc_pool_alloc", func() error {
-		r, err := poolOf("vmmipc_pool_alloc", h)
-		if err != nil {
-			return err
-		}
+	return callOn("vmmipc_pool_alloc", h, poolOf, func(r *poolRef) error {
 		if out == nil {
 			return core.Errorf(core.EINVAL, "vmmipc_pool_alloc: dptr_out is NULL")
 		}
@@ -103,23 +99,15 @@ func vmmipcgo_pool_alloc(h C.uintptr_t, size C.uint64_t, out *C.uint64_t) C.int 
 
 //export vmmipcgo_pool_free
 func vmmipcgo_pool_free(h C.uintptr_t, dptr C.uint64_t) C.int {
-	return call("vmmipc_pool_free", func() error {
-		r, err := poolOf("vmmipc_pool_free", h)
-		if err != nil {
-			return err
-		}
-		_, err = r.pool.Free(uint64(dptr))
+	return callOn("vmmipc_pool_free", h, poolOf, func(r *poolRef) error {
+		_, err := r.pool.Free(uint64(dptr))
 		return err
 	})
 }
 
 //export vmmipcgo_pool_trim
 func vmmipcgo_pool_trim(h C.uintptr_t, keep C.uint64_t, released *C.uint64_t) C.int {
-	return call("vmmipc_pool_trim", func() error {
-		r, err := poolOf("vmmipc_pool_trim", h)
-		if err != nil {
-			return err
-		}
+	return callOn("vmmipc_pool_trim", h, poolOf, func(r *poolRef) error {
 		n, err := r.pool.Trim(uint64(keep))
 		if released != nil {
 			*released = C.uint64_t(n) // what went back, also when a later chunk failed
@@ -130,43 +118,39 @@ func vmmipcgo_pool_trim(h C.uintptr_t, keep C.uint64_t, released *C.uint64_t) C.
 
 //export vmmipcgo_pool_get_info
 func vmmipcgo_pool_get_info(h C.uintptr_t, out *C.vmmipc_pool_info, size C.size_t) C.int {
-	return call("vmmipc_pool_get_info", func() error {
-		r, err := poolOf("vmmipc_pool_get_info", h)
-		if err != nil {
-			return err
-		}
+	return callOn("vmmipc_pool_get_info", h, poolOf, func(r *poolRef) error {
 		if out == nil {
 			return core.Errorf(core.EINVAL, "vmmipc_pool_get_info: info_out is NULL")
 		}
 		i := r.pool.Info()
 		full := C.vmmipc_pool_info{
-			base: C.uint64_t(i.Base), reserved_bytes: C.uint64_t(i.Reserved),
-			chunk_size: C.uint64_t(i.ChunkSize), keep_bytes: C.uint64_t(i.KeepBytes),
-			mapped_bytes: C.uint64_t(i.MappedBytes), idle_bytes: C.uint64_t(i.WhollyFreeMappedBytes),
-			allocated_bytes: C.uint64_t(i.AllocatedBytes), allocations: C.uint64_t(i.Allocations),
-			chunks_mapped: C.uint64_t(i.ChunksMapped), chunks_released: C.uint64_t(i.ChunksReleased),
-			device: C.int32_t(r.device),
+			base:            C.uint64_t(i.Base),
+			reserved_bytes:  C.uint64_t(i.Reserved),
+			chunk_size:      C.uint64_t(i.ChunkSize),
+			keep_bytes:      C.uint64_t(i.KeepBytes),
+			mapped_bytes:    C.uint64_t(i.MappedBytes),
+			idle_bytes:      C.uint64_t(i.WhollyFreeMappedBytes),
+			allocated_bytes: C.uint64_t(i.AllocatedBytes),
+			allocations:     C.uint64_t(i.Allocations),
+			chunks_mapped:   C.uint64_t(i.ChunksMapped),
+			chunks_released: C.uint64_t(i.ChunksReleased),
+			device:          C.int32_t(r.device),
 		}
 		if r.torch {
 			full.torch = 1
 		}
-		n := min(uintptr(size), unsafe.Sizeof(full))
-		copy(unsafe.Slice((*byte)(unsafe.Pointer(out)), n), unsafe.Slice((*byte)(unsafe.Pointer(&full)), n))
+		copyOut(out, &full, size)
 		return nil
 	})
 }
 
 //export vmmipcgo_pool_destroy
 func vmmipcgo_pool_destroy(h C.uintptr_t) C.int {
-	return call("vmmipc_pool_destroy", func() error {
-		r, err := poolOf("vmmipc_pool_destroy", h)
-		if err != nil {
-			return err
-		}
+	return callOn("vmmipc_pool_destroy", h, poolOf, func(r *poolRef) error {
 		if r.torch {
 			return core.Errorf(core.EINVAL, "vmmipc_pool_destroy: this is device %d's torch pool, which lives as long as the process (torch may free into it until then): use vmmipc_pool_trim to give its free chunks back", r.device)
 		}
-		err = r.pool.Close()
+		err := r.pool.Close()
 		if core.CodeOf(err) == core.EINVAL {
 			return core.WrapErr(core.EINVAL, err, "vmmipc_pool_destroy") // live allocations: nothing touched
 		}

@@ -10,7 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../read_ticket.h"
+#include "../common.h"
 #include "cuda_check.h"
 
 int main(int argc, char **argv) {
@@ -33,10 +33,7 @@ int main(int argc, char **argv) {
   int rc = vmmipc_ticket_decode(&ticket, &info);
   vmmipc_mapping m;
   if (rc == VMMIPC_OK) rc = vmmipc_import_stream(&ticket, VMMIPC_DEVICE_SAME, NULL, &m);
-  if (rc != VMMIPC_OK) {
-    fprintf(stderr, "import: %s: %s\n", vmmipc_strerror(rc), vmmipc_last_error());
-    return 1;
-  }
+  if (!status_ok(rc, "import")) return 1;
   int status = 1;
   CUdevice dev;
   CUcontext ctx;

@@ -8,8 +8,6 @@
  * GPU 0 of this process; byte i of the shared buffer is i % 251. The sender
  * prints one line, "<ticket hex> <offset> <size>", on stdout (messages on
  * stderr) and stays until the receiver has every chunk, or a minute. */
-#include <stdlib.h>
-
 #include "cuda_check.h"
 
 /* readme-snippet: cuda-big-chunks */
@@ -17,6 +15,12 @@
 #include <stdio.h>
 #include <cuda.h>
 #include <vmmipc.h>
+
+/* From examples/common.h: status_ok says on stderr which call failed and
+ * why (vmmipc_strerror, vmmipc_last_error) unless rc is VMMIPC_OK;
+ * print_ticket prints a ticket as 512 hex digits. */
+int status_ok(int rc, const char *call);
+void print_ticket(const vmmipc_ticket *ticket);
 
 /* share_sub_range registers the chunk(s) under [dptr, dptr + size) of pool
  * memory for one receiver, prints the ticket with the buffer's offset in
@@ -34,38 +38,27 @@ int share_sub_range(uint64_t dptr, uint64_t size) {
             (unsigned long long)size, vmmipc_strerror(rc), vmmipc_last_error());
     return 1;
   }
-  for (size_t i = 0; i < sizeof ticket.bytes; i++) printf("%02x", ticket.bytes[i]);
+  print_ticket(&ticket);
   printf(" %llu %llu\n", (unsigned long long)(dptr - range.base), (unsigned long long)size);
   fflush(stdout);
-  rc = vmmipc_wait(&ticket, 60000); /* the server lives in this process */
-  if (rc != VMMIPC_OK) {
-    fprintf(stderr, "vmmipc_wait: %s: %s\n", vmmipc_strerror(rc), vmmipc_last_error());
-    return 1;
-  }
-  return 0;
+  /* The server lives in this process: stay until the receiver has it all. */
+  return status_ok(vmmipc_wait(&ticket, 60000), "vmmipc_wait") ? 0 : 1;
 }
 
-int fill(uint64_t dptr, uint64_t size); /* defined below: byte i = i % 251 */
+int fill_pattern(CUdeviceptr dptr, size_t size); /* cuda_check.h: byte i = i % 251 */
 
 /* weights allocates a few tensors' worth in a pool of 1 GiB chunks (0: the
  * default chunk size) and shares the second. */
 int weights(void) {
   vmmipc_pool *pool;
-  int rc = vmmipc_pool_create(0, 0, 0, &pool);
-  if (rc != VMMIPC_OK) {
-    fprintf(stderr, "vmmipc_pool_create: %s: %s\n", vmmipc_strerror(rc), vmmipc_last_error());
-    return 1;
-  }
+  if (!status_ok(vmmipc_pool_create(0, 0, 0, &pool), "vmmipc_pool_create")) return 1;
   uint64_t embed = 0, layer = 0;
   uint64_t size = 256u << 20;
-  rc = vmmipc_pool_alloc(pool, 64u << 20, &embed); /* side by side in the first chunk */
+  int rc = vmmipc_pool_alloc(pool, 64u << 20, &embed); /* side by side in the first chunk */
   if (rc == VMMIPC_OK) rc = vmmipc_pool_alloc(pool, size, &layer);
   int status = 1;
-  if (rc != VMMIPC_OK) {
-    fprintf(stderr, "vmmipc_pool_alloc: %s: %s\n", vmmipc_strerror(rc), vmmipc_last_error());
-  } else if (fill(layer, size) == 0) {
+  if (status_ok(rc, "vmmipc_pool_alloc") && fill_pattern(layer, size) == 0)
     status = share_sub_range(layer, size);
-  }
   /* Registered chunks stay alive for the receiver: the pool may free now. */
   if (layer) vmmipc_pool_free(pool, layer);
   if (embed) vmmipc_pool_free(pool, embed);
@@ -74,17 +67,7 @@ int weights(void) {
 }
 /* end readme-snippet */
 
-int fill(uint64_t dptr, uint64_t size) {
-  unsigned char *pattern = malloc(size);
-  if (pattern == NULL) {
-    fprintf(stderr, "big_chunks_sender: out of host memory for %llu bytes\n", (unsigned long long)size);
-    return -1;
-  }
-  for (uint64_t i = 0; i < size; i++) pattern[i] = (unsigned char)(i % 251);
-  int ok = cuda_ok(cuMemcpyHtoD((CUdeviceptr)dptr, pattern, size), "cuMemcpyHtoD");
-  free(pattern);
-  return ok ? 0 : -1;
-}
+#include "../common.h"
 
 int main(void) {
   CUdevice dev;

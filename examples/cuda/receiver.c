@@ -7,7 +7,6 @@
  * Exit status 0 when every byte is right. */
 #include <stdlib.h>
 
-#include "../read_ticket.h"
 #include "cuda_check.h"
 
 /* readme-snippet: cuda-receiver */
@@ -15,6 +14,10 @@
 #include <stdio.h>
 #include <cuda.h>
 #include <vmmipc.h>
+
+/* From examples/common.h: status_ok says on stderr which call failed and
+ * why (vmmipc_strerror, vmmipc_last_error) unless rc is VMMIPC_OK. */
+int status_ok(int rc, const char *call);
 
 /* Defined below: copies [addr, addr + size) back through GPU `device`,
  * counts the bytes that are not what the sender wrote, and prints that. */
@@ -26,20 +29,15 @@ int check_on_gpu(CUdeviceptr addr, uint64_t size, int device);
 int receive(const vmmipc_ticket *ticket) {
   vmmipc_mapping m;
   int rc = vmmipc_import_stream(ticket, VMMIPC_DEVICE_SAME, NULL, &m);
-  if (rc != VMMIPC_OK) {
-    fprintf(stderr, "vmmipc_import_stream: %s: %s\n", vmmipc_strerror(rc), vmmipc_last_error());
-    return 1;
-  }
+  if (!status_ok(rc, "vmmipc_import_stream")) return 1;
   /* m.addr is a CUdeviceptr, read-write for GPU m.device. */
   int status = check_on_gpu((CUdeviceptr)m.addr, m.size, m.device);
-  rc = vmmipc_unmap(&m);
-  if (rc != VMMIPC_OK) {
-    fprintf(stderr, "vmmipc_unmap: %s: %s\n", vmmipc_strerror(rc), vmmipc_last_error());
-    return 1;
-  }
+  if (!status_ok(vmmipc_unmap(&m), "vmmipc_unmap")) return 1;
   return status;
 }
 /* end readme-snippet */
+
+#include "../common.h"
 
 int check_on_gpu(CUdeviceptr addr, uint64_t size, int device) {
   CUdevice dev;

@@ -8,14 +8,18 @@
  * checks every byte. The ticket goes to stdout as one line of hex, messages
  * to stderr. The sender stays until the receiver has pulled every chunk, or
  * gives up after a minute. Exit status 0 once the receiver has it all. */
-#include <stdlib.h>
-
 #include "cuda_check.h"
 
 /* readme-snippet: cuda-sender */
 #include <stdio.h>
 #include <cuda.h>
 #include <vmmipc.h>
+
+/* From examples/common.h: status_ok says on stderr which call failed and
+ * why (vmmipc_strerror, vmmipc_last_error) unless rc is VMMIPC_OK;
+ * print_ticket prints a ticket as 512 hex digits. */
+int status_ok(int rc, const char *call);
+void print_ticket(const vmmipc_ticket *ticket);
 
 /* serve registers the CUDA VMM range [dptr, dptr + size) for one receiver,
  * prints the ticket, and waits until the receiver has pulled every chunk.
@@ -28,25 +32,19 @@ int serve(CUdeviceptr dptr, size_t size) {
   opts.uses = 1; /* one receiver may import it (0 = until unregistered) */
   vmmipc_ticket ticket;
   int rc = vmmipc_register_cuda(dptr, size, &opts, &ticket);
-  if (rc != VMMIPC_OK) {
-    fprintf(stderr, "vmmipc_register_cuda: %s: %s\n", vmmipc_strerror(rc), vmmipc_last_error());
-    return 1;
-  }
+  if (!status_ok(rc, "vmmipc_register_cuda")) return 1;
   /* The library holds its own reference to every allocation: the caller may
    * unmap and release its buffer now. Hand the ticket to the receiver any
    * way you like; here, one line of hex. */
-  for (size_t i = 0; i < sizeof ticket.bytes; i++) printf("%02x", ticket.bytes[i]);
+  print_ticket(&ticket);
   printf("\n");
   fflush(stdout);
   /* The server lives in this process: stay until the receiver has it all. */
-  rc = vmmipc_wait(&ticket, 60000);
-  if (rc != VMMIPC_OK) {
-    fprintf(stderr, "vmmipc_wait: %s: %s\n", vmmipc_strerror(rc), vmmipc_last_error());
-    return 1;
-  }
-  return 0;
+  return status_ok(vmmipc_wait(&ticket, 60000), "vmmipc_wait") ? 0 : 1;
 }
 /* end readme-snippet */
+
+#include "../common.h"
 
 enum { CHUNKS = 32 };
 
@@ -104,19 +102,6 @@ static int alloc_buffer(CUdevice dev, gpu_buffer *b) {
   return 0;
 }
 
-/* fill_buffer writes byte i = i % 251 through the current context. */
-static int fill_buffer(const gpu_buffer *b) {
-  unsigned char *pattern = malloc(b->size);
-  if (pattern == NULL) {
-    fprintf(stderr, "cuda_sender: out of host memory for %zu bytes\n", b->size);
-    return -1;
-  }
-  for (size_t i = 0; i < b->size; i++) pattern[i] = (unsigned char)(i % 251);
-  int ok = cuda_ok(cuMemcpyHtoD(b->base, pattern, b->size), "cuMemcpyHtoD");
-  free(pattern);
-  return ok ? 0 : -1;
-}
-
 int main(void) {
   CUdevice dev;
   CUcontext ctx;
@@ -124,7 +109,7 @@ int main(void) {
   int status = 1;
   gpu_buffer b;
   if (cuda_ok(cuCtxSetCurrent(ctx), "cuCtxSetCurrent") && alloc_buffer(dev, &b) == 0) {
-    if (fill_buffer(&b) == 0) status = serve(b.base, b.size);
+    if (fill_pattern(b.base, b.size) == 0) status = serve(b.base, b.size);
     free_buffer(&b);
   }
   cuDevicePrimaryCtxRelease(dev);

@@ -17,6 +17,12 @@
 #include <unistd.h>
 #include <vmmipc.h>
 
+/* From examples/common.h: status_ok says on stderr which call failed and
+ * why (vmmipc_strerror, vmmipc_last_error) unless rc is VMMIPC_OK;
+ * print_ticket prints a ticket as 512 hex digits. */
+int status_ok(int rc, const char *call);
+void print_ticket(const vmmipc_ticket *ticket);
+
 /* make_memfd creates `size` bytes of shared memory that receivers accept: a
  * memfd sealed against shrinking (a file that could shrink under a
  * receiver's mapping could kill it with SIGBUS). Returns the fd, or -1. */
@@ -43,24 +49,18 @@ int serve(int fd, uint64_t size, uint64_t chunk_size) {
   opts.uses = 1; /* one receiver may import it (0 = until unregistered) */
   vmmipc_ticket ticket;
   int rc = vmmipc_register_host_file(fd, size, chunk_size, NULL, NULL, &opts, &ticket);
-  if (rc != VMMIPC_OK) {
-    fprintf(stderr, "vmmipc_register_host_file: %s: %s\n", vmmipc_strerror(rc), vmmipc_last_error());
-    return 1;
-  }
+  if (!status_ok(rc, "vmmipc_register_host_file")) return 1;
   /* The library keeps its own duplicate of fd: yours stays yours. Hand the
    * ticket to the receiver any way you like; here, one line of hex. */
-  for (size_t i = 0; i < sizeof ticket.bytes; i++) printf("%02x", ticket.bytes[i]);
+  print_ticket(&ticket);
   printf("\n");
   fflush(stdout);
   /* The server lives in this process: stay until the receiver has it all. */
-  rc = vmmipc_wait(&ticket, 60000);
-  if (rc != VMMIPC_OK) {
-    fprintf(stderr, "vmmipc_wait: %s: %s\n", vmmipc_strerror(rc), vmmipc_last_error());
-    return 1;
-  }
-  return 0;
+  return status_ok(vmmipc_wait(&ticket, 60000), "vmmipc_wait") ? 0 : 1;
 }
 /* end readme-snippet */
+
+#include "../common.h" /* after the excerpt: _GNU_SOURCE comes first */
 
 enum { CHUNK_SIZE = 64 << 10, CHUNKS = 1024 };
 

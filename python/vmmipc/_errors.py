@@ -11,21 +11,11 @@ from __future__ import annotations
 
 import warnings
 
-# Status codes, as in include/vmmipc.h (test_api checks them against it).
-OK = 0
-END = 1
-EINVAL = -1
-EBADF = -2
-EAUTH = -3
-ENOENT = -4
-EIO = -5
-EEXPORT = -6
-ECUDA = -7
-ENFILE = -8
-EFORK = -9
-EINTERNAL = -10
-ENOMEM = -11
-ETIMEDOUT = -12
+# Status codes, as in include/vmmipc.h (test_api checks them against it):
+# OK and END, then the errors numbered from -1 down, in the header's order.
+OK, END = 0, 1
+(EINVAL, EBADF, EAUTH, ENOENT, EIO, EEXPORT, ECUDA, ENFILE, EFORK, EINTERNAL, ENOMEM,
+ ETIMEDOUT) = range(-1, -13, -1)
 
 STATUS_NAMES = {
     OK: "VMMIPC_OK",

@@ -143,10 +143,15 @@ def disarm(obj) -> bool:
 
 class Buffer:
     """What HostBuffer and Mapping share as buffers of their `view`: the
-    3.12+ buffer methods, item access through the memoryview, and hashing by
-    identity (ctypes objects are unhashable). Before 3.12 the ctypes base
-    that instance() adds exports the buffer."""
+    3.12+ buffer methods, item access through the memoryview, hashing by
+    identity (ctypes objects are unhashable) and the end of a `with` block.
+    Before 3.12 the ctypes base that instance() adds exports the buffer."""
     __slots__ = ()
+
+    def __exit__(self, *exc) -> None:
+        # Straight to _close(via_exit), as close() goes: closable() counts
+        # references at that depth (not Closeable's __exit__, via close()).
+        self._close(True)
 
     def __buffer__(self, flags: int) -> memoryview:  # Python 3.12+ (PEP 688)
         if self.closed and isinstance(self, ctypes.Array):
@@ -239,15 +244,29 @@ def in_use_message(what: str, n: int) -> str:
 _LIMITS: tuple[int, int] | None = None  # set by _calibrate() below
 
 
+def closable(obj, views: int, via_exit: bool) -> tuple[bool, int]:
+    """close()'s check of HostBuffer and Mapping: (whether obj may be
+    unmapped now, held_only_by_caller; the views alive: `views`, their
+    memory's views_alive(), plus, before 3.12, the memoryviews taken from
+    obj itself where something besides the caller holds it). While views
+    are alive, close() refuses (BufferInUseError, in_use_message). Call it
+    as `_close(self, via_exit)` does, from a method that close() (via_exit
+    False) or __exit__ (True) calls at once: the limits were counted at
+    that depth (_Probe)."""
+    unmap = held_only_by_caller(obj, via_exit)
+    if not unmap:
+        views += memoryviews_of(obj)
+    return unmap, views
+
+
 def held_only_by_caller(obj, via_exit: bool) -> bool:
     """Whether nothing but the code that called close() (one name, or a
     `with` statement) references obj, so that no buffer taken from obj can
     be alive, and disarm() works here. Also on 3.12+, where __release_buffer__
     counts the views: a consumer may release its view at once and hold obj
     instead (torch.frombuffer does), and must not be left over unmapped
-    memory. Call it as `_close(self, via_exit)` does, from a
-    method that close() (via_exit False) or __exit__ (True) calls at once:
-    the limits were counted at that depth."""
+    memory. Called by closable() only: the limits were counted at its
+    depth."""
     n = sys.getrefcount(obj)
     if _LIMITS is None:
         return n  # calibrating
@@ -269,7 +288,7 @@ class _Probe:
         self.counted = self._close(True)
 
     def _close(self, via_exit):
-        return held_only_by_caller(self, via_exit)
+        return closable(self, 0, via_exit)[0]
 
 
 def _calibrate() -> tuple[int, int]:

@@ -383,16 +383,11 @@ class HostBuffer(_exported.Buffer, _lib.Closeable):
         memory is unmapped at its collection instead (_exported.py)."""
         self._close(False)
 
-    def __exit__(self, *exc) -> None:
-        self._close(True)
-
     def _close(self, via_exit: bool) -> None:
         if self._closed:
             return
         n = self._memory.views_alive() if self._mapping is None else self._mapping.views_alive()
-        unmap = _exported.held_only_by_caller(self, via_exit)
-        if not unmap:
-            n += _exported.memoryviews_of(self)
+        unmap, n = _exported.closable(self, n, via_exit)
         if n:
             raise _errors.BufferInUseError(_exported.in_use_message("HostBuffer", n), None,
                                            "HostBuffer.close")

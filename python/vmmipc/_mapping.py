@@ -189,9 +189,6 @@ class Mapping(_exported.Buffer, _lib.Closeable):
         Mapping's collection instead (_exported.py)."""
         self._close(False)
 
-    def __exit__(self, *exc) -> None:
-        self._close(True)
-
     def _close(self, via_exit: bool) -> None:
         if self.closed:
             return
@@ -200,10 +197,7 @@ class Mapping(_exported.Buffer, _lib.Closeable):
                 f"cannot unmap: {self._dlpack_exports} DLPack export(s) of this mapping are "
                 "still alive; let their consumers go first", None, "Mapping.close")
         if self._memory is not None:
-            n = self._memory.views_alive()
-            unmap = _exported.held_only_by_caller(self, via_exit)
-            if not unmap:
-                n += _exported.memoryviews_of(self)
+            unmap, n = _exported.closable(self, self._memory.views_alive(), via_exit)
             if n:
                 raise _errors.BufferInUseError(f"cannot unmap: {_exported.in_use_message('Mapping', n)}",
                                                None, "Mapping.close")

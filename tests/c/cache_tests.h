@@ -66,9 +66,7 @@ static int test_cache_api(void) {
  * runs again (confirms_pending drops to 0; the sender's registration ends). */
 static int test_confirm(void) {
   enum { N = 8, CS = 4096 };
-  START_SENDER(s, t0, "callback", N, CS, 0, -1, 0);
-  uint64_t addr, size;
-  if (import_and_unmap(&t0, &addr, &size)) return 1;
+  START_CACHED(s, t0, addr, size, "callback", N, CS, 0, -1, 0);
   char err[700];
   vmmipc_ticket t1, t2;
   CHECK(sender_ask_ticket(&s, &t1, err, sizeof err, "again 0 1 0") == 0, "register_again: %s", err);
@@ -282,9 +280,7 @@ static int expect_invalidated(uint64_t addr, uint64_t size, const vmmipc_cache_i
 /* When the sender unregisters, its buffer's cached mapping is undone within
  * about a second; a mapping still referenced stays valid until unmapped. */
 static int test_cache_invalidation_unregister(void) {
-  START_SENDER(s, t0, "file", 64, 4096, 0, -1, 0);
-  uint64_t addr, size;
-  if (import_and_unmap(&t0, &addr, &size)) return 1;
+  START_CACHED(s, t0, addr, size, "file", 64, 4096, 0, -1, 0);
   usleep(600 * 1000); /* two polls: the exporter says the buffer lives */
   CHECK(maps_has_range(addr, size) == 1, "the mapping of a live buffer was undone");
   vmmipc_cache_info c0 = cache_info();
@@ -321,9 +317,7 @@ static int test_cache_invalidation_unregister(void) {
  * refused (a stale hit is impossible), not answered from the cache. */
 static int test_cache_invalidation_killed(void) {
   enum { N = 64, CS = 4096 };
-  START_SENDER(s, t, "file", N, CS, 0, -1, 0);
-  uint64_t addr, size;
-  if (import_and_unmap(&t, &addr, &size)) return 1;
+  START_CACHED(s, t, addr, size, "file", N, CS, 0, -1, 0);
   vmmipc_cache_info c0 = cache_info();
   kill(s.pid, SIGKILL);
   child_end(&s);

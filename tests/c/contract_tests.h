@@ -103,10 +103,8 @@ static int expect_hit(const vmmipc_ticket *t, uint64_t addr, const char *what) {
  * after every registration made from it has ended. */
 static int test_register_again(void) {
   enum { N = 16, CS = 4096 };
-  START_SENDER(s, t0, "callback", N, CS, 0, -1, 0);
+  START_CACHED(s, t0, addr, size, "callback", N, CS, 0, -1, 0);
   vmmipc_ticket t1, t2, t3;
-  uint64_t addr, size;
-  if (import_and_unmap(&t0, &addr, &size)) return 1;
   CHECK(maps_has_range(addr, size) == 1, "the mapping of a live uses = 0 registration was not kept in the cache");
   int exports = sender_ask_int(&s, NULL, 0, "exports");
   CHECK(exports == N, "export_fn ran %d times for %d chunks", exports, N);
@@ -411,9 +409,7 @@ static int test_host_file_refused(void) {
  * the same identity (a cache hit in the receiver) and takes no descriptor;
  * the library's one duplicate closes when the last registration ends. */
 static int test_host_file_same_memfd(void) {
-  START_SENDER(s, t0, "file", 64, 4096, 0, -1, 0);
-  uint64_t addr, size;
-  if (import_and_unmap(&t0, &addr, &size)) return 1;
+  START_CACHED(s, t0, addr, size, "file", 64, 4096, 0, -1, 0);
   int s_now, s_peak;
   CHECK(sender_fds(&s, 1, &s_now, &s_peak) == 0 && s_now == 1, "sender: %d descriptor(s) for one registration", s_now);
   char err[700];

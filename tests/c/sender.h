@@ -301,6 +301,14 @@ static int sender_start(child *c, vmmipc_ticket *t, const char *mode, uint64_t c
   vmmipc_ticket t;              \
   CHECK(sender_start(&s, &t, __VA_ARGS__) == 0, "sender did not start")
 
+/* START_CACHED is START_SENDER, then one import of its ticket t
+ * (import_and_unmap): it declares addr and size, where the import cache
+ * keeps that mapping while the registration lives. */
+#define START_CACHED(s, t, addr, size, ...) \
+  START_SENDER(s, t, __VA_ARGS__);          \
+  uint64_t addr, size;                      \
+  if (import_and_unmap(&t, &addr, &size)) return 1
+
 /* sender_ask_ticket sends a command that registers and reads the ticket;
  * on "error ..." it copies the reply into err (if not NULL). */
 static int sender_ask_ticket(child *c, vmmipc_ticket *t, char *err, size_t errlen, const char *fmt, ...) {

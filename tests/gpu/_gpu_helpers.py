@@ -3,9 +3,11 @@ test_torch_model.py here; bench/torch_bench.py and bench/torch_model_bench.py):
 the checkout's vmmipc and build/libvmmipc.so on the path, one PASS/FAIL line
 per check and the closing "N passed, M failed", the guard every child
 answers through, the check that children made by fork() are refused, and
-for the torch scripts: the worker child that runs the functions it is sent,
-the exact value pattern, and the probes (VMM or not, chunk counts, live
-registrations, whether pidfd_getfd is refused).
+for the torch scripts: the worker child that runs the functions it is sent
+and what runs in it for test_torch_model.py and test_torch_pool.py (tensors
+that arrive as bytes on its pipe, what it keeps between checks, its import
+cache's counters), the exact value pattern, and the probes (VMM or not,
+chunk counts, live registrations, whether pidfd_getfd is refused).
 
 Import it before vmmipc: it sets the paths up. It also puts tests/python on
 the path, for the descriptor tools of _mp_helpers (fd_count, FdSampler,
@@ -15,6 +17,7 @@ limit_fds). Nothing here needs CUDA or torch until it is called.
 import ctypes
 import errno
 import gc
+import math
 import os
 import sys
 import time
@@ -178,6 +181,42 @@ def pattern(numel, dtype, seed, device="cuda"):
     return v.to(torch.float32).to(dtype) if dtype.is_floating_point else v.to(dtype)
 
 
+# A spec is a list of (name, shape, dtype name, seed): what a torch script's
+# sender fills (pattern) and its receiver checks (value_problems), plus the
+# number of in-place updates since.
+
+
+def flat(name, nbytes, dtype_name, seed):
+    """A spec's 1-D entry of nbytes, float32 or bfloat16."""
+    return (name, (nbytes // (4 if dtype_name == "float32" else 2),), dtype_name, seed)
+
+
+def spec_bytes(spec):
+    """The bytes of a spec of float32 and bfloat16 entries."""
+    return sum(math.prod(shape) * (4 if d == "float32" else 2) for _, shape, d, _ in spec)
+
+
+def value_problems(named, spec, add=0):
+    """Problems of the received tensors (a dict, or a list of (name,
+    tensor) pairs) against the spec's pattern + add."""
+    import torch
+    got = dict(named.items() if isinstance(named, dict) else named)
+    problems = []
+    for name, shape, dtype_name, seed in spec:
+        t = got.get(name)
+        if t is None:
+            problems.append(f"{name}: missing (received {sorted(got)[:5]}...)")
+            continue
+        want = (pattern(math.prod(shape), getattr(torch, dtype_name), seed) + add).reshape(shape)
+        if t.device.type != "cuda" or t.dtype != want.dtype or t.shape != want.shape:
+            problems.append(f"{name}: {t.dtype} {tuple(t.shape)} on {t.device}, not "
+                            f"{want.dtype} {tuple(want.shape)} on cuda")
+        elif not torch.equal(t, want):
+            problems.append(f"{name}: {int((t != want).sum())} of {t.numel()} elements differ "
+                            f"(want the pattern + {add})")
+    return problems
+
+
 def require_vmm(*tensors):
     """Raise unless every tensor lies in CUDA VMM memory (expandable
     segments): a check that ran over cudaMalloc memory tested nothing."""
@@ -241,6 +280,41 @@ def pidfd_filter_state():
         record("setup", False, "run_torch.sh asked for a run under no_pidfd_getfd, but "
                "pidfd_getfd is allowed here: the seccomp filter is not in force")
         return None
+    return filtered
+
+
+def start_torch_script(torch, torch_missing, needs, extra=""):
+    """The start of a torch script's main(): None when it goes on, CUDA and
+    the library loaded and the log's first line printed (torch_run_banner);
+    else the exit status main() returns at once: SKIP all without torch or a
+    usable GPU (import_torch_expandable's result: torch, torch_missing), a
+    FAIL ("setup") when needs(), the script's check that this checkout has
+    what it tests, raises ImportError or AttributeError, or when
+    run_torch.sh's filter is not in force."""
+    why = no_torch_gpu(torch, torch_missing)
+    if why:
+        return skip_all(why)
+    try:
+        needs()
+    except (ImportError, AttributeError) as e:
+        record("setup", False, f"this checkout lacks what the script tests ({e}): merge main "
+               "and run make lib")
+        return summary()
+    import vmmipc
+    torch.zeros(1, device="cuda")
+    vmmipc.live_registrations()  # load the library before anything is measured
+    return summary() if torch_run_banner(torch, extra) is None else None
+
+
+def torch_run_banner(torch, extra=""):
+    """Whether pidfd_getfd is refused here (pidfd_filter_state), said on the
+    line that opens a torch script's log with torch's version and the GPU
+    (and extra); None, with a FAIL recorded, when run_torch.sh asked for
+    the filter and it is not in force: the script ends there."""
+    filtered = pidfd_filter_state()
+    if filtered is not None:
+        print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, pidfd_getfd "
+              f"{'REFUSED (seccomp filter)' if filtered else 'allowed'}{extra}", flush=True)
     return filtered
 
 
@@ -336,6 +410,15 @@ class Worker:
         self.put(fn, *args)
         return self.answer()
 
+    def call_with_bytes(self, via_fn, blob, *args):
+        """Run via_fn(*args) in the child, which reads blob from the pipe
+        (w_via_bytes, w_via_bulk): the call first (the child then waits on
+        the pipe), then the bytes: a blob larger than the pipe's buffer
+        would block us otherwise."""
+        self.put(via_fn, *args)
+        self.send_bytes(blob)
+        return self.answer()
+
     def send_bytes(self, blob):
         """Bytes for a function already put() (it reads them from PIPE): a
         blob larger than the pipe's buffer blocks until it does."""
@@ -346,3 +429,75 @@ class Worker:
         self.proc.join(WORKER_TIMEOUT)
         if self.proc.is_alive():
             self.proc.kill()
+
+
+def run_cases(cases, vias):
+    """Run the (title, check, per_via) cases in one spawned Worker w:
+    check(w, via) for each of vias where per_via, else check(w); a
+    PASS/FAIL line each (run_problems)."""
+    w = Worker("spawn")
+    try:
+        for title, fn, per_via in cases:
+            for via in vias if per_via else (None,):
+                run_problems(f"{title} [{via}]" if via else title,
+                             lambda: fn(w, via) if via else fn(w))
+    finally:
+        w.stop()
+
+
+# ------------------------------------------- run in the worker, torch scripts
+
+KEPT = {}  # in a worker: what a check keeps for a later one, by key
+
+
+def pipe_bytes():
+    """In a worker: the next bytes on its pipe (Worker.send_bytes)."""
+    if not PIPE.poll(WORKER_TIMEOUT):
+        raise TimeoutError("no bytes arrived on the pipe")
+    return PIPE.recv_bytes()
+
+
+def w_via_bytes(fn, *args):
+    """fn(the pipe's bytes through ForkingPickler.loads, *args)."""
+    from multiprocessing.reduction import ForkingPickler
+    return fn(ForkingPickler.loads(pipe_bytes()), *args)
+
+
+def w_via_bulk(fn, *args):
+    """fn(the pipe's bytes through vmmipc.torch.open_tensors, *args)."""
+    import vmmipc.torch as vt
+    return fn(vt.open_tensors(pipe_bytes()), *args)
+
+
+def cache_now():
+    """This process's vmmipc.cache_info(), as a dict (it crosses the queue)."""
+    import vmmipc
+    return vmmipc.cache_info()._asdict()
+
+
+def w_cache():
+    return {"problems": [], "cache": cache_now()}
+
+
+def w_drop(key):
+    """Let go of what KEPT[key] holds; the cache's state after."""
+    import torch
+    KEPT.pop(key, None)
+    gc.collect()
+    torch.cuda.synchronize()
+    return {"problems": [], "cache": cache_now()}
+
+
+def cache_delta(before, after):
+    """Imports and mapped bytes between two cache_now() dicts."""
+    mapped = (after["referenced_bytes"] + after["unreferenced_bytes"]
+              - before["referenced_bytes"] - before["unreferenced_bytes"])
+    return after["misses"] - before["misses"], mapped
+
+
+def wait_freed(allocated, timeout=15.0):
+    """Wait until this process's allocated CUDA bytes are back to at most
+    allocated (a sent storage is kept until its receiver has it)."""
+    import torch
+    from _mp_helpers import wait_for
+    return wait_for(lambda: torch.cuda.memory_allocated() <= allocated, timeout)

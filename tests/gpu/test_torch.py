@@ -27,9 +27,8 @@ import time
 
 # _gpu_helpers first: it puts this checkout's vmmipc and library on the path.
 from _gpu_helpers import (Worker, driver_range, fork_refusals, guard, import_torch_expandable,
-                          no_torch_gpu, pattern, pidfd_filter_state, pidfd_getfd_refused,
-                          problems_of, record, require_vmm, run_problems, set_expandable,
-                          settled_live, skip_all, summary, wait_live)
+                          pattern, pidfd_getfd_refused, problems_of, require_vmm, run_problems,
+                          set_expandable, settled_live, start_torch_script, summary, wait_live)
 
 torch, TORCH_MISSING = import_torch_expandable()  # before CUDA starts, here and in children
 
@@ -511,27 +510,22 @@ def native(vt):
     return [], "without the filter torch's own expandable-segment sharing works"
 
 
+def needs():
+    """What this script needs of the checkout: vmmipc.torch, installed, and
+    the vmmipc 0.2 Python API."""
+    import vmmipc.torch as vt
+    vt.install()
+    for name in ("cuda_query_range", "register_again", "cache_info", "set_cache_limit"):
+        getattr(vmmipc, name)
+
+
 def main(argv):
-    why = no_torch_gpu(torch, TORCH_MISSING)
-    if why:
-        return skip_all(why)
-    try:
-        import vmmipc.torch as vt
-        vt.install()
-        for name in ("cuda_query_range", "register_again", "cache_info", "set_cache_limit"):
-            getattr(vmmipc, name)
-    except (ImportError, AttributeError) as e:
-        record("setup", False, f"vmmipc.torch or the vmmipc 0.2 Python API it needs is missing "
-               f"({e}): merge main and run make lib")
-        return summary()
-    torch.zeros(1, device="cuda")
-    vmmipc.live_registrations()  # load the library before anything is measured
+    status = start_torch_script(torch, TORCH_MISSING, needs)
+    if status is not None:
+        return status
+    import vmmipc.torch as vt
     only = set(argv)
-    filtered = pidfd_filter_state()
-    if filtered is None:
-        return summary()
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, pidfd_getfd "
-          f"{'REFUSED (seccomp filter)' if filtered else 'allowed'}", flush=True)
+    filtered = pidfd_getfd_refused()  # start_torch_script said so, and checked it
 
     def want(name):
         return not only or name in only

@@ -11,12 +11,9 @@ four transports (the "vias"):
           for each tensor inside vmmipc.torch.batch(tensors), the handles
           sent with plain pickle over a Pipe, rebuild(*args) in the child
 
-Run from the repository root on a machine with a CUDA GPU and PyTorch,
-after `make lib` (TORCH_TEST=tests/gpu/test_torch_model.py sh
-tests/gpu/run_torch.sh runs it plainly and under the seccomp filter that
-refuses pidfd_getfd):
-
-    python3 tests/gpu/test_torch_model.py [scenario ...]
+How to run it, and under the seccomp filter that refuses pidfd_getfd:
+tests/gpu/run_torch.sh (TORCH_TEST=tests/gpu/test_torch_model.py); alone,
+`python3 tests/gpu/test_torch_model.py [scenario ...]`.
 
 Scenarios (default: all): cache, growth, across, pools, tied, keep, kill,
 bytes, bulk, imports, transformer. Tensors are allocated on a stream of
@@ -33,6 +30,7 @@ anything failed.
 
 import contextlib
 import gc
+import importlib
 import io
 import math
 import os
@@ -45,10 +43,11 @@ import traceback
 from multiprocessing.reduction import ForkingPickler
 
 # _gpu_helpers first: it puts this checkout's vmmipc and library on the path.
-import _gpu_helpers
-from _gpu_helpers import (Worker, chunk_count, driver_range, import_torch_expandable, no_torch_gpu,
-                          live_problems, pattern, pidfd_filter_state, problems_of, record,
-                          require_vmm, run_problems, settled_live, skip_all, summary)
+from _gpu_helpers import (KEPT, cache_delta, cache_now, chunk_count, driver_range, flat,
+                          import_torch_expandable, live_problems, pattern, pipe_bytes, problems_of,
+                          require_vmm, run_cases, run_problems, settled_live, spec_bytes,
+                          start_torch_script, summary, value_problems, w_cache, w_drop, w_via_bulk,
+                          w_via_bytes, wait_freed)
 from _mp_helpers import settled_fd_count, wait_for
 
 torch, TORCH_MISSING = import_torch_expandable()  # before CUDA starts, here and in children
@@ -64,13 +63,7 @@ MAX_MODEL_IMPORTS = 4   # a model built at once on one stream lies in 2 runs (la
 KILL_BOUND_S = 60       # the receiver's error must come within this after the sender died
 
 # --------------------------------------------------------------- specs
-
-# A spec is a list of (name, shape, dtype name, seed): what the sender
-# fills and what the receiver checks, plus the number of in-place updates.
-
-
-def flat(name, nbytes, dtype_name, seed):
-    return (name, (nbytes // (4 if dtype_name == "float32" else 2),), dtype_name, seed)
+# (name, shape, dtype name, seed) entries: _gpu_helpers' flat, value_problems
 
 
 def model_spec(seed, layers=20, dtype_name="float32"):
@@ -89,10 +82,6 @@ def model_spec(seed, layers=20, dtype_name="float32"):
     spec += [flat("norm", 4096, dtype_name, seed + 999),
              flat("head", 8 * MiB, dtype_name, seed + 998)]
     return spec
-
-
-def spec_bytes(spec):
-    return sum(math.prod(shape) * (4 if d == "float32" else 2) for _, shape, d, _ in spec)
 
 
 def build(spec, streams):
@@ -121,19 +110,6 @@ def add_all(named, value=1):
     torch.cuda.synchronize()
 
 
-def wait_freed(allocated, timeout=15.0):
-    """Wait until this process's allocated CUDA bytes are back to at most
-    allocated (a sent storage is kept until its receiver has it)."""
-    return wait_for(lambda: torch.cuda.memory_allocated() <= allocated, timeout)
-
-
-def cache_delta(before, after):
-    """Imports and mapped bytes between two cache_info dicts."""
-    mapped = (after["referenced_bytes"] + after["unreferenced_bytes"]
-              - before["referenced_bytes"] - before["unreferenced_bytes"])
-    return after["misses"] - before["misses"], mapped
-
-
 def mapped_bound(nbytes, imports):
     """The issue's target: mapped <= 1.05 x the bytes, plus a chunk a run."""
     return int(1.05 * nbytes) + imports * LARGE_CHUNK
@@ -155,14 +131,14 @@ def deliver(w, via, named, fn, *args):
         return w.call(fn, named, *args)
     if via == "bytes":
         blob = ForkingPickler.dumps(named)
-        return call_with_bytes(w, w_via_bytes, blob, fn, *args)
+        return w.call_with_bytes(w_via_bytes, blob, fn, *args)
     import vmmipc.torch as vt
     if via == "reduce":
-        return call_with_bytes(w, w_via_reduce, pickle.dumps(reduced(named)), fn, *args)
+        return w.call_with_bytes(w_via_reduce, pickle.dumps(reduced(named)), fn, *args)
     blob = vt.share_tensors(named)
     if not isinstance(blob, bytes):
         return {"problems": [f"share_tensors returned {type(blob).__name__}, not bytes"]}
-    return call_with_bytes(w, w_via_bulk, blob, fn, *args)
+    return w.call_with_bytes(w_via_bulk, blob, fn, *args)
 
 
 def reduced(named, batched=True):
@@ -176,62 +152,13 @@ def reduced(named, batched=True):
     return dict(handles) if isinstance(named, dict) else handles
 
 
-def call_with_bytes(w, via_fn, blob, *args):
-    """The call first (the worker then waits on the pipe), then the bytes:
-    a blob larger than the pipe's buffer would block us otherwise."""
-    w.put(via_fn, *args)
-    w.send_bytes(blob)
-    return w.answer()
-
-
 # ------------------------------------------------ run in the worker child
 
-KEPT = {}
-
-
-def w_via_bytes(fn, *args):
-    if not _gpu_helpers.PIPE.poll(TIMEOUT):
-        raise TimeoutError("no bytes arrived on the pipe")
-    return fn(ForkingPickler.loads(_gpu_helpers.PIPE.recv_bytes()), *args)
-
-
-def w_via_bulk(fn, *args):
-    import vmmipc.torch as vt
-    if not _gpu_helpers.PIPE.poll(TIMEOUT):
-        raise TimeoutError("no bytes arrived on the pipe")
-    return fn(vt.open_tensors(_gpu_helpers.PIPE.recv_bytes()), *args)
-
-
 def w_via_reduce(fn, *args):
-    if not _gpu_helpers.PIPE.poll(TIMEOUT):
-        raise TimeoutError("no bytes arrived on the pipe")
-    handles = pickle.loads(_gpu_helpers.PIPE.recv_bytes())
+    handles = pickle.loads(pipe_bytes())
     items = handles.items() if isinstance(handles, dict) else handles
     rebuilt = [(name, rebuild(*rargs)) for name, (rebuild, rargs) in items]
     return fn(dict(rebuilt) if isinstance(handles, dict) else rebuilt, *args)
-
-
-def value_problems(named, spec, add=0):
-    """Problems of the received tensors against the spec's pattern + add."""
-    got = dict(named.items() if isinstance(named, dict) else named)
-    problems = []
-    for name, shape, dtype_name, seed in spec:
-        t = got.get(name)
-        if t is None:
-            problems.append(f"{name}: missing (received {sorted(got)[:5]}...)")
-            continue
-        want = (pattern(math.prod(shape), getattr(torch, dtype_name), seed) + add).reshape(shape)
-        if t.device.type != "cuda" or t.dtype != want.dtype or t.shape != want.shape:
-            problems.append(f"{name}: {t.dtype} {tuple(t.shape)} on {t.device}, not "
-                            f"{want.dtype} {tuple(want.shape)} on cuda")
-        elif not torch.equal(t, want):
-            problems.append(f"{name}: {int((t != want).sum())} of {t.numel()} elements differ "
-                            f"(want the pattern + {add})")
-    return problems
-
-
-def cache_now():
-    return vmmipc.cache_info()._asdict()
 
 
 def w_check(named, spec, add=0, keep=None):
@@ -248,17 +175,6 @@ def w_check(named, spec, add=0, keep=None):
 
 def w_check_kept(key, spec, add=0):
     return {"problems": value_problems(KEPT[key], spec, add)}
-
-
-def w_drop(key):
-    KEPT.pop(key, None)
-    gc.collect()
-    torch.cuda.synchronize()
-    return {"problems": [], "cache": cache_now()}
-
-
-def w_cache():
-    return {"problems": [], "cache": cache_now()}
 
 
 def w_same_memory(named, key, spec, add, value):
@@ -666,7 +582,7 @@ def resend_bytes(w):
             add_all(sd)
         t0 = time.monotonic()
         blob = dumps_sglang(sd) if k % 2 else ForkingPickler.dumps(sd)
-        r = call_with_bytes(w, w_via_bytes, blob, w_resend, spec, k)
+        r = w.call_with_bytes(w_via_bytes, blob, w_resend, spec, k)
         times.append((time.monotonic() - t0) * 1e3)
         problems += [f"send {k}: {p}" for p in problems_of(r)]
         misses.append(r.get("cache", {}).get("misses"))
@@ -698,11 +614,11 @@ def bulk(w):
         problems.append(f"a dict was shared, a {r['kind']} opened")
     pairs = list(reversed(list(sd.items())))
     import vmmipc.torch as vt
-    r = call_with_bytes(w, w_open_list, vt.share_tensors(pairs), spec)
+    r = w.call_with_bytes(w_open_list, vt.share_tensors(pairs), spec)
     problems += [f"list: {p}" for p in problems_of(r)]
     if r.get("names") is not None and r["names"] != [n for n, _ in pairs]:
         problems.append("the list of pairs came back in another order or with other names")
-    r = call_with_bytes(w, w_via_reduce, pickle.dumps(reduced(sd, batched=False)), w_check, spec)
+    r = w.call_with_bytes(w_via_reduce, pickle.dumps(reduced(sd, batched=False)), w_check, spec)
     problems += [f"reduce_tensor one by one: {p}" for p in problems_of(r)]
     after = w.call(w_cache)["cache"]
     if after["referenced_bytes"] != before["referenced_bytes"]:
@@ -714,9 +630,7 @@ def bulk(w):
 
 def w_open_list(spec):
     import vmmipc.torch as vt
-    if not _gpu_helpers.PIPE.poll(TIMEOUT):
-        raise TimeoutError("no bytes arrived on the pipe")
-    got = vt.open_tensors(_gpu_helpers.PIPE.recv_bytes(), device=0)
+    got = vt.open_tensors(pipe_bytes(), device=0)
     problems = [] if isinstance(got, list) else [f"a list was shared, a {type(got).__name__} "
                                                  "opened"]
     r = w_check(got, spec)
@@ -772,21 +686,11 @@ def transformer(w, via):
 
 
 def main(argv):
-    why = no_torch_gpu(torch, TORCH_MISSING)
-    if why:
-        return skip_all(why)
-    try:
-        import vmmipc.torch as vt
-    except ImportError as e:
-        record("setup", False, f"vmmipc.torch cannot be imported ({e}): merge main, make lib")
-        return summary()
-    torch.zeros(1, device="cuda")
-    vmmipc.live_registrations()  # load the library before anything is measured
-    filtered = pidfd_filter_state()
-    if filtered is None:
-        return summary()
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, pidfd_getfd "
-          f"{'REFUSED (seccomp filter)' if filtered else 'allowed'}", flush=True)
+    status = start_torch_script(torch, TORCH_MISSING,
+                                lambda: importlib.import_module("vmmipc.torch"))
+    if status is not None:
+        return status
+    import vmmipc.torch as vt
     try:
         import transformers  # noqa: F401
         have_transformers = True
@@ -798,34 +702,29 @@ def main(argv):
     def want(name):
         return not only or name in only
 
-    # (scenario, title, check, whether it runs once per via)
-    cases = [("cache", "empty_cache() and reallocation at the same addresses between sends",
-              reallocation, True),
-             ("growth", "segment growth between sends, old and new sent together", growth, True),
-             ("across", "a tensor across two runs", across, True),
-             ("pools", "small-pool and large-pool tensors in one state dict", pools, True),
-             ("tied", "views and tied weights arrive as one storage", tied, True),
-             ("keep", "the receiver keeps a model after the sender dropped and reused it",
-              keep_after_sender_drops, True),
-             ("imports", "a model built at once: one import a run, mapped bytes bounded",
-              imports, True),
-             ("transformer", "a small Llama's state dict: the same logits in the child",
-              transformer, True),
-             ("bytes", "ForkingPickler bytes over a Pipe: a send and 5 re-sends after in-place "
-              "updates", resend_bytes, False),
-             ("bulk", "share_tensors/open_tensors with a dict and a list of pairs; "
-              "reduce_tensor one by one", bulk, False)]
-    chosen = [case for case in cases if want(case[0])
-              and (case[0] != "transformer" or have_transformers)]
+    # scenario: (title, check, whether it runs once per via)
+    cases = {
+        "cache": ("empty_cache() and reallocation at the same addresses between sends",
+                  reallocation, True),
+        "growth": ("segment growth between sends, old and new sent together", growth, True),
+        "across": ("a tensor across two runs", across, True),
+        "pools": ("small-pool and large-pool tensors in one state dict", pools, True),
+        "tied": ("views and tied weights arrive as one storage", tied, True),
+        "keep": ("the receiver keeps a model after the sender dropped and reused it",
+                 keep_after_sender_drops, True),
+        "imports": ("a model built at once: one import a run, mapped bytes bounded", imports,
+                    True),
+        "transformer": ("a small Llama's state dict: the same logits in the child", transformer,
+                        True),
+        "bytes": ("ForkingPickler bytes over a Pipe: a send and 5 re-sends after in-place updates",
+                  resend_bytes, False),
+        "bulk": ("share_tensors/open_tensors with a dict and a list of pairs; reduce_tensor one "
+                 "by one", bulk, False),
+    }
+    chosen = [case for name, case in cases.items()
+              if want(name) and (name != "transformer" or have_transformers)]
     if chosen:
-        w = Worker("spawn")
-        try:
-            for _, title, fn, per_via in chosen:
-                for via in VIAS if per_via else (None,):
-                    run_problems(f"{title} [{via}]" if via else title,
-                                 lambda: fn(w, via) if via else fn(w))
-        finally:
-            w.stop()
+        run_cases(chosen, VIAS)
     if want("kill"):
         run_problems("the sender killed mid-sync: a clear error, nothing leaks, the receiver "
                      "goes on", lambda: kill_mid_sync(vt))

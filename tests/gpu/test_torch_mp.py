@@ -57,9 +57,8 @@ from multiprocessing.reduction import ForkingPickler
 # _gpu_helpers first: it puts this checkout's vmmipc and library on the path.
 import _gpu_helpers
 from _gpu_helpers import (Worker, guard, import_torch_expandable, is_vmm_memory, no_torch_gpu,
-                          pidfd_filter_state, pidfd_getfd_refused, problems_of, record,
-                          require_vmm, run_problems, set_expandable, settled_live, skip_all,
-                          summary)
+                          pidfd_getfd_refused, problems_of, record, require_vmm, run_problems,
+                          set_expandable, settled_live, skip_all, summary, torch_run_banner)
 from _mp_helpers import fd_count, settled_fd_count, wait_for
 
 torch, TORCH_MISSING = import_torch_expandable()  # before CUDA starts, here and in children
@@ -758,6 +757,21 @@ def child_event_multiprocess(ev, p2c, c2p):
     send_error(c2p, run)
 
 
+def child_waits_problems(ev, p2c, c2p, who):
+    """Record ev behind a long kernel, let the child (who) synchronize on it
+    (p2c), and check query() before and after its answer (c2p)."""
+    problems = []
+    torch.cuda._sleep(SLEEP_CYCLES)
+    ev.record()
+    p2c.put(0)
+    if ev.query():
+        problems.append(f"{who}: query() is True while the kernel before the event still runs")
+    get_reply(c2p, f"the {who}'s synchronize")
+    if not ev.query():
+        problems.append(f"{who}: query() is False after the child synchronized on the event")
+    return problems
+
+
 def event_multiprocess(s):
     ctx = mp.get_context("spawn")
     ev = torch.cuda.Event(enable_timing=False, interprocess=True)
@@ -765,14 +779,7 @@ def event_multiprocess(s):
     p2c, c2p = ctx.Queue(), ctx.Queue()
     p = start(ctx, child_event_multiprocess, ev, p2c, c2p)
     get_reply(c2p, "the child's start")
-    torch.cuda._sleep(SLEEP_CYCLES)
-    ev.record()
-    p2c.put(0)
-    if ev.query():
-        problems.append("query() is True while the kernel before the event still runs")
-    get_reply(c2p, "the child's synchronize")
-    if not ev.query():
-        problems.append("query() is False after the child synchronized on the event")
+    problems += child_waits_problems(ev, p2c, c2p, "child")
     return finish(p, problems), "an interprocess event as a Process argument"
 
 
@@ -810,14 +817,7 @@ def event_handles(s):
     p = start(ctx, child_event_importer, e0.ipc_handle(), p2c, c2p)
     try:
         get_reply(c2p, "the importer's start")
-        torch.cuda._sleep(SLEEP_CYCLES)
-        e0.record()
-        p2c.put(0)
-        if e0.query():
-            problems.append("importer: query() is True while the kernel before it still runs")
-        get_reply(c2p, "the importer's synchronize")
-        if not e0.query():
-            problems.append("importer: query() is False after the child synchronized on it")
+        problems += child_waits_problems(e0, p2c, c2p, "importer")
     finally:
         p2c.put(1)
     finish(p, problems, "the importer")
@@ -1453,11 +1453,8 @@ def main(argv):
     if err:
         record("setup", False, err)
         return summary()
-    filtered = pidfd_filter_state()
-    if filtered is None:
+    if torch_run_banner(torch) is None:
         return summary()
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, pidfd_getfd "
-          f"{'REFUSED (seccomp filter)' if filtered else 'allowed'}", flush=True)
     s = Session(vt)
     try:
         for name, title, fn in SCENARIOS:

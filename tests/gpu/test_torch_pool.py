@@ -3,12 +3,9 @@
 pool (large chunks, here 64 MiB so that the tests stay small) and sent to a
 spawned child through vmmipc.torch, every weight checked.
 
-Run from the repository root on a machine with a CUDA GPU and PyTorch,
-after `make lib` (TORCH_TEST=tests/gpu/test_torch_pool.py sh
-tests/gpu/run_torch.sh runs it plainly and under the seccomp filter that
-refuses pidfd_getfd):
-
-    python3 tests/gpu/test_torch_pool.py [scenario ...]
+How to run it, and under the seccomp filter that refuses pidfd_getfd:
+tests/gpu/run_torch.sh (TORCH_TEST=tests/gpu/test_torch_pool.py); alone,
+`python3 tests/gpu/test_torch_pool.py [scenario ...]`.
 
 Scenarios (default: all): conf, model, growth, reuse, cache, lifetime, tied,
 ordering, containers, fork, release. The process runs with
@@ -23,21 +20,22 @@ anything failed.
 """
 
 import gc
+import math
 import sys
 from multiprocessing.reduction import ForkingPickler
 
 # _gpu_helpers first: it puts this checkout's vmmipc and library on the path.
-import _gpu_helpers
-from _gpu_helpers import (Worker, chunk_count, fork_refusals, import_torch_expandable,
-                          live_problems, no_torch_gpu, pattern, pidfd_filter_state, problems_of,
-                          record, require_vmm, run_problems, settled_live, skip_all, summary)
+from _gpu_helpers import (KEPT, cache_delta, cache_now, chunk_count, flat, fork_refusals,
+                          import_torch_expandable, live_problems, pattern, problems_of,
+                          require_vmm, run_cases, settled_live, spec_bytes, start_torch_script,
+                          summary, value_problems, w_cache, w_drop, w_via_bulk, w_via_bytes,
+                          wait_freed)
 from _mp_helpers import wait_for
 
 torch, TORCH_MISSING = import_torch_expandable()  # before CUDA starts, here and in children
 
 import vmmipc  # noqa: E402  (loads nothing yet; vmmipc.torch is imported in main())
 
-TIMEOUT = 120
 MiB = 1 << 20
 CHUNK = 64 * MiB        # the pool's chunks in this test: growth happens at small sizes
 SLEEP_CYCLES = int(2.5e9)  # torch.cuda._sleep: about 1.5 s on the H200
@@ -49,10 +47,6 @@ VIAS = ("queue", "bytes", "bulk")
 def vt():
     import vmmipc.torch
     return vmmipc.torch
-
-
-def flat(name, nbytes, dtype_name, seed):
-    return (name, nbytes // (4 if dtype_name == "float32" else 2), dtype_name, seed)
 
 
 def model_spec(seed, layers=12):
@@ -70,17 +64,14 @@ def model_spec(seed, layers=12):
     return spec + [flat("head", 8 * MiB, "float32", seed + 999)]
 
 
-def spec_bytes(spec):
-    return sum(n * (4 if d == "float32" else 2) for _, n, d, _ in spec)
-
-
 def build(spec, add=0):
     """The spec's tensors, allocated in the sharing pool, filled outside it
     (the pattern's temporaries stay out of the pool)."""
     with vt().sharing_pool(CHUNK):
-        out = {name: torch.empty(n, dtype=getattr(torch, d), device="cuda") for name, n, d, _ in spec}
-    for name, n, d, seed in spec:
-        out[name].copy_(pattern(n, out[name].dtype, seed) + add)
+        out = {name: torch.empty(shape, dtype=getattr(torch, d), device="cuda")
+               for name, shape, d, _ in spec}
+    for name, shape, d, seed in spec:
+        out[name].copy_((pattern(math.prod(shape), out[name].dtype, seed) + add).reshape(shape))
     torch.cuda.synchronize()
     require_vmm(*out.values())
     return out
@@ -119,61 +110,15 @@ def chunk_size_of(t):
     return rng.size // chunk_count(rng.base, rng.size)
 
 
-def wait_freed(allocated, timeout=15.0):
-    return wait_for(lambda: torch.cuda.memory_allocated() <= allocated, timeout)
-
-
 def deliver(w, via, named, fn, *args):
     """Send named to the worker through via; it runs fn(received, *args)."""
     if via == "queue":
         return w.call(fn, named, *args)
-    blob = ForkingPickler.dumps(named) if via == "bytes" else vt().share_tensors(named)
-    w.put(w_via_bytes if via == "bytes" else w_via_bulk, fn, *args)
-    w.send_bytes(blob)
-    return w.answer()
-
-
-def cache_delta(before, after):
-    mapped = (after["referenced_bytes"] + after["unreferenced_bytes"]
-              - before["referenced_bytes"] - before["unreferenced_bytes"])
-    return after["misses"] - before["misses"], mapped
+    if via == "bytes":
+        return w.call_with_bytes(w_via_bytes, ForkingPickler.dumps(named), fn, *args)
+    return w.call_with_bytes(w_via_bulk, vt().share_tensors(named), fn, *args)
 
 # ------------------------------------------------ run in the worker child
-
-
-KEPT = {}
-
-
-def w_via_bytes(fn, *args):
-    if not _gpu_helpers.PIPE.poll(TIMEOUT):
-        raise TimeoutError("no bytes arrived on the pipe")
-    return fn(ForkingPickler.loads(_gpu_helpers.PIPE.recv_bytes()), *args)
-
-
-def w_via_bulk(fn, *args):
-    if not _gpu_helpers.PIPE.poll(TIMEOUT):
-        raise TimeoutError("no bytes arrived on the pipe")
-    return fn(vt().open_tensors(_gpu_helpers.PIPE.recv_bytes()), *args)
-
-
-def value_problems(named, spec, add=0):
-    problems = []
-    for name, n, d, seed in spec:
-        t = named.get(name)
-        if t is None:
-            problems.append(f"{name}: missing")
-            continue
-        want = pattern(n, getattr(torch, d), seed) + add
-        if t.dtype != want.dtype or t.shape != want.shape or t.device.type != "cuda":
-            problems.append(f"{name}: {t.dtype} {tuple(t.shape)} on {t.device}")
-        elif not torch.equal(t, want):
-            problems.append(f"{name}: {int((t != want).sum())} of {t.numel()} elements differ "
-                            f"(want the pattern + {add})")
-    return problems
-
-
-def cache_now():
-    return vmmipc.cache_info()._asdict()
 
 
 def w_check(named, spec, add=0, keep=None):
@@ -186,17 +131,6 @@ def w_check(named, spec, add=0, keep=None):
 def w_check_kept(key, spec, add=0):
     torch.cuda.synchronize()
     return {"problems": value_problems(KEPT[key], spec, add)}
-
-
-def w_drop(key):
-    KEPT.pop(key, None)
-    gc.collect()
-    torch.cuda.synchronize()
-    return {"problems": [], "cache": cache_now()}
-
-
-def w_cache():
-    return {"problems": [], "cache": cache_now()}
 
 
 def w_write_through(named, spec, key, name, value):
@@ -217,9 +151,9 @@ def w_write_through(named, spec, key, name, value):
 
 
 def kept_first(name, spec):
-    for n, count, d, seed in spec:
+    for n, shape, d, seed in spec:
         if n == name:
-            return float(pattern(count, getattr(torch, d), seed)[0])
+            return float(pattern(math.prod(shape), getattr(torch, d), seed)[0])
     raise KeyError(name)
 
 
@@ -283,7 +217,7 @@ def conf(w):
     problems += in_pool(inside)
     if pool.chunk_size != CHUNK or pool.info().device != torch.cuda.current_device():
         problems.append(f"the pool says {pool!r}")
-    spec = [("inside", 8 * MiB, "uint8", 0)]
+    spec = [("inside", (8 * MiB,), "uint8", 0)]
     inside.copy_(pattern(8 * MiB, torch.uint8, 0))
     torch.cuda.synchronize()
     problems += problems_of(w.call(w_check, {"inside": inside}, spec))
@@ -475,46 +409,28 @@ def release(w):
 
 
 def main(argv):
-    why = no_torch_gpu(torch, TORCH_MISSING)
-    if why:
-        return skip_all(why)
-    try:
-        import vmmipc.torch as vtm
-        vtm.sharing_pool  # noqa: B018 - present in this checkout?
-    except (ImportError, AttributeError) as e:
-        record("setup", False, f"vmmipc.torch.sharing_pool is missing ({e}): merge main, make lib")
-        return summary()
-    torch.zeros(1, device="cuda")
-    vmmipc.live_registrations()
-    filtered = pidfd_filter_state()
-    if filtered is None:
-        return summary()
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, pidfd_getfd "
-          f"{'REFUSED (seccomp filter)' if filtered else 'allowed'}, pool chunks "
-          f"{CHUNK // MiB} MiB", flush=True)
+    status = start_torch_script(torch, TORCH_MISSING, lambda: vt().sharing_pool,
+                                f", pool chunks {CHUNK // MiB} MiB")
+    if status is not None:
+        return status
     only = set(argv)
-    cases = [("conf", "expandable segments on for the program, off in the block: the pool works",
-              conf, False),
-             ("model", "a model built in the pool: every weight, one or two imports", model, True),
-             ("growth", "growth past one chunk, old and new sent together", growth, True),
-             ("reuse", "freeing and reuse inside the pool", reuse, False),
-             ("cache", "release_sharing_pool + empty_cache, reallocation: never stale", cache, True),
-             ("lifetime", "send, delete, allocate again: the receiver reads the old values",
-              lifetime, True),
-             ("tied", "views and tied weights arrive as one storage", tied, True),
-             ("ordering", "stream ordering: a long kernel right before put()", ordering, False),
-             ("containers", "tensors in nested containers", containers, False),
-             ("fork", "fork start method refused", fork, False),
-             ("release", "release_sharing_pool gives every chunk back", release, False)]
-    chosen = [c for c in cases if not only or c[0] in only]
-    w = Worker("spawn")
-    try:
-        for _, title, fn, per_via in chosen:
-            for via in VIAS if per_via else (None,):
-                run_problems(f"{title} [{via}]" if via else title,
-                             lambda: fn(w, via) if via else fn(w))
-    finally:
-        w.stop()
+    # scenario: (title, check, whether it runs once per via)
+    cases = {
+        "conf": ("expandable segments on for the program, off in the block: the pool works",
+                 conf, False),
+        "model": ("a model built in the pool: every weight, one or two imports", model, True),
+        "growth": ("growth past one chunk, old and new sent together", growth, True),
+        "reuse": ("freeing and reuse inside the pool", reuse, False),
+        "cache": ("release_sharing_pool + empty_cache, reallocation: never stale", cache, True),
+        "lifetime": ("send, delete, allocate again: the receiver reads the old values", lifetime,
+                     True),
+        "tied": ("views and tied weights arrive as one storage", tied, True),
+        "ordering": ("stream ordering: a long kernel right before put()", ordering, False),
+        "containers": ("tensors in nested containers", containers, False),
+        "fork": ("fork start method refused", fork, False),
+        "release": ("release_sharing_pool gives every chunk back", release, False),
+    }
+    run_cases([case for name, case in cases.items() if not only or name in only], VIAS)
     return summary()
 
 
