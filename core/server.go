@@ -16,13 +16,6 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// SocketDirEnv names the environment variable that, when set, makes the
-// server listen on a filesystem socket in that directory (mode 0600) instead
-// of the abstract namespace: for receivers in other network or PID
-// namespaces (containers) that mount the same directory at the same path.
-// socketdir.go has the directory's rules.
-const SocketDirEnv = "VMMIPC_SOCKET_DIR"
-
 // Server serves the chunks of its registrations to receivers, exporting each
 // chunk only when asked and closing its descriptor right after sending it.
 // This file holds its life and its registering side; admission.go the

@@ -1,6 +1,7 @@
 package core
 
 import (
+	"crypto/sha256"
 	"encoding/binary"
 	"unicode/utf8"
 )
@@ -53,6 +54,13 @@ const (
 	ProtocolVersion uint8  = 2
 	headerSize             = 16
 	maxErrorText           = 1024
+)
+
+// Sizes of the handshake's values on the wire (handshake.go computes them):
+// each side's nonce, and a proof (HMAC-SHA256).
+const (
+	nonceSize = 32
+	proofSize = sha256.Size
 )
 
 // Message types.
