@@ -1,8 +1,6 @@
 package core
 
-import (
-	"golang.org/x/sys/unix"
-)
+import "golang.org/x/sys/unix"
 
 // Descriptors this package owns: whoever holds one closes it on every path,
 // the error paths first of all. -1 marks a descriptor closed or never had.

@@ -1,5 +1,9 @@
 package core
 
+// The receiver's two calls that spend a use of a ticket: Import maps the
+// buffer (a cached mapping, or a new one streamed here chunk by chunk),
+// Confirm spends the use without receiving anything.
+
 // Import maps the buffer named by t into this process and returns one
 // reference to the mapping: a cached one after an authenticated
 // confirmation (cache.go; with opts.ConfirmLater the confirmation is queued

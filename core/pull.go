@@ -1,11 +1,9 @@
 package core
 
-import (
-	"fmt"
-)
+import "fmt"
 
 // Pulling a stream's chunks (stream.go opens the stream and finishes it):
-// Next keeps up to Window pulls in flight, NextRun asks for every chunk
+// Next keeps up to Window chunks asked for ahead, NextRun asks for every chunk
 // left with one pull-run; each answer is checked against the ticket before
 // its descriptor is handed out, so that a confused or hostile exporter
 // cannot make us map outside the range we reserved. The server's side is

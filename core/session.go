@@ -1,8 +1,6 @@
 package core
 
-import (
-	"time"
-)
+import "time"
 
 // maxStatusQueries bounds the status queries one connection may ask.
 const maxStatusQueries = 4096

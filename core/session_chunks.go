@@ -1,8 +1,6 @@
 package core
 
-import (
-	"golang.org/x/sys/unix"
-)
+import "golang.org/x/sys/unix"
 
 // Serving a use's chunks (session.go runs the session): pulls answered one
 // chunk a descriptor, pull-runs as many chunks a descriptor as the exporter

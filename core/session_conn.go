@@ -1,8 +1,6 @@
 package core
 
-import (
-	"time"
-)
+import "time"
 
 // session is one receiver's connection, from its hello to its done-ack,
 // and on after it while it is the receiver's holder session (holds.go).

@@ -1,8 +1,6 @@
 package core
 
-import (
-	"time"
-)
+import "time"
 
 // A holder session on the server (holds.go has the why, and the holds):
 // after its first use's done-ack the connection stays open, and serves the

@@ -1,8 +1,6 @@
 package core
 
-import (
-	"time"
-)
+import "time"
 
 // Status queries: which of an exporter's buffers still live. The cache's
 // poller asks (cache.go) to undo mappings nobody references once their
