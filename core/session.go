@@ -158,7 +158,7 @@ func (ss *session) serveUse(g *registration, hello helloMsg, holder *holderSessi
 	}()
 	if hello.Flags&helloConfirm != 0 {
 		spend(true)
-	} else if !ss.stream(g, spend) {
+	} else if !ss.serveChunks(g, spend) {
 		return false
 	}
 	return ss.c.send(doneAckMsg{Flags: ss.ackFlags(g, usedUp, held)}.encode(), -1) == nil

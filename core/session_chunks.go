@@ -7,11 +7,11 @@ import "golang.org/x/sys/unix"
 // can put in one; the use is spent right before the last chunk goes out. A
 // receiver's side of this is pull.go.
 
-// stream answers pulls and pull-runs until done (true) or failure (false);
-// sendChunks calls spend(true) right before the last chunk is sent,
-// spend(false) if that send fails. The run that completes the buffer ends
-// the stream at once: its done-ack follows unasked (wire.go).
-func (ss *session) stream(g *registration, spend func(bool)) bool {
+// serveChunks answers pulls and pull-runs until done (true) or failure
+// (false); sendChunks calls spend(true) right before the last chunk is
+// sent, spend(false) if that send fails. The run that completes the buffer
+// ends the stream at once: its done-ack follows unasked (wire.go).
+func (ss *session) serveChunks(g *registration, spend func(bool)) bool {
 	b := g.buf
 	count := uint64(len(b.sizes))
 	next := uint64(0) // the next index we expect to be asked for
