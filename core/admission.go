@@ -2,7 +2,6 @@ package core
 
 import (
 	"container/list"
-	"errors"
 	"net"
 	"sync"
 	"time"
@@ -283,62 +282,4 @@ func (a *admission) close() {
 	}
 	a.cond.Broadcast()
 	a.mu.Unlock()
-}
-
-func (s *Server) acceptLoop() {
-	retry := backoff{first: fdWaitFirst, most: fdWaitMost}
-	for s.adm.room() {
-		uc, err := s.ln.AcceptUnix()
-		if err != nil {
-			if errors.Is(err, net.ErrClosed) {
-				return
-			}
-			// EMFILE and friends (the host took the descriptor room()
-			// counted): the connection stays in the backlog; wait for a
-			// descriptor to free instead of spinning.
-			time.Sleep(retry.wait())
-			continue
-		}
-		retry.reset()
-		// The uid is checked before the connection is counted: abstract
-		// sockets have no permissions, so a process of any uid can
-		// connect, and its connections must not take the slots of ours.
-		if err := s.checkPeer(uc); err != nil {
-			if !s.adm.takeRefusal() {
-				_ = uc.Close()
-				continue
-			}
-			go func() {
-				defer s.adm.doneRefusal()
-				s.refuseConn(uc, err)
-			}()
-			continue
-		}
-		p := s.adm.admit(uc)
-		go s.serve(p)
-	}
-}
-
-// checkPeer admits receivers of our own uid, and root.
-func (s *Server) checkPeer(uc *net.UnixConn) error {
-	cred, err := peerCred(uc)
-	if err != nil {
-		return Errorf(EAUTH, "cannot read the receiver's credentials (SO_PEERCRED): %v", err)
-	}
-	if int(cred.Uid) != s.uid && cred.Uid != 0 {
-		return Errorf(EAUTH, "receiver uid %d is not allowed: only the exporter's own uid or root may import", cred.Uid)
-	}
-	return nil
-}
-
-// refuseConn tells a peer that may not connect why, and hangs up. It does
-// not wait for the peer: the message fits in the socket buffer.
-func (s *Server) refuseConn(uc *net.UnixConn, err error) {
-	defer func() { _ = recover() }()
-	defer uc.Close()
-	c, cerr := newConn(uc, 100*time.Millisecond, "server")
-	if cerr != nil {
-		return
-	}
-	_ = c.send(errorMsg{Code: CodeOf(err), Text: err.Error()}.encode(), -1)
 }

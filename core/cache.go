@@ -14,7 +14,7 @@ import (
 // (device, access devices). Every Import returns a reference (a Ref); a hit
 // hands out another reference to the same mapping, but only after an
 // authenticated session with the exporter for the very ticket being
-// imported spent a use and confirmed the buffer (stream.go's confirm). So a
+// imported spent a use and confirmed the buffer (confirm.go). So a
 // hit can never be stale: a buffer id names memory the exporter holds
 // references to for as long as any registration of it lives, ids are never
 // reused in an exporter's life, and the exporter's start time tells a
@@ -41,6 +41,15 @@ type cacheKey struct {
 	exporter  string
 	buffer    uint64
 	placement string
+}
+
+// Ref is one reference to an imported mapping, as handed to the caller.
+type Ref struct {
+	ID     uint64 // what Unmap takes
+	Base   uint64
+	Size   uint64
+	Kind   uint8
+	Device int32
 }
 
 // entry is one mapping in this process.
@@ -271,81 +280,6 @@ func undoAll(victims []*entry) {
 	for _, v := range victims {
 		_ = v.imp.Unmap()
 	}
-}
-
-// Unmap drops the reference id (whose mapping starts at base).
-func Unmap(id, base uint64) error {
-	c := &imports
-	c.mu.Lock()
-	e := c.refs[id]
-	if e == nil || e.base != base {
-		c.mu.Unlock()
-		return Errorf(EINVAL, "unmap: %#x is not a live mapping reference of this process (already unmapped, or not from vmmipc_import_stream)", base)
-	}
-	delete(c.refs, id)
-	victims := c.unref(e)
-	c.mu.Unlock()
-	var first error
-	for _, v := range victims {
-		if err := v.imp.Unmap(); err != nil && v == e && first == nil {
-			first = WrapErr(EIO, err, "unmap %#x", base)
-		}
-	}
-	return first
-}
-
-// SetCacheLimit sets the bound on unreferenced cached bytes (0 = off) and
-// undoes what no longer fits.
-func SetCacheLimit(n uint64) error {
-	c := &imports
-	c.mu.Lock()
-	c.configure()
-	c.limit, c.limitErr = n, nil
-	var victims []*entry
-	if n == 0 { // off: no more hits; what is unreferenced goes now
-		for e := range c.all {
-			if e.indexed {
-				if e.refs == 0 {
-					c.stats.Evictions++
-				}
-				victims = append(victims, c.unindex(e)...)
-			}
-		}
-	}
-	for c.unrefBytes > c.limit {
-		v := c.lru.Back().Value.(*entry)
-		c.forget(v)
-		c.stats.Evictions++
-		victims = append(victims, v)
-	}
-	c.mu.Unlock()
-	var first error
-	for _, v := range victims {
-		if err := v.imp.Unmap(); err != nil && first == nil {
-			first = WrapErr(EIO, err, "cache: unmap %#x", v.base)
-		}
-	}
-	return first
-}
-
-// GetCacheInfo reports the cache's state.
-func GetCacheInfo() CacheInfo {
-	c := &imports
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	c.configure()
-	info := c.stats
-	info.LimitBytes = c.limit
-	info.Entries = uint64(len(c.all))
-	info.UnreferencedBytes = c.unrefBytes
-	info.ConfirmsPending, info.ConfirmsFailed = confirms.counts()
-	info.Holds, info.HolderSessions = holdCounts()
-	for e := range c.all {
-		if e.refs > 0 {
-			info.ReferencedBytes += e.size
-		}
-	}
-	return info
 }
 
 // startPolling starts the poller unless it runs. Called with c.mu held.

@@ -5,13 +5,30 @@ import (
 	"time"
 )
 
+// Spending a use without receiving anything, for a receiver that has the
+// memory mapped already (a cache hit, Confirm): confirm is the whole
+// session, and confirmer runs such sessions later, in order, off the
+// caller's path.
+
+// confirm is a cache hit's whole session: authenticate with the confirm
+// flag, which spends a use without sending anything; it reports whether the
+// buffer lives on after the use.
+func confirm(t *Ticket, timeout time.Duration) (bool, error) {
+	c, _, err := connect(t, timeout, helloConfirm, nil)
+	if err != nil {
+		return false, err
+	}
+	defer c.Close()
+	return readDoneAck(c)
+}
+
 // Confirmations that cache hits leave for later (ImportConfirmLater).
 //
 // A hit must still spend a use of its ticket: that is what tells the
 // exporter this receiver has the memory, so the exporter may end the
 // registration and drop whatever it kept alive for it. But the caller
 // already holds the mapping, so the authenticated session that spends the
-// use (stream.go confirm) need not sit on its path. Each exporter gets one
+// use (confirm, above) need not sit on its path. Each exporter gets one
 // goroutine that works through its queue in order while the queue has
 // work, one session per ticket, each proved with that ticket's own secret
 // (a ticket can never spend another's use). A failure is counted
@@ -68,28 +85,6 @@ func (c *confirmer) work(key string) {
 		}
 		c.mu.Unlock()
 	}
-}
-
-// Confirm spends one use of t without receiving anything, for a receiver
-// that has the memory mapped already (through another ticket of the same
-// buffer): at once (with opts.Hold, held on a holder session: holder.go),
-// or queued with opts.ConfirmLater. It reports what the exporter said
-// (queued: nil).
-func Confirm(t *Ticket, opts ImportOptions) error {
-	if err := opts.Validate(); err != nil {
-		return err
-	}
-	opts.OpenOptions = opts.OpenOptions.withDefaults()
-	switch {
-	case opts.ConfirmLater:
-		confirms.add(t, opts.Timeout)
-		return nil
-	case opts.Hold:
-		_, err := useHeld(t, opts.Timeout)
-		return err
-	}
-	_, err := confirm(t, opts.Timeout)
-	return err
 }
 
 // countFailed counts a use that failed out of the caller's sight (a held

@@ -231,19 +231,6 @@ func parseRights(oob []byte) ([]int, error) {
 	return fds, bad
 }
 
-func closeFD(fd *int) {
-	if *fd >= 0 {
-		_ = unix.Close(*fd)
-		*fd = -1
-	}
-}
-
-func closeAll(fds []int) {
-	for _, fd := range fds {
-		_ = unix.Close(fd)
-	}
-}
-
 // peerCred returns the credentials of the process at the other end of uc,
 // as the kernel recorded them at connect time.
 func peerCred(uc *net.UnixConn) (*unix.Ucred, error) {

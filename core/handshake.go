@@ -2,7 +2,6 @@ package core
 
 import (
 	"crypto/hmac"
-	"crypto/rand"
 	"crypto/sha256"
 	"encoding/binary"
 )
@@ -27,23 +26,9 @@ import (
 // nothing but the challenge before the receiver's does. The role byte keeps a
 // server's proof from ever passing for a receiver's.
 
-const (
-	nonceSize = 32
-	proofSize = sha256.Size
-)
-
 type nonce [nonceSize]byte
 
 func newNonce() (nonce, error) { return random32("nonce") }
-
-// random32 draws 32 bytes from crypto/rand.
-func random32(what string) ([32]byte, error) {
-	var b [32]byte
-	if _, err := rand.Read(b[:]); err != nil {
-		return b, Errorf(EINTERNAL, "reading a random %s: %w", what, err)
-	}
-	return b, nil
-}
 
 // transcript is what both proofs of one session cover.
 type transcript struct {

@@ -1,52 +1,8 @@
 package core
 
-// Chunk is one received chunk (Stream.Next gives it, Importer.Map maps
-// it). The receiver of a Chunk owns FD.
-type Chunk struct {
-	Index, Offset, Size, FileOffset uint64
-	FD                              int
-}
-
-// Importer maps the chunks of one import into a single reserved range. The
-// CUDA backend (package cuda) and the host backend (HostImporter) implement
-// it; Import drives it.
-type Importer interface {
-	// Reserve reserves total bytes of address space and returns its start.
-	Reserve(total uint64) (base uint64, err error)
-	// Map imports the chunk's descriptor and maps it at base+c.Offset. The
-	// descriptor stays the caller's, who closes it right after. For host
-	// memory c may be a run of chunks (its Offset, Size and FileOffset
-	// cover them all): one mapping.
-	Map(c Chunk) error
-	// Finish runs once after every chunk is mapped (CUDA: set access).
-	Finish() error
-	// Unmap undoes everything done so far, whatever state the import is in:
-	// mapped chunks are unmapped and the reservation is freed.
-	Unmap() error
-	// Device is DeviceHost or the CUDA ordinal the mapping lives on.
-	Device() int32
-}
-
-// GPU is the CUDA backend Import uses (package cuda provides it).
-type GPU interface {
-	// Placement resolves device (an ordinal, or DeviceSame for the GPU whose
-	// UUID is uuid) and the access devices into the import cache's placement
-	// key. After the first call in a process it makes no driver call, so a
-	// cache hit makes none.
-	Placement(device int32, uuid [16]byte, access []int32) (string, error)
-	// NewImporter prepares an import onto that placement (driver calls:
-	// peer checks, granularity, primary context); it reserves nothing yet.
-	NewImporter(device int32, uuid [16]byte, access []int32) (Importer, error)
-}
-
-// Ref is one reference to an imported mapping, as handed to the caller.
-type Ref struct {
-	ID     uint64 // what Unmap takes
-	Base   uint64
-	Size   uint64
-	Kind   uint8
-	Device int32
-}
+// The receiver's two calls that spend a use of a ticket: Import maps the
+// buffer (a cached mapping, or a new one streamed here chunk by chunk),
+// Confirm spends the use without receiving anything.
 
 // Import maps the buffer named by t into this process and returns one
 // reference to the mapping: a cached one after an authenticated
@@ -88,6 +44,28 @@ func Import(t *Ticket, device int32, opts ImportOptions, gpu GPU) (Ref, error) {
 	}
 	e := &entry{key: key, exporter: t, base: base, size: t.Total, kind: t.Kind, device: imp.Device(), imp: imp, lives: lives}
 	return imports.add(e, useCache), nil
+}
+
+// Confirm spends one use of t without receiving anything, for a receiver
+// that has the memory mapped already (through another ticket of the same
+// buffer): at once (with opts.Hold, held on a holder session: holder.go),
+// or queued with opts.ConfirmLater. It reports what the exporter said
+// (queued: nil).
+func Confirm(t *Ticket, opts ImportOptions) error {
+	if err := opts.Validate(); err != nil {
+		return err
+	}
+	opts.OpenOptions = opts.OpenOptions.withDefaults()
+	switch {
+	case opts.ConfirmLater:
+		confirms.add(t, opts.Timeout)
+		return nil
+	case opts.Hold:
+		_, err := useHeld(t, opts.Timeout)
+		return err
+	}
+	_, err := confirm(t, opts.Timeout)
+	return err
 }
 
 // hostPlacement is the placement key of host mappings.
@@ -151,7 +129,7 @@ func importNew(t *Ticket, imp Importer, opts OpenOptions, hold bool) (base uint6
 }
 
 // mapAll receives, maps and closes every chunk of s, finishes the mapping
-// and reads the exporter's done-ack. Host memory arrives in runs (runs.go):
+// and reads the exporter's done-ack. Host memory arrives in runs (NextRun):
 // a host-file registration is one descriptor and one mmap, whatever its
 // chunk count. CUDA chunks arrive one descriptor each.
 func mapAll(s *Stream, imp Importer) (bool, error) {

@@ -38,6 +38,12 @@ const (
 	DeviceSame int32 = -2
 )
 
+// Memory kinds, as VMMIPC_MEMORY_* in vmmipc.h.
+const (
+	MemoryHost uint8 = 1
+	MemoryCUDA uint8 = 2
+)
+
 // RegisterOptions are the sender-side options of one registration. The zero
 // value means unlimited uses, no ttl and no callback (the C ABI's defaults,
 // from vmmipc_options_init, are uses = 1).

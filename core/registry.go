@@ -233,3 +233,65 @@ func (r *Registry) Live() int {
 	defer r.mu.Unlock()
 	return len(r.live)
 }
+
+// The registry's holder sessions (holds.go), by token, and the count of the
+// holds on its registrations.
+
+// newHolder makes a holder session with a fresh token and publishes it;
+// hangUp closes its connection.
+func (r *Registry) newHolder(hangUp func()) (*holderSession, error) {
+	h, err := newHolderSession(hangUp)
+	if err != nil {
+		return nil, err
+	}
+	r.mu.Lock()
+	r.holders[h.token] = h
+	r.mu.Unlock()
+	return h, nil
+}
+
+// holder is the live holder session named by token.
+func (r *Registry) holder(token holderToken) (*holderSession, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if h := r.holders[token]; h != nil {
+		return h, nil
+	}
+	return nil, Errorf(ENOENT, "hold-for: no holder session with that token lives here: it has closed (its connection ended); open a new one")
+}
+
+// closeHolder lets go of every hold of h and forgets it.
+func (r *Registry) closeHolder(h *holderSession) {
+	r.mu.Lock()
+	delete(r.holders, h.token)
+	r.mu.Unlock()
+	h.close()
+}
+
+// hangUpHolders closes every holder session's connection, as the
+// exporter's exit would: each session then lets go of what it holds, and
+// its receiver closes its end.
+func (r *Registry) hangUpHolders() {
+	r.mu.Lock()
+	hs := make([]*holderSession, 0, len(r.holders))
+	for _, h := range r.holders {
+		hs = append(hs, h)
+	}
+	r.mu.Unlock()
+	for _, h := range hs {
+		h.hangUp()
+	}
+}
+
+func (r *Registry) holdsChanged(d int64) {
+	r.mu.Lock()
+	r.holds += d
+	r.mu.Unlock()
+}
+
+// Holds counts the uses receivers hold now, over every registration.
+func (r *Registry) Holds() int64 {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.holds
+}

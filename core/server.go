@@ -16,17 +16,10 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// SocketDirEnv names the environment variable that, when set, makes the
-// server listen on a filesystem socket in that directory (mode 0600) instead
-// of the abstract namespace: for receivers in other network or PID
-// namespaces (containers) that mount the same directory at the same path.
-// socketdir.go has the directory's rules.
-const SocketDirEnv = "VMMIPC_SOCKET_DIR"
-
 // Server serves the chunks of its registrations to receivers, exporting each
 // chunk only when asked and closing its descriptor right after sending it.
-// This file holds its life and its registering side; admission.go the
-// listener and its limits; session.go one receiver's session.
+// This file holds its life and its registering side; accept.go the accept
+// loop, admission.go its limits; session.go one receiver's session.
 type Server struct {
 	reg   *Registry
 	ln    *net.UnixListener
@@ -104,7 +97,7 @@ func NewServer(dir string) (*Server, error) {
 		reg: newRegistry(addr, pid, selfStartTime(), ns), ln: ln, addr: addr, files: files,
 		pid: pid, uid: os.Getuid(), adm: newAdmission(),
 	}
-	go s.acceptLoop()
+	go acceptLoop(s.ln, s.uid, s.adm, s.reg)
 	return s, nil
 }
 
@@ -302,6 +295,18 @@ func (s *Server) Live() int { return s.reg.Live() }
 func DefaultLive() int {
 	if s := StartedServer(); s != nil {
 		return s.Live()
+	}
+	return 0
+}
+
+// Holds counts the uses receivers hold now on s's registrations.
+func (s *Server) Holds() int64 { return s.reg.Holds() }
+
+// DefaultHolds reports the holds on the default server's registrations
+// without starting it.
+func DefaultHolds() int64 {
+	if s := StartedServer(); s != nil {
+		return s.Holds()
 	}
 	return 0
 }

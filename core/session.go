@@ -1,33 +1,22 @@
 package core
 
-import (
-	"time"
-
-	"golang.org/x/sys/unix"
-)
+import "time"
 
 // maxStatusQueries bounds the status queries one connection may ask.
 const maxStatusQueries = 4096
 
-// session is one receiver's connection, from its hello to its done-ack,
-// and on after it while it is the receiver's holder session (holds.go).
-type session struct {
-	srv     *Server
-	c       *conn
-	p       *pendingConn
-	tr      transcript // the handshake's, which uses on a holder session are bound to
-	authed  bool       // the peer proved the secret
-	refused bool       // the peer was told why it gets nothing
-	holding bool       // a holder session now: no longer counted by admission
-}
+// One receiver's session on the server (accept.go starts it): status
+// queries, or hold-for and hello, the server's half of the handshake
+// (handshake.go), one use (its chunks: session_chunks.go), the done-ack,
+// and then, if the receiver asked, its holder session (session_holds.go).
 
 // serve runs one connection: status queries, or a handshake and then the
 // chunks of one use (and, if the receiver asked, its holder session).
-func (s *Server) serve(p *pendingConn) {
-	ss := &session{srv: s, p: p}
+func serve(reg *Registry, adm *admission, p *pendingConn) {
+	ss := &session{reg: reg, adm: adm, p: p}
 	defer func() {
 		if !ss.holding {
-			s.adm.done(p)
+			adm.done(p)
 		}
 	}()
 	c, err := newConn(p.uc, 0, "server")
@@ -43,7 +32,7 @@ func (s *Server) serve(p *pendingConn) {
 	// A peer dropped before it authenticated, evicted or out of time (a
 	// receiver starved of CPU, say), is told "busy": a libvmmipc receiver
 	// retries within its own timeout.
-	if !ss.authed && !ss.refused && (s.adm.wasEvicted(p) || time.Now().After(p.since.Add(handshakeTimeout))) {
+	if !ss.authed && !ss.refused && (adm.wasEvicted(p) || time.Now().After(p.since.Add(handshakeTimeout))) {
 		c.deadline, c.timeout = time.Time{}, 100*time.Millisecond
 		_ = c.send(encodeMsg(msgBusy, nil), -1)
 	}
@@ -62,7 +51,7 @@ func (ss *session) run() {
 	case msgHoldFor:
 		m, err := parseToken(msgHoldFor, f.Body)
 		if err == nil {
-			holdFor, err = ss.srv.reg.holder(m.Token)
+			holdFor, err = ss.reg.holder(m.Token)
 		}
 		if err != nil {
 			ss.refuse(err)
@@ -89,7 +78,7 @@ func (ss *session) run() {
 		ss.refuse(Errorf(EINVAL, "protocol: a hello after hold-for cannot ask to become a holder session too"))
 		return
 	}
-	g, err := ss.srv.reg.lookup(hello.RegID)
+	g, err := ss.reg.lookup(hello.RegID)
 	if err != nil {
 		ss.refuse(err)
 		return
@@ -99,25 +88,25 @@ func (ss *session) run() {
 	}
 	holder := holdFor
 	if hello.Flags&helloHolder != 0 {
-		if holder, err = ss.srv.reg.newHolder(func() { _ = ss.c.Close() }); err != nil {
+		if holder, err = ss.reg.newHolder(func() { _ = ss.c.Close() }); err != nil {
 			ss.refuse(err)
 			return
 		}
 	}
 	if !ss.serveUse(g, hello, holder) || hello.Flags&helloHolder == 0 {
 		if hello.Flags&helloHolder != 0 {
-			ss.srv.reg.closeHolder(holder)
+			ss.reg.closeHolder(holder)
 		}
 		return
 	}
 	if ss.c.send(tokenMsg{Token: holder.token}.encode(msgHolding), -1) != nil {
-		ss.srv.reg.closeHolder(holder)
+		ss.reg.closeHolder(holder)
 		return
 	}
 	// From here on the connection is the receiver's, for as long as it
 	// holds: admission neither counts nor evicts it (holds.go).
 	ss.holding = true
-	ss.srv.adm.done(ss.p)
+	ss.adm.done(ss.p)
 	ss.holdLoop(holder)
 }
 
@@ -169,7 +158,7 @@ func (ss *session) serveUse(g *registration, hello helloMsg, holder *holderSessi
 	}()
 	if hello.Flags&helloConfirm != 0 {
 		spend(true)
-	} else if !ss.stream(g, spend) {
+	} else if !ss.serveChunks(g, spend) {
 		return false
 	}
 	return ss.c.send(doneAckMsg{Flags: ss.ackFlags(g, usedUp, held)}.encode(), -1) == nil
@@ -213,7 +202,7 @@ func (ss *session) authenticate(g *registration, hello helloMsg) bool {
 		return false
 	}
 	ss.tr = tr
-	ss.authed = ss.srv.adm.authenticated(ss.p)
+	ss.authed = ss.adm.authenticated(ss.p)
 	return ss.authed
 }
 
@@ -234,25 +223,6 @@ func (ss *session) binding(flags uint64) (uint64, error) {
 	return uint64(cred.Pid), nil
 }
 
-// recv reads one message from the receiver; on failure it says why when
-// the receiver broke the protocol.
-func (ss *session) recv() (frame, bool) {
-	f, err := ss.c.recv()
-	if err != nil {
-		closeFD(&f.FD)
-		if CodeOf(err) == EINVAL { // a malformed message: say why we hang up
-			ss.refuse(err)
-		}
-		return f, false
-	}
-	if f.FD >= 0 { // receivers never send descriptors
-		closeFD(&f.FD)
-		ss.refuse(Errorf(EINVAL, "protocol: receivers must not send descriptors"))
-		return f, false
-	}
-	return f, true
-}
-
 // answerStatus answers status queries until the peer stops asking.
 func (ss *session) answerStatus(f frame) {
 	for n := 0; n < maxStatusQueries; n++ {
@@ -261,7 +231,7 @@ func (ss *session) answerStatus(f frame) {
 			ss.refuse(err)
 			return
 		}
-		alive := ss.srv.reg.bufferLives(q.BufferID)
+		alive := ss.reg.bufferLives(q.BufferID)
 		if ss.c.send(statusAckMsg{BufferID: q.BufferID, Alive: alive}.encode(), -1) != nil {
 			return
 		}
@@ -274,119 +244,4 @@ func (ss *session) answerStatus(f frame) {
 			return
 		}
 	}
-}
-
-// stream answers pulls and pull-runs until done (true) or failure (false);
-// sendChunks calls spend(true) right before the last chunk is sent,
-// spend(false) if that send fails. The run that completes the buffer ends
-// the stream at once: its done-ack follows unasked (wire.go).
-func (ss *session) stream(g *registration, spend func(bool)) bool {
-	b := g.buf
-	count := uint64(len(b.sizes))
-	next := uint64(0) // the next index we expect to be asked for
-	for {
-		f, ok := ss.recv()
-		if !ok {
-			return false
-		}
-		switch f.Type {
-		case msgPull, msgPullRun:
-			p, err := parsePull(f.Body)
-			if err == nil && (p.First != next || p.Count == 0 || p.Count > count-next) {
-				err = Errorf(EINVAL, "protocol: %s of chunks [%d, %d+%d) out of order or out of range (next is %d of %d)", msgName(f.Type), p.First, p.First, p.Count, next, count)
-			}
-			if err != nil {
-				ss.refuse(err)
-				return false
-			}
-			if f.Type == msgPullRun {
-				// One message answers it, however many chunks it covers.
-				n, err := ss.sendChunks(g, p.First, p.Count, true, spend)
-				if err != nil {
-					ss.refuse(err)
-					return false
-				}
-				if next += n; next == count {
-					return true
-				}
-			} else {
-				for i := p.First; i < p.First+p.Count; i++ {
-					if _, err := ss.sendChunks(g, i, 1, false, spend); err != nil {
-						ss.refuse(err)
-						return false
-					}
-				}
-				next += p.Count
-			}
-		case msgDone:
-			if next != count {
-				ss.refuse(Errorf(EINVAL, "protocol: done after %d of %d chunks", next, count))
-				return false
-			}
-			return true
-		default:
-			ss.refuse(Errorf(EINVAL, "protocol: unexpected %s message while streaming", msgName(f.Type)))
-			return false
-		}
-	}
-}
-
-// sendChunks exports chunks [first, first+max), as many of them as the
-// exporter puts in one descriptor, sends that descriptor with the header in
-// one message (a run message when run, else a chunk message: max is then 1),
-// and closes it whatever happens. It returns how many chunks it sent. When
-// they include the last chunk, the use is spent right before the send and
-// given back if the send fails, so that a receiver never holds every chunk
-// of a use the exporter has not counted.
-func (ss *session) sendChunks(g *registration, first, max uint64, run bool, spend func(bool)) (uint64, error) {
-	b := g.buf
-	if !g.live() {
-		return 0, Errorf(ENOENT, "%s while streaming", g.why())
-	}
-	fd, fileOff, n, err := b.export(first, max)
-	if err != nil {
-		if CodeOf(err) == ENOENT {
-			return 0, err
-		}
-		return 0, WrapErr(EEXPORT, err, "chunk %d of %d: export failed", first, len(b.sizes))
-	}
-	if fd < 0 {
-		return 0, Errorf(EEXPORT, "chunk %d of %d: exporter returned no descriptor", first, len(b.sizes))
-	}
-	defer unix.Close(fd)
-	if _, err := unix.FcntlInt(uintptr(fd), unix.F_GETFD, 0); err != nil {
-		return 0, Errorf(EEXPORT, "chunk %d of %d: exporter returned %d, which is not an open descriptor", first, len(b.sizes), fd)
-	}
-	last := first + n - 1
-	size := b.offsets[last] + b.sizes[last] - b.offsets[first]
-	var msg []byte
-	if !run {
-		msg = chunkMsg{Index: first, Offset: b.offsets[first], Size: size, FileOffset: fileOff}.encode()
-	} else {
-		msg = runMsg{Index: first, Count: n, Offset: b.offsets[first], Size: size, FileOffset: fileOff}.encode()
-	}
-	final := last == uint64(len(b.sizes))-1
-	if final {
-		spend(true)
-	}
-	if err := ss.c.send(msg, fd); err != nil {
-		if final {
-			spend(false)
-		}
-		return 0, err
-	}
-	return n, nil
-}
-
-// refuse tells the receiver why it gets nothing (best effort) and lets the
-// caller close the connection. No descriptor is ever sent with it.
-func (ss *session) refuse(err error) {
-	code := CodeOf(err)
-	if !code.IsError() {
-		code = EINTERNAL
-	}
-	ss.refused = true
-	ss.c.deadline = time.Time{}
-	ss.c.timeout = time.Second // never block long on a receiver that does not read
-	_ = ss.c.send(errorMsg{Code: code, Text: err.Error()}.encode(), -1)
 }

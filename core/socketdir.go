@@ -35,6 +35,12 @@ import (
 //     (a crashed exporter's), and the library removes its own at exit
 //     (Server.DirFiles, export/abi.c).
 
+// SocketDirEnv names the environment variable that, when set, makes the
+// server listen on a filesystem socket in that directory (mode 0600) instead
+// of the abstract namespace: for receivers in other network or PID
+// namespaces (containers) that mount the same directory at the same path.
+const SocketDirEnv = "VMMIPC_SOCKET_DIR"
+
 const (
 	fileNamePrefix = "vmmipc-"
 	socketSuffix   = ".sock"

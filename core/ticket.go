@@ -1,6 +1,7 @@
 package core
 
 import (
+	"crypto/rand"
 	"crypto/sha256"
 	"encoding/binary"
 	"fmt"
@@ -16,12 +17,6 @@ const TicketSize = 256
 // the exporter's namespaces (namespaces.go), and its handshake binds the
 // connection's sockets instead of pids (sockends.go).
 const TicketFormat = 3
-
-// Memory kinds, as VMMIPC_MEMORY_* in vmmipc.h.
-const (
-	MemoryHost uint8 = 1
-	MemoryCUDA uint8 = 2
-)
 
 const (
 	addrAbstract uint8 = 1   // Linux abstract socket namespace
@@ -83,6 +78,16 @@ type Secret [32]byte
 
 // NewSecret draws a fresh secret from crypto/rand.
 func NewSecret() (Secret, error) { return random32("secret") }
+
+// random32 draws 32 bytes from crypto/rand: a secret, or a handshake's
+// nonce (handshake.go).
+func random32(what string) ([32]byte, error) {
+	var b [32]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		return b, Errorf(EINTERNAL, "reading a random %s: %w", what, err)
+	}
+	return b, nil
+}
 
 // Ticket is the decoded form of a vmmipc_ticket.
 type Ticket struct {

@@ -1,8 +1,8 @@
 package core
 
 import (
+	"crypto/sha256"
 	"encoding/binary"
-	"unicode/utf8"
 )
 
 // The wire protocol between a receiver and a server, over a Unix stream
@@ -53,6 +53,13 @@ const (
 	ProtocolVersion uint8  = 2
 	headerSize             = 16
 	maxErrorText           = 1024
+)
+
+// Sizes of the handshake's values on the wire (handshake.go computes them):
+// each side's nonce, and a proof (HMAC-SHA256).
+const (
+	nonceSize = 32
+	proofSize = sha256.Size
 )
 
 // Message types.
@@ -108,6 +115,14 @@ const (
 	statusSize    = 8
 	statusAckSize = 16
 	errorHead     = 8
+	// The hold messages (wire_holds.go): a use-ack has useAckHead bytes
+	// then up to maxErrorText bytes of text, a release releaseHead bytes
+	// then 8 for each registration id.
+	tokenSize       = 16
+	useSize         = 8 + 8 + proofSize
+	useAckHead      = 8 + 8 + 8
+	releaseHead     = 8
+	maxReleaseBatch = 512 // registration ids in one release message
 )
 
 var bodySizes = map[uint8]int{
@@ -178,49 +193,19 @@ func parseHeader(b []byte) (header, error) {
 	return h, nil
 }
 
-// Decoded message bodies.
-type (
-	helloMsg struct {
-		RegID uint64
-		Flags uint64
-		Nonce [nonceSize]byte
+// variableBody is the least and most body length of a message whose
+// length varies.
+func variableBody(typ uint8) (lo, hi uint32) {
+	switch typ {
+	case msgError:
+		return errorHead, errorHead + maxErrorText
+	case msgUseAck:
+		return useAckHead, useAckHead + maxErrorText
+	case msgRelease:
+		return releaseHead + 8, releaseHead + 8*maxReleaseBatch
 	}
-	challengeMsg struct {
-		Nonce [nonceSize]byte
-		Proof [proofSize]byte
-	}
-	proofMsg struct {
-		Proof [proofSize]byte
-	}
-	welcomeMsg struct {
-		Count, Total uint64
-		Kind         uint8
-		BufferID     uint64
-	}
-	pullMsg struct {
-		First, Count uint64
-	}
-	chunkMsg struct {
-		Index, Offset, Size, FileOffset uint64
-	}
-	runMsg struct {
-		Index, Count, Offset, Size, FileOffset uint64
-	}
-	doneAckMsg struct {
-		Flags uint64
-	}
-	statusMsg struct {
-		BufferID uint64
-	}
-	statusAckMsg struct {
-		BufferID uint64
-		Alive    bool
-	}
-	errorMsg struct {
-		Code Code
-		Text string
-	}
-)
+	return 1, 0 // none fits
+}
 
 func encodeMsg(typ uint8, body []byte) []byte {
 	b := make([]byte, headerSize+len(body))
@@ -254,176 +239,3 @@ func (r *reader) u64() uint64 {
 }
 
 func (r *reader) raw(p []byte) { r.b = r.b[copy(p, r.b):] }
-
-func (m helloMsg) encode() []byte {
-	return fields{}.u64(m.RegID).u64(m.Flags).raw(m.Nonce[:]).msg(msgHello)
-}
-
-func parseHello(body []byte) (m helloMsg, err error) {
-	r, err := readBody(msgHello, body)
-	if err != nil {
-		return m, err
-	}
-	m.RegID, m.Flags = r.u64(), r.u64()
-	r.raw(m.Nonce[:])
-	if m.Flags&^helloKnown != 0 {
-		return m, Errorf(EINVAL, "protocol: hello flags %#x not understood", m.Flags)
-	}
-	return m, nil
-}
-
-func (m challengeMsg) encode() []byte {
-	return fields{}.raw(m.Nonce[:]).raw(m.Proof[:]).msg(msgChallenge)
-}
-
-func parseChallenge(body []byte) (m challengeMsg, err error) {
-	r, err := readBody(msgChallenge, body)
-	if err == nil {
-		r.raw(m.Nonce[:])
-		r.raw(m.Proof[:])
-	}
-	return m, err
-}
-
-func (m proofMsg) encode() []byte { return fields{}.raw(m.Proof[:]).msg(msgProof) }
-
-func parseProof(body []byte) (m proofMsg, err error) {
-	r, err := readBody(msgProof, body)
-	if err == nil {
-		r.raw(m.Proof[:])
-	}
-	return m, err
-}
-
-// The welcome's kind is a byte followed by 7 reserved zero bytes: one
-// little-endian u64 whose upper bytes must be zero.
-func (m welcomeMsg) encode() []byte {
-	return fields{}.u64(m.Count).u64(m.Total).u64(uint64(m.Kind)).u64(m.BufferID).msg(msgWelcome)
-}
-
-func parseWelcome(body []byte) (m welcomeMsg, err error) {
-	r, err := readBody(msgWelcome, body)
-	if err != nil {
-		return m, err
-	}
-	var kind uint64
-	m.Count, m.Total, kind, m.BufferID = r.u64(), r.u64(), r.u64(), r.u64()
-	if kind > 0xff {
-		return m, Errorf(EINVAL, "protocol: welcome reserved bytes are not zero")
-	}
-	m.Kind = uint8(kind)
-	return m, nil
-}
-
-func (m pullMsg) encode() []byte { return fields{}.u64(m.First).u64(m.Count).msg(msgPull) }
-
-// encodeRun is the same body as a pull-run.
-func (m pullMsg) encodeRun() []byte { return fields{}.u64(m.First).u64(m.Count).msg(msgPullRun) }
-
-func parsePull(body []byte) (m pullMsg, err error) {
-	r, err := readBody(msgPull, body)
-	if err == nil {
-		m.First, m.Count = r.u64(), r.u64()
-	}
-	return m, err
-}
-
-func (m chunkMsg) encode() []byte {
-	return fields{}.u64(m.Index).u64(m.Offset).u64(m.Size).u64(m.FileOffset).msg(msgChunk)
-}
-
-func parseChunk(body []byte) (m chunkMsg, err error) {
-	r, err := readBody(msgChunk, body)
-	if err == nil {
-		m.Index, m.Offset, m.Size, m.FileOffset = r.u64(), r.u64(), r.u64(), r.u64()
-	}
-	return m, err
-}
-
-func (m runMsg) encode() []byte {
-	return fields{}.u64(m.Index).u64(m.Count).u64(m.Offset).u64(m.Size).u64(m.FileOffset).msg(msgRun)
-}
-
-func parseRun(body []byte) (m runMsg, err error) {
-	r, err := readBody(msgRun, body)
-	if err == nil {
-		m.Index, m.Count, m.Offset, m.Size, m.FileOffset = r.u64(), r.u64(), r.u64(), r.u64(), r.u64()
-	}
-	return m, err
-}
-
-func (m doneAckMsg) encode() []byte { return fields{}.u64(m.Flags).msg(msgDoneAck) }
-
-func parseDoneAck(body []byte) (m doneAckMsg, err error) {
-	r, err := readBody(msgDoneAck, body)
-	if err != nil {
-		return m, err
-	}
-	if m.Flags = r.u64(); m.Flags&^ackKnown != 0 {
-		return m, Errorf(EINVAL, "protocol: done-ack flags %#x not understood", m.Flags)
-	}
-	return m, nil
-}
-
-func (m statusMsg) encode() []byte { return fields{}.u64(m.BufferID).msg(msgStatus) }
-
-func parseStatus(body []byte) (m statusMsg, err error) {
-	r, err := readBody(msgStatus, body)
-	if err == nil {
-		m.BufferID = r.u64()
-	}
-	return m, err
-}
-
-func (m statusAckMsg) encode() []byte {
-	alive := uint64(0)
-	if m.Alive {
-		alive = 1
-	}
-	return fields{}.u64(m.BufferID).u64(alive).msg(msgStatusAck)
-}
-
-func parseStatusAck(body []byte) (m statusAckMsg, err error) {
-	r, err := readBody(msgStatusAck, body)
-	if err != nil {
-		return m, err
-	}
-	var alive uint64
-	m.BufferID, alive = r.u64(), r.u64()
-	if alive > 1 {
-		return m, Errorf(EINVAL, "protocol: status-ack alive flag %d is not 0 or 1", alive)
-	}
-	m.Alive = alive == 1
-	return m, nil
-}
-
-func (m errorMsg) encode() []byte {
-	text := m.Text
-	if len(text) > maxErrorText {
-		text = text[:maxErrorText]
-	}
-	body := make([]byte, errorHead+len(text))
-	binary.LittleEndian.PutUint32(body[0:], uint32(m.Code))
-	copy(body[errorHead:], text)
-	return encodeMsg(msgError, body)
-}
-
-func parseError(body []byte) (errorMsg, error) {
-	if len(body) < errorHead || len(body) > errorHead+maxErrorText {
-		return errorMsg{}, Errorf(EINVAL, "protocol: error message of %d bytes", len(body))
-	}
-	if binary.LittleEndian.Uint32(body[4:]) != 0 {
-		return errorMsg{}, Errorf(EINVAL, "protocol: error message reserved bytes are not zero")
-	}
-	m := errorMsg{
-		Code: Code(int32(binary.LittleEndian.Uint32(body[0:]))),
-		Text: string(body[errorHead:]),
-	}
-	if !m.Code.IsError() {
-		return m, Errorf(EINVAL, "protocol: error message with status %d, not an error status", int32(m.Code))
-	}
-	if !utf8.ValidString(m.Text) {
-		m.Text = "(peer sent a message that is not UTF-8)"
-	}
-	return m, nil
-}

@@ -21,14 +21,9 @@ import (
 // registration's secret, bound to this session's handshake: its nonces and
 // socket, and the used registration's id and ticket digest.
 
-const (
-	tokenSize       = 16
-	useSize         = 8 + 8 + proofSize
-	useAckHead      = 8 + 8 + 8
-	releaseHead     = 8
-	maxReleaseBatch = 512 // registration ids in one release message
-	useProofFlag    = 1 << 63
-)
+// useProofFlag is the flags of a use's transcript: it sets a use's proof
+// apart from every handshake's (whose hello flags never have this bit).
+const useProofFlag = 1 << 63
 
 type holderToken [tokenSize]byte
 
@@ -51,20 +46,6 @@ type (
 		RegIDs []uint64
 	}
 )
-
-// variableBody is the least and most body length of a message whose
-// length varies.
-func variableBody(typ uint8) (lo, hi uint32) {
-	switch typ {
-	case msgError:
-		return errorHead, errorHead + maxErrorText
-	case msgUseAck:
-		return useAckHead, useAckHead + maxErrorText
-	case msgRelease:
-		return releaseHead + 8, releaseHead + 8*maxReleaseBatch
-	}
-	return 1, 0 // none fits
-}
 
 func (m tokenMsg) encode(typ uint8) []byte { return fields{}.raw(m.Token[:]).msg(typ) }
 

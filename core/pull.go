@@ -2,6 +2,21 @@ package core
 
 import "fmt"
 
+// Pulling a stream's chunks (stream.go opens the stream and finishes it):
+// Next keeps up to Window chunks asked for ahead, NextRun asks for every chunk
+// left with one pull-run; each answer is checked against the ticket before
+// its descriptor is handed out, so that a confused or hostile exporter
+// cannot make us map outside the range we reserved. The server's side is
+// session_chunks.go.
+
+// Next returns the next chunk, or End (as an *Error with Code End) once every
+// chunk has arrived, at which point the use is consumed. After any other
+// error the stream is broken and Next keeps returning that error.
+func (s *Stream) Next() (Chunk, error) {
+	r, err := s.advance(false)
+	return r.Chunk, err
+}
+
 // Run is what one descriptor brings a receiver: Count consecutive chunks
 // from chunk Index, Size bytes in all at Offset of the buffer, laid out back
 // to back in FD from FileOffset. A chunk is a run of one.
@@ -52,6 +67,73 @@ func (s *Stream) advance(runs bool) (Run, error) {
 		s.err = err
 	}
 	return r, err
+}
+
+func (s *Stream) next() (Chunk, error) {
+	count := s.t.Count
+	if s.received == count {
+		return Chunk{FD: -1}, s.finish()
+	}
+	// Top up the requests in flight once half the window has drained, so
+	// the exporter never waits on us and requests go out in batches.
+	if inFlight := s.requested - s.received; inFlight <= s.window/2 && s.requested < count {
+		n := min(s.window-inFlight, count-s.requested)
+		if sendErr := s.c.send(pullMsg{First: s.requested, Count: n}.encode(), -1); sendErr != nil {
+			// The exporter may have hung up after telling us why: what it
+			// sent before closing is still queued for us to read.
+			if inFlight == 0 {
+				return Chunk{FD: -1}, s.chunkErr(pendingError(s.c, sendErr))
+			}
+		} else {
+			s.requested += n
+		}
+	}
+	f, err := s.c.recv()
+	if err != nil {
+		return Chunk{FD: -1}, s.chunkErr(err)
+	}
+	switch f.Type {
+	case msgChunk:
+	case msgError:
+		closeFD(&f.FD)
+		return Chunk{FD: -1}, remoteError(f.Body)
+	default:
+		closeFD(&f.FD)
+		return Chunk{FD: -1}, Errorf(EINVAL, "protocol: expected chunk %d, got %s", s.received, msgName(f.Type))
+	}
+	m, err := parseChunk(f.Body)
+	if err == nil {
+		err = s.checkChunk(m, f.FD)
+	}
+	if err != nil {
+		closeFD(&f.FD)
+		return Chunk{FD: -1}, err
+	}
+	s.received++
+	s.offset += m.Size
+	return Chunk{Index: m.Index, Offset: m.Offset, Size: m.Size, FileOffset: m.FileOffset, FD: f.FD}, nil
+}
+
+// checkChunk verifies that a chunk message is the one we expect and that
+// it fits the ticket, so a confused or hostile exporter cannot make us map
+// outside the range we reserved.
+func (s *Stream) checkChunk(m chunkMsg, fd int) error {
+	switch {
+	case fd < 0:
+		return Errorf(EINVAL, "protocol: chunk %d arrived without a descriptor", m.Index)
+	case m.Index != s.received:
+		return Errorf(EINVAL, "protocol: got chunk %d, expected %d", m.Index, s.received)
+	case m.Offset != s.offset:
+		return Errorf(EINVAL, "protocol: chunk %d at offset %d, expected %d", m.Index, m.Offset, s.offset)
+	case m.Size == 0 || m.Size > s.t.Total-s.offset || s.t.Total-s.offset-m.Size < s.t.Count-1-m.Index:
+		// Every chunk holds at least one byte, those after this one too.
+		return Errorf(EINVAL, "protocol: chunk %d of size %d does not fit the %d bytes left for %d chunks", m.Index, m.Size, s.t.Total-s.offset, s.t.Count-m.Index)
+	case m.Index == s.t.Count-1 && m.Offset+m.Size != s.t.Total:
+		return Errorf(EINVAL, "protocol: chunks end at %d, the ticket says %d", m.Offset+m.Size, s.t.Total)
+	case m.FileOffset+m.Size < m.FileOffset:
+		return Errorf(EINVAL, "protocol: chunk %d at file offset %d of %d bytes overflows", m.Index, m.FileOffset, m.Size)
+	}
+	return nil
 }
 
 // nextRun sends one pull-run for every chunk left and receives its answer.
@@ -119,4 +201,9 @@ func (s *Stream) checkRun(m runMsg, want uint64, fd int) error {
 		return Errorf(EINVAL, "protocol: the run from chunk %d at file offset %d of %d bytes overflows", m.Index, m.FileOffset, m.Size)
 	}
 	return nil
+}
+
+// chunkErr prefixes an error with the chunk we were waiting for.
+func (s *Stream) chunkErr(err error) error {
+	return WrapErr(EIO, err, "chunk %d of %d", s.received, s.t.Count)
 }

@@ -1,0 +1,135 @@
+package core
+
+import (
+	"errors"
+	"net"
+	"os"
+	"time"
+)
+
+// The start of a receiver's session, shared by a stream (stream.go), a
+// confirmation (confirm.go) and a holder session (holder.go): the
+// receiver's half of the handshake (handshake.go; the server's half is in
+// session.go), on a connection dial.go made, bound by sockends.go.
+// connect runs the start of a session: reachability and liveness, dial,
+// peer check and handshake, retrying a full listen backlog and "busy"
+// answers until timeout. It returns the authenticated connection, welcome
+// checked.
+func connect(t *Ticket, timeout time.Duration, flags uint64, pre []byte) (*conn, transcript, error) {
+	if err := checkBeforeDial(t); err != nil {
+		return nil, transcript{}, err
+	}
+	bound, err := bindingFlag(t)
+	if err != nil {
+		return nil, transcript{}, err
+	}
+	flags |= bound
+	digest, err := t.Digest()
+	if err != nil {
+		return nil, transcript{}, err
+	}
+	deadline := time.Now().Add(timeout)
+	for backoff := time.Millisecond; ; backoff = min(2*backoff, 50*time.Millisecond) {
+		c, err := dialConn(t, deadline, timeout)
+		if err != nil {
+			return nil, transcript{}, err
+		}
+		tr, err := handshake(c, t, digest, flags, pre)
+		if err == nil {
+			return c, tr, nil
+		}
+		_ = c.Close()
+		if err != errBusy {
+			return nil, transcript{}, err
+		}
+		if !time.Now().Add(backoff).Before(deadline) {
+			return nil, transcript{}, WrapErr(EIO, err, "open: gave up after %v", timeout)
+		}
+		time.Sleep(backoff)
+	}
+}
+
+// bindingFlag says what this receiver's handshakes bind the connection by:
+// the exporter's socket (no flag), or, without sock_diag, its own pid, which
+// only the exporter's PID namespace can check (sockends.go).
+func bindingFlag(t *Ticket) (uint64, error) {
+	err := sockDiagWorks()
+	switch {
+	case err == nil:
+		return 0, nil
+	case CodeOf(err) == ENFILE:
+		return 0, err
+	case t.NS.pidNS() == nsOther:
+		return 0, Errorf(EIO, "open: this process cannot ask the kernel which socket is its peer (NETLINK_SOCK_DIAG for unix sockets: %w), which the handshake needs across PID namespaces, and the exporter (pid %d in its own) is in another one; the kernel needs unix_diag (CONFIG_UNIX_DIAG; modprobe unix_diag), and a seccomp profile must allow netlink sockets", err, t.Pid)
+	}
+	return helloPidBound, nil
+}
+
+// handshake runs the receiver's half of handshake.go and checks the welcome.
+func handshake(c *conn, t *Ticket, digest [32]byte, flags uint64, pre []byte) (transcript, error) {
+	var tr transcript
+	nr, err := newNonce()
+	if err != nil {
+		return tr, err
+	}
+	if pre != nil {
+		if err := c.send(pre, -1); err != nil {
+			return tr, pendingError(c, err)
+		}
+	}
+	if err := c.send(helloMsg{RegID: t.RegID, Flags: flags, Nonce: nr}.encode(), -1); err != nil {
+		// A server that refuses us at once hangs up after saying why:
+		// read that rather than report a bare EPIPE.
+		return tr, pendingError(c, err)
+	}
+	f, err := recvControl(c, "challenge")
+	if err != nil {
+		if errors.Is(err, os.ErrDeadlineExceeded) || isTimeout(err) {
+			return tr, Errorf(EIO, "open: connected, but the exporter did not answer within %v: it may be serving its maximum of receivers at once (the rest wait their turn), or be hung; raise timeout_ms if it is just busy", c.timeout)
+		}
+		return tr, err
+	}
+	ch, err := parseChallenge(f.Body)
+	if err != nil {
+		return tr, err
+	}
+	// The exporter has accepted the connection (it answered): its socket
+	// is a socket now, with its inode and cookie.
+	sock := uint64(os.Getpid())
+	if flags&helloPidBound == 0 {
+		sock, err = exporterSocket(c.raw, roleReceiver)
+	}
+	if errors.Is(err, errNoPeer) {
+		return tr, pendingError(c, err) // evicted after the challenge: "busy"
+	}
+	if err != nil {
+		return tr, WrapErr(EIO, err, "open")
+	}
+	tr = transcript{
+		RegID: t.RegID, Flags: flags, Socket: sock,
+		TicketDigest: digest, ReceiverNonce: nr, ServerNonce: ch.Nonce,
+	}
+	if !tr.verify(t.Secret, roleServer, ch.Proof) {
+		return tr, Errorf(EAUTH, "open: the process at %s could not prove that it knows this ticket's secret for this connection: the ticket is corrupted or forged, or another process is impersonating the exporter or relaying to it; nothing was accepted from it", t.Address)
+	}
+	if err := c.send(proofMsg{Proof: tr.proof(t.Secret, roleReceiver)}.encode(), -1); err != nil {
+		return tr, pendingError(c, err)
+	}
+	f, err = recvControl(c, "welcome")
+	if err != nil {
+		return tr, err
+	}
+	w, err := parseWelcome(f.Body)
+	if err != nil {
+		return tr, err
+	}
+	if w.Count != t.Count || w.Total != t.Total || w.Kind != t.Kind || w.BufferID != t.BufferID {
+		return tr, Errorf(EINVAL, "protocol: the exporter describes %d chunks / %d bytes / kind %d / buffer %d, the ticket %d / %d / %d / %d", w.Count, w.Total, w.Kind, w.BufferID, t.Count, t.Total, t.Kind, t.BufferID)
+	}
+	return tr, nil
+}
+
+func isTimeout(err error) bool {
+	var ne net.Error
+	return errors.As(err, &ne) && ne.Timeout()
+}

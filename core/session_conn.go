@@ -1,0 +1,52 @@
+package core
+
+import "time"
+
+// session is one receiver's connection, from its hello to its done-ack,
+// and on after it while it is the receiver's holder session (holds.go).
+//
+// This file has what every part of a session uses: reading the receiver's
+// messages (recv) and refusing it (refuse). session.go runs a session,
+// session_chunks.go serves its chunks, session_holds.go a holder session.
+type session struct {
+	reg     *Registry
+	adm     *admission
+	c       *conn
+	p       *pendingConn
+	tr      transcript // the handshake's, which uses on a holder session are bound to
+	authed  bool       // the peer proved the secret
+	refused bool       // the peer was told why it gets nothing
+	holding bool       // a holder session now: no longer counted by admission
+}
+
+// recv reads one message from the receiver; on failure it says why when
+// the receiver broke the protocol.
+func (ss *session) recv() (frame, bool) {
+	f, err := ss.c.recv()
+	if err != nil {
+		closeFD(&f.FD)
+		if CodeOf(err) == EINVAL { // a malformed message: say why we hang up
+			ss.refuse(err)
+		}
+		return f, false
+	}
+	if f.FD >= 0 { // receivers never send descriptors
+		closeFD(&f.FD)
+		ss.refuse(Errorf(EINVAL, "protocol: receivers must not send descriptors"))
+		return f, false
+	}
+	return f, true
+}
+
+// refuse tells the receiver why it gets nothing (best effort) and lets the
+// caller close the connection. No descriptor is ever sent with it.
+func (ss *session) refuse(err error) {
+	code := CodeOf(err)
+	if !code.IsError() {
+		code = EINTERNAL
+	}
+	ss.refused = true
+	ss.c.deadline = time.Time{}
+	ss.c.timeout = time.Second // never block long on a receiver that does not read
+	_ = ss.c.send(errorMsg{Code: code, Text: err.Error()}.encode(), -1)
+}
