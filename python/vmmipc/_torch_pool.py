@@ -255,7 +255,8 @@ def sharing_pool(chunk_size: int | None = None, device=None):
 
 def release_sharing_pool(device=None) -> int:
     """Give the device's sharing pool's free memory back to the driver and
-    return the bytes given back: drops the device's torch MemPool (torch
+    return the bytes given back during the call (by the frees of torch's
+    cached segments, and by the trim after them): drops the device's torch MemPool (torch
     frees its cached segments into the pool), runs torch.cuda.empty_cache()
     and gives every wholly free chunk back. Tensors still alive in the pool
     stay valid; the next sharing_pool() starts a new MemPool on the same
@@ -274,10 +275,16 @@ def release_sharing_pool(device=None) -> int:
                 f"cuda:{dev}'s sharing pool is in use by {pool._inside} sharing_pool() block(s): "
                 "release it after they end", _errors.EINVAL, "vmmipc.torch.release_sharing_pool")
         mempool, pool._mempool = pool._mempool, None
+    # Count chunks, not _trim's answer: the frees of torch's cached
+    # segments already give wholly free chunks back (beyond keep_bytes),
+    # before the trim sees them.
+    released0 = pool.info().chunks_released
     del mempool  # ~MemPool: torch releases the pool and frees its cached segments
     torch.cuda.synchronize(dev)
     torch.cuda.empty_cache()
-    return pool._trim()
+    pool._trim()
+    info = pool.info()
+    return (info.chunks_released - released0) * info.chunk_size
 
 
 def sharing_pools() -> dict[int, SharingPool]:
