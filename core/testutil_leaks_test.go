@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"runtime"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -24,6 +25,24 @@ func fdsOf(pid int) fds { return fds{pid} }
 func (p fds) read() (int, error) {
 	ents, err := os.ReadDir(fmt.Sprintf("/proc/%d/fd", p.pid))
 	return len(ents), err
+}
+
+// numberedFrom counts the descriptors numbered n or more. RLIMIT_NOFILE
+// bounds descriptor numbers, not how many are open: one inherited above
+// the limit (a CI runner's pipe at 251, say) is open besides the limit's.
+func (p fds) numberedFrom(t testing.TB, n int) int {
+	t.Helper()
+	ents, err := os.ReadDir(fmt.Sprintf("/proc/%d/fd", p.pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	k := 0
+	for _, e := range ents {
+		if fd, err := strconv.Atoi(e.Name()); err == nil && fd >= n {
+			k++
+		}
+	}
+	return k
 }
 
 // now is the current count.
