@@ -14,26 +14,8 @@ import (
 // promises, instead of being told "too many open files". Afterwards the
 // sender holds the descriptors it held before.
 func TestReceiversWaitAtATinyDescriptorLimit(t *testing.T) {
-	const receivers, chunks = 40, 8
 	flushCache(t)
-	sender := startHelper(t, partSender, helperOpts{env: []string{envNoFile + "=16"}})
-	senderFDs := fdsOf(sender.pid())
-	tk := sender.register(chunks, 4096, 0, -1, 14)
-	base := senderFDs.settled(t)
-	fdsBefore := ourFDs().settled(t)
-
-	inherited := senderFDs.numberedFrom(t, 16) // open above the limit since before it was set
-	took, most := receiversAtOnce(t, senderFDs, tk, receivers, ImportOptions{OpenOptions: OpenOptions{Timeout: time.Minute}, NoCache: true}, 14)
-	if most > 16+inherited {
-		t.Fatalf("the sender held %d descriptors at its peak, over its limit of 16 (and %d it inherited numbered above it)", most, inherited)
-	}
-	senderFDs.waitFor(t, base, "the sender, after 40 receivers")
-	if live := sender.live(); live != 1 {
-		t.Fatalf("the sender holds %d registrations, want its 1", live)
-	}
-	ourFDs().waitFor(t, fdsBefore, "after 40 receivers")
-	expectNoMemfdMappings(t, "after 40 receivers")
-	t.Logf("%d receivers in %v; the sender peaked at %d descriptors (%d idle, %d inherited above the limit, limit 16)", receivers, took, most, base, inherited)
+	receiversAtALimit(t, 16, 40, 8, 14, func(_, inherited int) int { return 16 + inherited })
 }
 
 // TestRoomWaitsForDescriptors: while the process has fewer descriptors

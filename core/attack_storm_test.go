@@ -47,25 +47,10 @@ func TestThousandReceiversAtOnce(t *testing.T) {
 	const receivers, chunks = 1024, 16
 	raiseNoFile(t, 3*receivers)
 	flushCache(t)
-	sender := startHelper(t, partSender, helperOpts{env: []string{envNoFile + "=1024"}})
-	senderFDs := fdsOf(sender.pid())
-	tk := sender.register(chunks, 4096, 0, -1, 12)
-	base := senderFDs.settled(t)
-	limit := 1024 / 4
-	bound := base + 2*(limit+pendingLimit(limit)) // a socket and a chunk in hand per connection
-	fdsBefore := ourFDs().settled(t)
-
-	took, most := receiversAtOnce(t, senderFDs, tk, receivers, ImportOptions{OpenOptions: OpenOptions{Timeout: time.Minute}, NoCache: true}, 12)
-	if most > bound {
-		t.Fatalf("the sender held %d descriptors at its peak, bound %d (its limit is 1024)", most, bound)
-	}
-	senderFDs.waitFor(t, base, "the sender, after 1024 receivers")
-	if live := sender.live(); live != 1 {
-		t.Fatalf("the sender holds %d registrations, want its 1", live)
-	}
-	ourFDs().waitFor(t, fdsBefore, "after 1024 receivers")
-	expectNoMemfdMappings(t, "after 1024 receivers")
-	t.Logf("%d receivers in %v; the sender peaked at %d descriptors (%d idle, bound %d)", receivers, took, most, base, bound)
+	receiversAtALimit(t, 1024, receivers, chunks, 12, func(base, _ int) int {
+		limit := 1024 / 4
+		return base + 2*(limit+pendingLimit(limit)) // a socket and a chunk in hand per connection
+	})
 }
 
 // TestIdleConnectionsDoNotLockOut: 300 same-uid connections that never

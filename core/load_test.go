@@ -1,6 +1,7 @@
 package core
 
 import (
+	"fmt"
 	"testing"
 	"time"
 )
@@ -56,4 +57,35 @@ func receiversAtOnce(t *testing.T, sender fds, tk *Ticket, n int, opts ImportOpt
 		t.Fatalf("%d of %d receivers failed; the first: %v", failed, n, first)
 	}
 	return took, peak
+}
+
+// receiversAtALimit: n receivers import at once (receiversAtOnce) an
+// unlimited registration of chunks from a sender process whose
+// RLIMIT_NOFILE is nofile. The sender's descriptors stay within bound(base,
+// inherited) at their peak (base: what it holds idle; inherited: those
+// numbered nofile or more, open since before its limit was set, which the
+// limit does not count), and afterwards both sides hold what they held
+// before, the sender its one registration, and nothing stays mapped.
+func receiversAtALimit(t *testing.T, nofile, n, chunks int, seed byte, bound func(base, inherited int) int) {
+	t.Helper()
+	sender := startHelper(t, partSender, helperOpts{env: []string{fmt.Sprintf("%s=%d", envNoFile, nofile)}})
+	senderFDs := fdsOf(sender.pid())
+	tk := sender.register(chunks, 4096, 0, -1, seed)
+	base := senderFDs.settled(t)
+	inherited := senderFDs.numberedFrom(t, nofile)
+	most := bound(base, inherited)
+	fdsBefore := ourFDs().settled(t)
+
+	took, peak := receiversAtOnce(t, senderFDs, tk, n, ImportOptions{OpenOptions: OpenOptions{Timeout: time.Minute}, NoCache: true}, seed)
+	if peak > most {
+		t.Fatalf("the sender held %d descriptors at its peak, bound %d (its limit is %d; %d idle, %d inherited numbered above it)", peak, most, nofile, base, inherited)
+	}
+	what := fmt.Sprintf("after %d receivers", n)
+	senderFDs.waitFor(t, base, "the sender, "+what)
+	if live := sender.live(); live != 1 {
+		t.Fatalf("the sender holds %d registrations, want its 1", live)
+	}
+	ourFDs().waitFor(t, fdsBefore, what)
+	expectNoMemfdMappings(t, what)
+	t.Logf("%d receivers in %v; the sender peaked at %d descriptors (%d idle, %d inherited above its limit %d, bound %d)", n, took, peak, base, inherited, nofile, most)
 }
