@@ -90,10 +90,10 @@ class SharingPool:
                 f"chunks, {i.mapped_bytes >> 20} MiB mapped, {i.allocated_bytes >> 20} MiB in "
                 f"torch's segments>")
 
-    def _trim(self) -> int:
-        released = ctypes.c_uint64()
-        _lib.call("vmmipc_pool_trim", self._handle, 0, ctypes.byref(released))
-        return released.value
+    def _trim(self) -> None:
+        """Give every wholly free chunk back (what it gave is counted in
+        info().chunks_released, with what frees gave back before it)."""
+        _lib.call("vmmipc_pool_trim", self._handle, 0, None)
 
 
 _pools: dict[int, SharingPool] = {}
