@@ -262,9 +262,9 @@ typedef struct vmmipc_ticket {
  * "receiver" to open and import calls; the others are ignored, but checked:
  * every call that takes opts refuses with VMMIPC_EINVAL ("an option out of
  * bounds" in the Returns lists) a struct_size under 4, a ttl_ms, memory_kind
- * or access_device_count beyond its bound, and access_devices NULL with
- * access_device_count above 0; receiver calls (open, import, confirm) also
- * a window beyond its bound. */
+ * or access_device_count beyond its bound, access_devices NULL with
+ * access_device_count above 0, and register_flags with unknown bits;
+ * receiver calls (open, import, confirm) also a window beyond its bound. */
 typedef struct vmmipc_options {
   uint32_t struct_size; /* sizeof(vmmipc_options) */
   uint32_t uses;        /* sender: receivers allowed to finish (default 1;
@@ -578,7 +578,8 @@ typedef struct vmmipc_cuda_range_info {
  *   VMMIPC_OK      *info_out is filled
  *   VMMIPC_EINVAL  NULL info_out, size 0, or a range that overflows
  *   VMMIPC_ENOENT  dptr (or dptr + size - 1) is not mapped VMM memory, e.g.
- *                  cudaMalloc or host memory (the message says which)
+ *                  cudaMalloc or host memory, or it is VMM memory that is
+ *                  not on a GPU (the message says which)
  *   VMMIPC_ECUDA   libcuda.so.1 not found or a driver call failed
  *   VMMIPC_EFORK   called after fork() */
 int vmmipc_cuda_query_range(uint64_t dptr, uint64_t size,
@@ -820,8 +821,8 @@ int vmmipc_import_stream(const vmmipc_ticket *ticket, int device,
  * Returns:
  *   VMMIPC_OK      the use is spent (or, with the flag, queued)
  *   VMMIPC_EINVAL  NULL ticket, malformed ticket, option out of bounds,
- *                  unknown import_flags bits, or the exporter broke the
- *                  protocol (as vmmipc_open)
+ *                  unknown import_flags bits (or HOLD with CONFIRM_LATER),
+ *                  or the exporter broke the protocol (as vmmipc_open)
  *   VMMIPC_EAUTH, VMMIPC_ENOENT, VMMIPC_EIO, VMMIPC_ENFILE  as vmmipc_open
  *   VMMIPC_EFORK   called after fork() */
 int vmmipc_confirm(const vmmipc_ticket *ticket, const vmmipc_options *opts);
@@ -955,8 +956,9 @@ typedef struct vmmipc_pool vmmipc_pool; /* opaque */
  * Returns:
  *   VMMIPC_OK      *pool_out is a new pool
  *   VMMIPC_EINVAL  NULL pool_out, a negative device or one this process
- *                  does not see, or a chunk_size that is not a multiple of
- *                  the granularity (the message gives it)
+ *                  does not see, a chunk_size that is not a multiple of
+ *                  the granularity (the message gives it), or one so large
+ *                  that rounding the range up to it overflows
  *   VMMIPC_ENOMEM  RLIMIT_AS leaves no room for the range (the message
  *                  gives the figures), or the driver has no address space
  *   VMMIPC_ECUDA   libcuda.so.1 not found, or a driver call failed
