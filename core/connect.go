@@ -74,13 +74,13 @@ func handshake(c *conn, t *Ticket, digest [32]byte, flags uint64, pre []byte) (t
 	}
 	if pre != nil {
 		if err := c.send(pre, -1); err != nil {
-			return tr, pendingError(c, err)
+			return tr, pendingError(c, err, beforeChunks)
 		}
 	}
 	if err := c.send(helloMsg{RegID: t.RegID, Flags: flags, Nonce: nr}.encode(), -1); err != nil {
 		// A server that refuses us at once hangs up after saying why:
 		// read that rather than report a bare EPIPE.
-		return tr, pendingError(c, err)
+		return tr, pendingError(c, err, beforeChunks)
 	}
 	f, err := recvControl(c, "challenge")
 	if err != nil {
@@ -100,7 +100,7 @@ func handshake(c *conn, t *Ticket, digest [32]byte, flags uint64, pre []byte) (t
 		sock, err = exporterSocket(c.raw, roleReceiver)
 	}
 	if errors.Is(err, errNoPeer) {
-		return tr, pendingError(c, err) // evicted after the challenge: "busy"
+		return tr, pendingError(c, err, beforeChunks) // evicted after the challenge: "busy"
 	}
 	if err != nil {
 		return tr, WrapErr(EIO, err, "open")
@@ -113,7 +113,7 @@ func handshake(c *conn, t *Ticket, digest [32]byte, flags uint64, pre []byte) (t
 		return tr, Errorf(EAUTH, "open: the process at %s could not prove that it knows this ticket's secret for this connection: the ticket is corrupted or forged, or another process is impersonating the exporter or relaying to it; nothing was accepted from it", t.Address)
 	}
 	if err := c.send(proofMsg{Proof: tr.proof(t.Secret, roleReceiver)}.encode(), -1); err != nil {
-		return tr, pendingError(c, err)
+		return tr, pendingError(c, err, beforeChunks)
 	}
 	f, err = recvControl(c, "welcome")
 	if err != nil {

@@ -1,5 +1,7 @@
 package core
 
+import "fmt"
+
 // The control messages a receiver reads, none of which may bring a
 // descriptor: the one it expects next, or the exporter's error or "busy"
 // turned into an error; the error an exporter that hung up left queued;
@@ -20,7 +22,7 @@ func recvControl(c *conn, want string) (frame, error) {
 	}
 	switch {
 	case f.Type == msgError:
-		return f, remoteError(f.Body)
+		return f, remoteError(f.Body, beforeChunks)
 	case f.Type == msgBusy:
 		return f, errBusy
 	case msgName(f.Type) != want:
@@ -29,18 +31,43 @@ func recvControl(c *conn, want string) (frame, error) {
 	return f, nil
 }
 
-// remoteError turns the server's error message into a local error.
-func remoteError(body []byte) error {
+// peerPhase says what a receiver was doing when its exporter sent an error:
+// which statuses of the exporter's its call may return.
+type peerPhase bool
+
+const (
+	beforeChunks peerPhase = false // the handshake, confirms, status, done-ack
+	whileChunks  peerPhase = true  // pulling chunks: EEXPORT may come too
+)
+
+// remoteError turns the exporter's error message into a local error. Its
+// status is kept when it is one the receiver's call lists as the
+// exporter's (EINVAL, EAUTH, ENOENT, EIO, and EEXPORT while chunks flow);
+// any other reads as EIO, naming it. An exporter's own trouble (ENFILE,
+// EINTERNAL) is not the receiver's, and a peer not yet authenticated could
+// otherwise pick any status (EFORK, EBADF) for a call whose contract does
+// not list it.
+func remoteError(body []byte, phase peerPhase) error {
 	m, err := parseError(body)
 	if err != nil {
 		return err
+	}
+	switch m.Code {
+	case EINVAL, EAUTH, ENOENT, EIO:
+	case EEXPORT:
+		if phase == whileChunks {
+			break
+		}
+		fallthrough
+	default:
+		return &Error{Code: EIO, Msg: fmt.Sprintf("exporter: failed with %s: %s", m.Code, m.Text)}
 	}
 	return &Error{Code: m.Code, Msg: "exporter: " + m.Text}
 }
 
 // pendingError returns the exporter's queued error message if there is one,
 // else fallback.
-func pendingError(c *conn, fallback error) error {
+func pendingError(c *conn, fallback error, phase peerPhase) error {
 	f, err := c.recv()
 	if err != nil {
 		return fallback
@@ -48,7 +75,7 @@ func pendingError(c *conn, fallback error) error {
 	closeFD(&f.FD)
 	switch f.Type {
 	case msgError:
-		return remoteError(f.Body)
+		return remoteError(f.Body, phase)
 	case msgBusy:
 		return errBusy
 	}

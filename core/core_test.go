@@ -62,32 +62,46 @@ func TestHostFileRoundTrip(t *testing.T) {
 	}
 }
 
+// TestExportFailureNamesChunk: whatever made a chunk's export fail (the
+// exporter's own status, a descriptor limit, the driver), the receiver gets
+// EEXPORT naming the chunk and the cause, never the cause's status, which
+// would read as its own trouble (ENFILE) or as none the call lists (ECUDA).
 func TestExportFailureNamesChunk(t *testing.T) {
 	s := newTestServer(t)
-	fd := newMemfd(t, 64*int(pageSize), pattern(64*int(pageSize), 1))
-	defer unix.Close(fd)
-	spec := hookedFile(t, fd, 64*pageSize, pageSize, func(i uint64) error {
-		if i == 17 {
-			return Errorf(EEXPORT, "injected failure")
+	for _, cause := range []error{
+		Errorf(EEXPORT, "injected failure"),
+		&Error{Code: ioCode(unix.EMFILE), Msg: "duplicating the registered file", Err: unix.EMFILE}, // FileExporter at its limit
+		Errorf(ECUDA, "cuCtxPushCurrent failed"),
+	} {
+		fd := newMemfd(t, 64*int(pageSize), pattern(64*int(pageSize), 1))
+		spec := hookedFile(t, fd, 64*pageSize, pageSize, func(i uint64) error {
+			if i == 17 {
+				return cause
+			}
+			return nil
+		})
+		unix.Close(fd)
+		tk, err := s.Register(spec, RegisterOptions{Uses: 1})
+		if err != nil {
+			t.Fatal(err)
 		}
-		return nil
-	})
-	tk, err := s.Register(spec, RegisterOptions{Uses: 1})
-	if err != nil {
-		t.Fatal(err)
+		before := ourFDs().settled(t)
+		_, err = Import(tk, DeviceHost, ImportOptions{}, nil)
+		if CodeOf(err) != EEXPORT || !strings.Contains(err.Error(), "chunk 17 of 64") ||
+			!strings.Contains(err.Error(), cause.Error()) {
+			t.Fatalf("an export failing with %q: got %v (%s), want EEXPORT naming the chunk and the cause", cause, err, CodeOf(err))
+		}
+		ourFDs().waitFor(t, before, "after the failed import") // the in-process server closes its end asynchronously
+		// The failed stream gave its use back.
+		st, err := Open(tk, OpenOptions{})
+		if err != nil {
+			t.Fatalf("use not given back: %v", err)
+		}
+		st.Close()
+		if err := s.Unregister(tk); err != nil {
+			t.Fatal(err)
+		}
 	}
-	before := ourFDs().settled(t)
-	_, err = Import(tk, DeviceHost, ImportOptions{}, nil)
-	if CodeOf(err) != EEXPORT || !strings.Contains(err.Error(), "chunk 17 of 64") {
-		t.Fatalf("got %v", err)
-	}
-	ourFDs().waitFor(t, before, "after the failed import") // the in-process server closes its end asynchronously
-	// The failed stream gave its use back.
-	st, err := Open(tk, OpenOptions{})
-	if err != nil {
-		t.Fatalf("use not given back: %v", err)
-	}
-	st.Close()
 }
 
 func TestWrongSecretAndUnregister(t *testing.T) {

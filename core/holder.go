@@ -108,7 +108,7 @@ func (h *holder) read() {
 			err = Errorf(EINVAL, "protocol: the exporter sent a descriptor on a holder session")
 		}
 		if err == nil && f.Type == msgError {
-			err = remoteError(f.Body)
+			err = remoteError(f.Body, beforeChunks)
 		} else if err == nil && f.Type != msgUseAck {
 			err = Errorf(EINVAL, "protocol: expected use-ack on a holder session, got %s", msgName(f.Type))
 		}

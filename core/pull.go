@@ -82,7 +82,7 @@ func (s *Stream) next() (Chunk, error) {
 			// The exporter may have hung up after telling us why: what it
 			// sent before closing is still queued for us to read.
 			if inFlight == 0 {
-				return Chunk{FD: -1}, s.chunkErr(pendingError(s.c, sendErr))
+				return Chunk{FD: -1}, s.chunkErr(pendingError(s.c, sendErr, whileChunks))
 			}
 		} else {
 			s.requested += n
@@ -96,7 +96,7 @@ func (s *Stream) next() (Chunk, error) {
 	case msgChunk:
 	case msgError:
 		closeFD(&f.FD)
-		return Chunk{FD: -1}, remoteError(f.Body)
+		return Chunk{FD: -1}, remoteError(f.Body, whileChunks)
 	default:
 		closeFD(&f.FD)
 		return Chunk{FD: -1}, Errorf(EINVAL, "protocol: expected chunk %d, got %s", s.received, msgName(f.Type))
@@ -145,7 +145,7 @@ func (s *Stream) nextRun() (Run, error) {
 	}
 	want := s.t.Count - s.received
 	if err := s.c.send(pullMsg{First: s.received, Count: want}.encodeRun(), -1); err != nil {
-		return none, s.chunkErr(pendingError(s.c, err))
+		return none, s.chunkErr(pendingError(s.c, err, whileChunks))
 	}
 	f, err := s.c.recv()
 	if err != nil {
@@ -155,7 +155,7 @@ func (s *Stream) nextRun() (Run, error) {
 	case msgRun:
 	case msgError:
 		closeFD(&f.FD)
-		return none, remoteError(f.Body)
+		return none, remoteError(f.Body, whileChunks)
 	default:
 		closeFD(&f.FD)
 		return none, Errorf(EINVAL, "protocol: expected a run from chunk %d, got %s", s.received, msgName(f.Type))

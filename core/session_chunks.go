@@ -79,7 +79,9 @@ func (ss *session) sendChunks(g *registration, first, max uint64, run bool, spen
 		if CodeOf(err) == ENOENT {
 			return 0, err
 		}
-		return 0, WrapErr(EEXPORT, err, "chunk %d of %d: export failed", first, len(b.sizes))
+		// EEXPORT whatever the cause's own status: the receiver would read
+		// ENFILE as its own shortage, and ECUDA is no status of its calls.
+		return 0, Errorf(EEXPORT, "chunk %d of %d: export failed: %w", first, len(b.sizes), err)
 	}
 	if fd < 0 {
 		return 0, Errorf(EEXPORT, "chunk %d of %d: exporter returned no descriptor", first, len(b.sizes))

@@ -652,7 +652,10 @@ typedef struct vmmipc_chunk {
  *                  sock_diag is unavailable and the exporter is in another
  *                  PID namespace, or timed out (the message says
  *                  whether the exporter never answered, e.g. at its
- *                  connection cap, or went silent)
+ *                  connection cap, or went silent), or the exporter
+ *                  reported a failure of its own (the message names the
+ *                  status it sent: only EINVAL, EAUTH, ENOENT and EIO are
+ *                  passed on as they are)
  *   VMMIPC_ENFILE  out of descriptors
  *   VMMIPC_EFORK   called after fork() */
 int vmmipc_open(const vmmipc_ticket *ticket, const vmmipc_options *opts,
@@ -674,9 +677,12 @@ int vmmipc_stream_info(const vmmipc_stream *stream, uint64_t *count_out,
  *   VMMIPC_END     all chunks were pulled; chunk_out untouched
  *   VMMIPC_EBADF   NULL, stale or closed stream
  *   VMMIPC_EINVAL  NULL chunk_out, or the peer broke the protocol
- *   VMMIPC_EEXPORT the sender failed to export this chunk
+ *   VMMIPC_EEXPORT the sender failed to export this chunk, whatever the
+ *                  cause (its own descriptor limit, its driver): the
+ *                  message names it
  *   VMMIPC_ENOENT  the registration ended while streaming
- *   VMMIPC_EIO     peer gone or silent for timeout_ms
+ *   VMMIPC_EIO     peer gone or silent for timeout_ms, or it reported a
+ *                  failure of its own other than these (named)
  *   VMMIPC_ENFILE  no descriptor free to receive the chunk
  *   VMMIPC_EFORK   called after fork() */
 int vmmipc_pull_next(vmmipc_stream *stream, vmmipc_chunk *chunk_out);
