@@ -357,3 +357,40 @@ func TestHolderSessionEndsWithItsExporter(t *testing.T) {
 		t.Fatalf("releasing after the exporter went: %v, want ENOENT", err)
 	}
 }
+
+// TestHoldForStreamClosedAfterItsLastChunk: a stream held through
+// hold-for whose receiver gets every chunk but closes before the done-ack
+// (its mapping failed, say) never learns that its use was held: the
+// exporter must not keep that hold on the session, or the grant is never
+// released while the receiver lives.
+func TestHoldForStreamClosedAfterItsLastChunk(t *testing.T) {
+	f := newHoldFixture(t)
+	g1, _ := f.grant(t, true)
+	if err := Confirm(g1, holdImport); err != nil { // the holder session
+		t.Fatal(err)
+	}
+	g2, rel2 := f.grant(t, true)
+	s, err := open(g2, OpenOptions{}, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s.heldBy == nil {
+		t.Fatal("the stream did not name the holder session (hold-for)")
+	}
+	for i := uint64(0); i < g2.Count; i++ {
+		c, err := s.Next()
+		if err != nil {
+			t.Fatalf("chunk %d: %v", i, err)
+		}
+		closeFD(&c.FD)
+	}
+	_ = s.Close() // every chunk, and no done
+	releasedSoon(t, f, g2, "a held use its receiver never learned of")
+	if !rel2.Load() {
+		t.Fatal("OnRelease did not run")
+	}
+	if n := f.s.Holds(); n != 1 {
+		t.Fatalf("the exporter counts %d holds, want 1 (g1's)", n)
+	}
+	letGo(t, f, g1, "the session's own use")
+}
