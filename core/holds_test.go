@@ -1,6 +1,7 @@
 package core
 
 import (
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -393,4 +394,57 @@ func TestHoldForStreamClosedAfterItsLastChunk(t *testing.T) {
 		t.Fatalf("the exporter counts %d holds, want 1 (g1's)", n)
 	}
 	letGo(t, f, g1, "the session's own use")
+}
+
+// TestHeldUsesInABurst: many threads spending held uses on one holder
+// session at once never stall it. The session's sends once held the lock
+// its reader needs for each use-ack: with the acks unread the exporter
+// blocked sending them and stopped reading, a sender blocked in turn with
+// the lock held, and both sides stood still until the exporter gave up on
+// the session (two minutes) and dropped every hold on it.
+func TestHeldUsesInABurst(t *testing.T) {
+	f := newHoldFixture(t)
+	g, err := f.s.RegisterAgain(f.anchor, RegisterOptions{Uses: 0, Hold: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := Confirm(g, holdImport); err != nil { // the holder session
+		t.Fatal(err)
+	}
+	const threads, each = 16, 1000
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		var wg sync.WaitGroup
+		for range threads {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for range each {
+					if err := Confirm(g, holdImport); err != nil {
+						t.Error(err)
+						return
+					}
+				}
+			}()
+		}
+		wg.Wait()
+	}()
+	select {
+	case <-done:
+	case <-time.After(60 * time.Second):
+		t.Fatalf("%d threads' held uses stalled: the exporter counts %d holds", threads, f.s.Holds())
+	}
+	const want = threads*each + 1
+	if !waitUntil(10*time.Second, func() bool { return f.s.Holds() == want }) {
+		t.Fatalf("the exporter counts %d holds, want %d", f.s.Holds(), want)
+	}
+	for range want {
+		if err := Release(g); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if !waitUntil(10*time.Second, func() bool { return f.s.Holds() == 0 }) {
+		t.Fatalf("the exporter counts %d holds after every release, want 0", f.s.Holds())
+	}
 }
