@@ -448,3 +448,35 @@ func TestHeldUsesInABurst(t *testing.T) {
 		t.Fatalf("the exporter counts %d holds after every release, want 0", f.s.Holds())
 	}
 }
+
+// TestNoHoldAfterTheRelease: a use whose registration ends between its
+// claim and its hold (a ttl or Unregister, racing a use on a holder
+// session, which nothing cuts) is not held: the release has run, so a
+// hold would tell the receiver that memory is kept which the owner may be
+// handing out again.
+func TestNoHoldAfterTheRelease(t *testing.T) {
+	f := newHoldFixture(t)
+	tk, released := f.grant(t, true)
+	g, err := f.s.reg.lookup(tk.RegID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cl, err := g.claim(func() {})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer g.drop(cl)
+	g.end("was unregistered")
+	releasedSoon(t, f, tk, "an ended grant no receiver held")
+	h, err := f.s.reg.newHolder(func() {})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.s.reg.closeHolder(h)
+	if h.take(g) {
+		t.Fatalf("a hold was taken on a registration released already (OnRelease ran: %v)", released.Load())
+	}
+	if n := f.s.Holds(); n != 0 {
+		t.Fatalf("the exporter counts %d holds, want 0", n)
+	}
+}
