@@ -32,8 +32,15 @@ type holder struct {
 	tr    transcript // the session's handshake: uses are proved bound to it
 	token holderToken
 
-	mu       sync.Mutex // the fields below, and every send on c
-	broken   error      // sticky: the session is over
+	// sendMu orders every send on c (taken before mu); mu guards the
+	// fields below and is never held across a send, so that the reader
+	// always takes the answers: an exporter blocked sending use-acks to a
+	// reader that waits for a sender blocked on the exporter would stall
+	// both until the exporter gives up on the session (idleTimeout), and
+	// drop every hold on it.
+	sendMu   sync.Mutex
+	mu       sync.Mutex
+	broken   error // sticky: the session is over
 	held     map[uint64]int
 	sent     []uint64 // ids of uses sent and not answered yet, oldest first
 	queued   []uint64 // registration ids to let go of
@@ -208,17 +215,24 @@ func (h *holder) use(t *Ticket) (broken bool, err error) {
 	}
 	tr := h.tr
 	tr.RegID, tr.Flags, tr.TicketDigest = t.RegID, useProofFlag, digest
+	msg := useMsg{RegID: t.RegID, Proof: tr.proof(t.Secret, roleReceiver)}.encode()
+	h.sendMu.Lock() // no release goes out before this use: they follow it
+	defer h.sendMu.Unlock()
 	h.mu.Lock()
-	defer h.mu.Unlock()
 	if h.broken != nil {
+		defer h.mu.Unlock()
 		return true, h.broken
 	}
-	if err := h.c.send(useMsg{RegID: t.RegID, Proof: tr.proof(t.Secret, roleReceiver)}.encode(), -1); err != nil {
+	// Recorded before the send: its answer may come before send returns.
+	h.sent = append(h.sent, t.RegID)
+	h.held[t.RegID]++ // until an answer says otherwise
+	h.mu.Unlock()
+	if err := h.c.send(msg, -1); err != nil {
+		h.mu.Lock()
+		defer h.mu.Unlock()
 		h.fail(err)
 		return true, h.broken
 	}
-	h.sent = append(h.sent, t.RegID)
-	h.held[t.RegID]++ // until an answer says otherwise
 	return false, nil
 }
 
@@ -271,13 +285,18 @@ func Release(t *Ticket) error {
 // flush sends the queued releases, up to maxReleaseBatch ids a message,
 // until none is left.
 func (h *holder) flush() {
+	h.sendMu.Lock()
+	defer h.sendMu.Unlock()
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	for len(h.queued) > 0 && h.broken == nil {
 		n := min(len(h.queued), maxReleaseBatch)
 		msg := releaseMsg{RegIDs: h.queued[:n]}.encode()
 		h.queued = h.queued[n:]
-		if err := h.c.send(msg, -1); err != nil {
+		h.mu.Unlock()
+		err := h.c.send(msg, -1)
+		h.mu.Lock()
+		if err != nil {
 			h.fail(err)
 		}
 	}

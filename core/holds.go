@@ -59,11 +59,11 @@ func newHolderSession(hangUp func()) (*holderSession, error) {
 }
 
 // take holds one use of g on h, unless h has closed (its receiver is
-// gone: nothing to hold for).
+// gone: nothing to hold for) or g has ended (registration.go hold).
 func (h *holderSession) take(g *registration) bool {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	if h.closed {
+	if h.closed || !g.hold() {
 		return false
 	}
 	u := h.held[g.id]
@@ -72,7 +72,6 @@ func (h *holderSession) take(g *registration) bool {
 		h.held[g.id] = u
 	}
 	u.n++
-	g.hold()
 	return true
 }
 

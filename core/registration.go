@@ -287,12 +287,19 @@ func (g *registration) release() {
 	})
 }
 
-// hold records a receiver's hold on a use it spent (holds.go).
-func (g *registration) hold() {
+// hold records a receiver's hold on a use it spent (holds.go), unless the
+// registration has ended: its release may have run already (a use on a
+// holder session is not cut by the end, so it can come after it).
+func (g *registration) hold() bool {
 	g.mu.Lock()
+	if g.ended != "" {
+		g.mu.Unlock()
+		return false
+	}
 	g.holds++
 	g.mu.Unlock()
 	g.reg.holdsChanged(1)
+	return true
 }
 
 // unhold lets go of one hold; the last one releases a registration whose

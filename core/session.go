@@ -156,12 +156,22 @@ func (ss *session) serveUse(g *registration, hello helloMsg, holder *holderSessi
 			g.end(usedUpWhy(g))
 		}
 	}()
+	acked := false
+	defer func() {
+		// Only the done-ack tells the receiver that its use is held: without
+		// it the receiver never lets go, so neither may the session named by
+		// hold-for keep it (the receiver's own session closes with it).
+		if held && !acked {
+			holder.letGo(g.id)
+		}
+	}()
 	if hello.Flags&helloConfirm != 0 {
 		spend(true)
 	} else if !ss.serveChunks(g, spend) {
 		return false
 	}
-	return ss.c.send(doneAckMsg{Flags: ss.ackFlags(g, usedUp, held)}.encode(), -1) == nil
+	acked = ss.c.send(doneAckMsg{Flags: ss.ackFlags(g, usedUp, held)}.encode(), -1) == nil
+	return acked
 }
 
 // authenticate runs the server's half of the handshake (handshake.go) and
