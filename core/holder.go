@@ -268,18 +268,36 @@ func useHeld(t *Ticket, timeout time.Duration) (lives bool, err error) {
 func Release(t *Ticket) error {
 	for _, h := range holdersOf(t.exporterKey()) {
 		h.mu.Lock()
-		if h.broken == nil && h.letGoHere(t.RegID) {
-			h.queued = append(h.queued, t.RegID)
-			if !h.flushing {
-				h.flushing = true
-				go h.flush()
-			}
-			h.mu.Unlock()
-			return nil
+		ok := h.broken == nil && h.letGoHere(t.RegID)
+		if ok {
+			h.queueRelease(t.RegID)
 		}
 		h.mu.Unlock()
+		if ok {
+			return nil
+		}
 	}
 	return Errorf(ENOENT, "release: this process holds no use of registration %d (never held, let go of already, or its exporter has gone, which let go of it)", t.RegID)
+}
+
+// letGo sends the exporter the release of one use of id held on h that
+// this process never recorded (Stream.letGoUnread).
+func (h *holder) letGo(id uint64) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.broken == nil {
+		h.queueRelease(id)
+	}
+}
+
+// queueRelease queues id for the session's goroutine to send. Called with
+// h.mu held.
+func (h *holder) queueRelease(id uint64) {
+	h.queued = append(h.queued, id)
+	if !h.flushing {
+		h.flushing = true
+		go h.flush()
+	}
 }
 
 // flush sends the queued releases, up to maxReleaseBatch ids a message,

@@ -396,6 +396,48 @@ func TestHoldForStreamClosedAfterItsLastChunk(t *testing.T) {
 	letGo(t, f, g1, "the session's own use")
 }
 
+// TestHoldForRunClosedBeforeItsDoneAck: host memory's last run brings the
+// done-ack unasked, so the exporter has spent and held the use by the time
+// the receiver maps it. A receiver whose mapping fails then (mapAll closes
+// the stream) must still let go of that hold: it never read the ack, and
+// nothing else would, while it lives.
+func TestHoldForRunClosedBeforeItsDoneAck(t *testing.T) {
+	f := newHoldFixture(t)
+	fd := newMemfd(t, cacheSize, pattern(cacheSize, 22))
+	file := registerFile(t, f.s, fd, cacheSize, 4096, RegisterOptions{Uses: 0}) // a run per descriptor
+	unix.Close(fd)
+	f.anchor = file
+	g1, _ := f.grant(t, true)
+	if err := Confirm(g1, holdImport); err != nil { // the holder session
+		t.Fatal(err)
+	}
+	g2, rel2 := f.grant(t, true)
+	s, err := open(g2, OpenOptions{}, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s.heldBy == nil {
+		t.Fatal("the stream did not name the holder session (hold-for)")
+	}
+	r, err := s.NextRun()
+	if err != nil || r.Count != g2.Count {
+		t.Fatalf("one run of every chunk: %+v, %v", r, err)
+	}
+	closeFD(&r.FD)
+	_ = s.Close() // as mapAll does when the run's mapping fails
+	releasedSoon(t, f, g2, "a held use whose done-ack its receiver never read")
+	if !rel2.Load() {
+		t.Fatal("OnRelease did not run")
+	}
+	if n := f.s.Holds(); n != 1 {
+		t.Fatalf("the exporter counts %d holds, want 1 (g1's)", n)
+	}
+	if held := GetCacheInfo().Holds; held != 1 {
+		t.Fatalf("the receiver counts %d holds, want 1 (g1's)", held)
+	}
+	letGo(t, f, g1, "the session's own use")
+}
+
 // TestHeldUsesInABurst: many threads spending held uses on one holder
 // session at once never stall it. The session's sends once held the lock
 // its reader needs for each use-ack: with the acks unread the exporter

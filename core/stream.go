@@ -3,6 +3,7 @@ package core
 import (
 	"sync"
 	"sync/atomic"
+	"time"
 )
 
 // Stream is a receiver's connection to one registration. It pulls chunks in
@@ -112,6 +113,7 @@ func (s *Stream) Close() error {
 	if !s.closing.CompareAndSwap(false, true) {
 		return Errorf(EBADF, "stream is already closed")
 	}
+	s.letGoUnread()
 	var err error
 	if !s.adopted.Load() { // else the connection is this process's holder session now
 		err = s.c.Close()
@@ -120,4 +122,28 @@ func (s *Stream) Close() error {
 	s.closed = true
 	s.mu.Unlock()
 	return err
+}
+
+// letGoUnread lets go of a use held on another session (hold-for) whose
+// done-ack came unasked after the stream's last run and was never read:
+// the exporter spent and held the use when it sent the ack, but the
+// receiver failed before reading it (mapping the run), so nothing here
+// knows of the hold, which would last as long as this process. (A use held
+// on this connection itself ends with it; one whose ack is asked for with
+// done is never held without it: session.go serveUse.)
+func (s *Stream) letGoUnread() {
+	if !s.mu.TryLock() {
+		return // a Next in progress reads it, or fails once Close closes the socket
+	}
+	defer s.mu.Unlock()
+	if s.heldBy == nil || !s.ackFollows || s.done || s.err != nil || s.closed {
+		return
+	}
+	// It was sent right after the run: a short wait is enough.
+	s.c.deadline = time.Now().Add(time.Second)
+	flags, err := readDoneAckFlags(s.c)
+	s.err = Errorf(EBADF, "stream is closed")
+	if err == nil && flags&ackHeld != 0 {
+		s.heldBy.letGo(s.t.RegID)
+	}
 }
