@@ -41,7 +41,7 @@ import uuid
 import weakref
 
 from . import _args, _errors, _lib
-from ._anchor import after_fork
+from ._anchor import after_fork, reaper
 from ._mapping import import_stream, release
 from ._ticket import Ticket
 from ._torch_env import torch_module
@@ -200,12 +200,21 @@ class Holds:
         if gone:
             _release_quietly(old)
 
-    def _storage_died(self, key, cell) -> None:
-        with self._lock:
+    def _storage_died(self, key, cell, wait: bool = False) -> None:
+        # A finalizer: it runs where the storage died, also in a garbage
+        # collection started inside attach on this thread, self._lock held
+        # (a storage only a reference cycle kept). Waiting there would
+        # deadlock: the reaper waits for the lock instead.
+        if not self._lock.acquire(blocking=wait):
+            reaper.submit(self._storage_died, key, cell, True)
+            return
+        try:
             if self._of.get(key) is cell:
                 del self._of[key]
             ticket, cell[0] = cell[0], None
             gone = ticket is not None and self._uncount(ticket)
+        finally:
+            self._lock.release()
         if gone:
             _release_quietly(ticket)
 
