@@ -147,16 +147,18 @@ def rebuild_storage(ticket, anchor_id, offset, nbytes, exporter_device, event_ha
         torch.cuda.init()  # a fresh child may not have touched CUDA yet
         run, imported = map_run(torch, ticket, anchor_id, target)
         storage = received.add(key, storage_over(torch, run, offset, nbytes))
-    if spent.add(ticket):  # the first storage of this ticket here
+    first = spent.add(ticket)  # the first storage of this ticket here
+    if first and not imported:
         try:
-            if not imported:
-                confirm(ticket, hold=True)
-            if event_handle is not None:  # None: the sender synchronized instead
-                wait_event(storage, ticket, exporter_device, event_handle, target)
+            confirm(ticket, hold=True)
         except BaseException:
             spent.forget(ticket)
             raise
+    # The use is held from here: the storage's death lets go of it, also
+    # when waiting on the event fails.
     holds.attach(storage, ticket)
+    if first and event_handle is not None:  # None: the sender synchronized instead
+        wait_event(storage, ticket, exporter_device, event_handle, target)
     return storage
 
 

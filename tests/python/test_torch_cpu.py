@@ -806,3 +806,59 @@ def test_interprocess_events_are_bounded_and_reused(monkeypatch):
     again = _torch_batch.Batch().event(0)
     assert again in handles, "a completed event is recorded again, not a new one made"
     assert events.counts()[0] == 3
+
+
+# ------------------------------------------------- rebuild_storage's holds
+
+
+class FakeReceiver:
+    """Stands in for what rebuild_storage calls in the receiver: the run is
+    mapped (map_run: imported with the ticket, or found mapped), a storage
+    made over it, the ticket confirmed, the event waited on; and records
+    which held tickets are let go of."""
+
+    def __init__(self, monkeypatch, imported=True, event_fails=False):
+        self.confirmed, self.released = [], []
+        self.imported, self.event_fails = imported, event_fails
+        for name, value in (("received", _torch_received.WeakTable()),
+                            ("spent", _torch_received.SpentTickets()),
+                            ("holds", _torch_received.Holds()),
+                            ("receive_device", lambda: None),
+                            ("torch_module", lambda: self),
+                            ("map_run", self.map_run), ("storage_over", self.storage_over),
+                            ("confirm", self.confirm), ("wait_event", self.wait_event)):
+            monkeypatch.setattr(_torch_reductions, name, value)
+        monkeypatch.setattr(_torch_received, "release", self.released.append)
+        self.cuda = self
+
+    def init(self):
+        pass
+
+    def map_run(self, torch, ticket, anchor_id, target):
+        return "run", self.imported
+
+    def storage_over(self, torch, run, offset, nbytes):
+        return Storage(BASE + offset, nbytes)
+
+    def confirm(self, ticket, hold=False):
+        assert hold
+        self.confirmed.append(ticket)
+
+    def wait_event(self, storage, ticket, exporter_device, event_handle, target):
+        if self.event_fails:
+            raise RuntimeError("cannot open the sender's CUDA event")
+
+
+@pytest.mark.parametrize("imported", [True, False], ids=["imported", "confirmed"])
+def test_a_receive_that_fails_after_spending_its_use_lets_go_of_the_hold(monkeypatch, imported):
+    """The run was imported (or the ticket confirmed), both holding the use,
+    and then the sender's event could not be opened (another /dev/shm): the
+    load fails, and the hold must go with the storage, not stay until this
+    process ends (the sender would keep the sent storages that long)."""
+    r = FakeReceiver(monkeypatch, imported=imported, event_fails=True)
+    with pytest.raises(RuntimeError, match="CUDA event"):
+        _torch_reductions.rebuild_storage("g1", ("sender", 1), 0, 64, 0, b"event")
+    gc.collect()
+    assert r.confirmed == ([] if imported else ["g1"])
+    assert r.released == ["g1"], "the use held for the failed load was never let go of"
+    assert _torch_reductions.holds.held() == 0
