@@ -173,12 +173,16 @@ class Holds:
     storages each held ticket keeps: its use is let go of when none is
     left. A storage's newest ticket takes over from its older one (the
     sender keeps the same memory for both: within a live anchor, one offset
-    and size is one storage of the sender's)."""
+    and size is one storage of the sender's). A ticket let go of covers
+    nothing again (its pickle loaded again): NotFoundError."""
+
+    LIMIT = SpentTickets.LIMIT  # tickets let go of that are remembered
 
     def __init__(self):  # also after fork, in place
         self._lock = threading.Lock()
         self._count: dict = {}  # ticket -> live storages whose newest ticket it is
         self._of: dict = {}     # id(storage) -> its cell: [newest ticket, weakref to it]
+        self._gone: collections.OrderedDict = collections.OrderedDict()  # tickets let go of
 
     def attach(self, storage, ticket) -> None:
         """storage is (also) covered by ticket, whose use this process holds.
@@ -186,6 +190,11 @@ class Holds:
         only for a storage seen the first time."""
         key, new_cell = id(storage), None
         with self._lock:
+            if ticket in self._gone:
+                raise _errors.NotFoundError(
+                    "vmmipc.torch: this pickle's tensors were received here before and let go "
+                    "of, which ended its grant: a pickle is loaded once; have the sender send "
+                    "the tensors again", _errors.ENOENT, "vmmipc.torch")
             cell = self._of.get(key)
             if cell is None or cell[1]() is not storage:
                 cell = new_cell = [None, weakref.ref(storage)]
@@ -226,6 +235,9 @@ class Holds:
             self._count[ticket] = n
             return False
         self._count.pop(ticket, None)
+        self._gone[ticket] = True
+        if len(self._gone) > self.LIMIT:
+            self._gone.popitem(last=False)
         return True
 
     def held(self) -> int:

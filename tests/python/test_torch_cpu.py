@@ -862,3 +862,29 @@ def test_a_receive_that_fails_after_spending_its_use_lets_go_of_the_hold(monkeyp
     assert r.confirmed == ([] if imported else ["g1"])
     assert r.released == ["g1"], "the use held for the failed load was never let go of"
     assert _torch_reductions.holds.held() == 0
+
+
+def test_a_ticket_let_go_of_covers_no_storage_again(monkeypatch):
+    """A pickle loaded again after this process let go of its ticket's use
+    (its storages died, or a later pickle of them took over): nothing holds
+    that use any more, so the sender may reuse the memory. The load must
+    fail (as a miss does: the sender answers ENOENT), not hand out a
+    storage that nothing keeps, nor move a live storage off the ticket
+    that does keep it."""
+    r = FakeReceiver(monkeypatch, imported=False)  # the run is mapped here already
+    args = (("sender", 1), 0, 64, 0, None)
+    s = _torch_reductions.rebuild_storage("g1", *args)
+    del s
+    gc.collect()
+    assert r.released == ["g1"]
+    with pytest.raises(vmmipc.NotFoundError, match="received here before"):
+        _torch_reductions.rebuild_storage("g1", *args)  # the same pickle, loaded again
+    s = _torch_reductions.rebuild_storage("g2", *args)
+    assert _torch_reductions.rebuild_storage("g3", *args) is s, "sent again: g3 takes over"
+    assert r.released == ["g1", "g2"]
+    with pytest.raises(vmmipc.NotFoundError, match="received here before"):
+        _torch_reductions.rebuild_storage("g2", *args)  # an older pickle of s, again
+    assert r.released == ["g1", "g2"], "g3 must still hold s"
+    del s
+    gc.collect()
+    assert r.released == ["g1", "g2", "g3"] and _torch_reductions.holds.held() == 0
