@@ -123,6 +123,7 @@ def fake(monkeypatch):
     monkeypatch.setattr(_torch_runs, "share", f.share)
     monkeypatch.setattr(_anchor, "register_again", f.register_again)
     monkeypatch.setattr(_anchor, "unregister", f.unregister)
+    monkeypatch.setattr(_torch_batch, "unregister", f.unregister)
     yield f
     # End what the test left pending while these stand-ins are still in
     # place, so no later test hears of this one's anchors.
@@ -888,3 +889,30 @@ def test_a_ticket_let_go_of_covers_no_storage_again(monkeypatch):
     del s
     gc.collect()
     assert r.released == ["g1", "g2", "g3"] and _torch_reductions.holds.held() == 0
+
+
+def test_a_pickle_that_fails_ends_the_grants_it_made(fake):
+    """A tensor refused (or anything else unpicklable: a lambda) after
+    others of the same pickle were granted: no receiver will ever see those
+    grants, so they end with the failed pickle, and the storages they kept
+    are let go of, not held until this process ends."""
+    anchors = _torch_runs.run_anchors
+    s = Storage(BASE + (500 << 20), 1 << 20)
+    plan(anchors, s)
+    alive = weakref.ref(s)
+
+    class NonLeaf:
+        requires_grad, is_leaf = True, False
+
+    with pytest.raises(RuntimeError, match="requires_grad"):
+        with _torch_batch.batch([s]) as b:
+            b._events[0] = b"event"
+            run = anchors.attached(s)
+            ticket = _torch_reductions._storage_args(s, run, b)[0]  # s is granted
+            _torch_reductions._tensor_reduction(None, NonLeaf(), s, run, b)
+    assert ticket in fake.unregistered, "the failed pickle's grant is still pending"
+    release = next(r for t, *_, r in fake.again if t == run.anchor.ticket)
+    release()  # what the library does once the grant has ended
+    del s, b
+    drain()
+    assert alive() is None, "the failed pickle's grant still keeps the storage"
