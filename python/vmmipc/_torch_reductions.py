@@ -156,7 +156,7 @@ def rebuild_storage(ticket, anchor_id, offset, nbytes, exporter_device, event_ha
             raise
     # The use is held from here: the storage's death lets go of it, also
     # when waiting on the event fails.
-    holds.attach(storage, ticket)
+    holds.attach(storage, ticket, storage.device.index)
     if first and event_handle is not None:  # None: the sender synchronized instead
         wait_event(storage, ticket, exporter_device, event_handle, target)
     return storage

@@ -816,10 +816,11 @@ class FakeReceiver:
     """Stands in for what rebuild_storage calls in the receiver: the run is
     mapped (map_run: imported with the ticket, or found mapped), a storage
     made over it, the ticket confirmed, the event waited on; and records
-    which held tickets are let go of."""
+    which held tickets are let go of, and which devices synchronized
+    (events: both, in order)."""
 
     def __init__(self, monkeypatch, imported=True, event_fails=False):
-        self.confirmed, self.released = [], []
+        self.confirmed, self.released, self.events = [], [], []
         self.imported, self.event_fails = imported, event_fails
         for name, value in (("received", _torch_received.WeakTable()),
                             ("spent", _torch_received.SpentTickets()),
@@ -829,8 +830,16 @@ class FakeReceiver:
                             ("map_run", self.map_run), ("storage_over", self.storage_over),
                             ("confirm", self.confirm), ("wait_event", self.wait_event)):
             monkeypatch.setattr(_torch_reductions, name, value)
-        monkeypatch.setattr(_torch_received, "release", self.released.append)
+        monkeypatch.setattr(_torch_received, "release", self.release)
+        monkeypatch.setattr(_torch_received, "torch_module", lambda: self)
         self.cuda = self
+
+    def release(self, ticket):
+        self.released.append(ticket)
+        self.events.append(("release", ticket))
+
+    def synchronize(self, device):
+        self.events.append(("synchronize", device))
 
     def init(self):
         pass
@@ -916,3 +925,24 @@ def test_a_pickle_that_fails_ends_the_grants_it_made(fake):
     del s, b
     drain()
     assert alive() is None, "the failed pickle's grant still keeps the storage"
+
+
+def test_a_use_is_let_go_of_after_its_dead_storages_device_is_synchronized(monkeypatch):
+    """A received storage dies while kernels queued on it may still run
+    (y = x @ w; del w): its ticket's use is let go of only after the device
+    is synchronized, as torch's own receiver does, or the sender could
+    reuse the memory under them. A storage that a newer ticket took over
+    lives on, and the sender keeps the same memory for it: no wait then."""
+    r = FakeReceiver(monkeypatch, imported=False)
+    w = _torch_reductions.rebuild_storage("g1", ("sender", 1), 0, 64, 0, None)
+    b = _torch_reductions.rebuild_storage("g1", ("sender", 1), 64, 64, 0, None)
+    assert _torch_reductions.rebuild_storage("g2", ("sender", 1), 0, 64, 0, None) is w
+    assert r.events == [], "g1 still keeps b"
+    assert _torch_reductions.rebuild_storage("g2", ("sender", 1), 64, 64, 0, None) is b
+    assert r.events == [("release", "g1")], "g1's storages live on under g2: no wait"
+    del w
+    gc.collect()
+    assert r.events == [("release", "g1")], "g2 still keeps b"
+    del b
+    gc.collect()
+    assert r.events == [("release", "g1"), ("synchronize", 0), ("release", "g2")]
