@@ -203,6 +203,9 @@ def tensor_meta(torch, tensor) -> tuple:
     if tensor.is_conj() or tensor.is_neg():
         raise ValueError("cannot send a tensor with a lazy conjugate or negative bit through "
                          "vmmipc: call tensor.resolve_conj() or tensor.resolve_neg() first")
+    # torch's own checks and words (named tensors: RuntimeError, "NYI: ..."):
+    # names would be lost on the way.
+    torch._namedtensor_internals.check_serializing_named_tensor(tensor)
     torch.utils.hooks.warn_if_has_hooks(tensor)
     return (type(tensor), tensor.storage_offset(), tuple(tensor.size()), tuple(tensor.stride()),
             tensor.dtype, tensor.requires_grad)
