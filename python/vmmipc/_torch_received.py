@@ -245,10 +245,20 @@ class Holds:
             self._count[ticket] = n
             return False, None
         self._count.pop(ticket, None)
+        self._mark_gone(ticket)
+        return True, self._dead.pop(ticket, None)
+
+    def _mark_gone(self, ticket) -> None:
         self._gone[ticket] = True
         if len(self._gone) > self.LIMIT:
             self._gone.popitem(last=False)
-        return True, self._dead.pop(ticket, None)
+
+    def let_go(self, ticket) -> None:
+        """Let go of a use held for no storage: a load that failed after
+        its import had spent (and held) it."""
+        with self._lock:
+            self._mark_gone(ticket)
+        _release_quietly(ticket)
 
     def held(self) -> int:
         """Tickets whose use this process holds for live storages (for
@@ -300,7 +310,15 @@ def received_storages() -> int:
 
 def storage_over(torch, run: MappedRun, offset: int, nbytes: int):
     """A torch storage over [offset, offset + nbytes) of a mapped run, zero
-    copy; it holds the run until it is freed."""
+    copy; it holds the run until it is freed. InvalidError for a range
+    outside the run (the pickle says where: a blob may come from anywhere)."""
+    size = run.mapping.size
+    if not (isinstance(offset, int) and isinstance(nbytes, int)
+            and 0 <= offset and 0 < nbytes <= size - offset):
+        raise _errors.InvalidError(
+            f"vmmipc.torch: a received storage of {nbytes!r} bytes at offset {offset!r} lies "
+            f"outside its run of {size} bytes: the pickle is damaged or not from vmmipc.torch",
+            _errors.EINVAL, "vmmipc.torch")
     region = _Region(run, offset, nbytes)
     tensor = torch.as_tensor(region)
     if tensor.data_ptr() != region.addr or tensor.device != torch.device("cuda",

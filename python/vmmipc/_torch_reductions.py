@@ -146,7 +146,12 @@ def rebuild_storage(ticket, anchor_id, offset, nbytes, exporter_device, event_ha
         torch = torch_module()
         torch.cuda.init()  # a fresh child may not have touched CUDA yet
         run, imported = map_run(torch, ticket, anchor_id, target)
-        storage = received.add(key, storage_over(torch, run, offset, nbytes))
+        try:
+            storage = received.add(key, storage_over(torch, run, offset, nbytes))
+        except BaseException:
+            if imported:  # the import held the use, and no storage will
+                holds.let_go(ticket)
+            raise
     first = spent.add(ticket)  # the first storage of this ticket here
     if first and not imported:
         try:

@@ -949,3 +949,35 @@ def test_a_use_is_let_go_of_after_its_dead_storages_device_is_synchronized(monke
     del b
     gc.collect()
     assert r.events == [("release", "g1"), ("synchronize", 0), ("release", "g2")]
+
+
+def test_a_storage_outside_its_run_is_refused(monkeypatch):
+    """rebuild_storage's offset and size come from the pickle (from the
+    network, for open_tensors): a range outside the mapped run must be
+    refused before torch wraps an address that is not the run's."""
+    class Mapping:
+        addr, size, device = 1 << 40, 4 << 20, 0
+
+    class NoTorch:
+        def as_tensor(self, region):
+            raise AssertionError(f"wrapped {region.nbytes} bytes at {region.addr:#x}")
+
+    run = _torch_received.MappedRun.__new__(_torch_received.MappedRun)
+    run.mapping = Mapping()  # no finalizer: nothing to unmap
+    for offset, nbytes in ((4 << 20, 1), ((4 << 20) - 8, 16), (-8, 8), (0, (4 << 20) + 1)):
+        with pytest.raises(vmmipc.InvalidError, match="outside"):
+            _torch_received.storage_over(NoTorch(), run, offset, nbytes)
+
+
+
+def test_a_storage_refused_after_its_run_was_imported_lets_go_of_the_hold(monkeypatch):
+    """The import spent and held the ticket's use, then the storage was
+    refused (outside its run): no storage will ever let go of that use."""
+    r = FakeReceiver(monkeypatch, imported=True)
+
+    def refuse(torch, run, offset, nbytes):
+        raise vmmipc.InvalidError("lies outside its run", vmmipc.EINVAL, "vmmipc.torch")
+    monkeypatch.setattr(_torch_reductions, "storage_over", refuse)
+    with pytest.raises(vmmipc.InvalidError, match="outside its run"):
+        _torch_reductions.rebuild_storage("g1", ("sender", 1), 1 << 40, 64, 0, None)
+    assert r.released == ["g1"]
