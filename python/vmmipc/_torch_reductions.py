@@ -152,18 +152,21 @@ def rebuild_storage(ticket, anchor_id, offset, nbytes, exporter_device, event_ha
             if imported:  # the import held the use, and no storage will
                 holds.let_go(ticket)
             raise
-    first = spent.add(ticket)  # the first storage of this ticket here
-    if first and not imported:
+    if spent.add(ticket):  # the first storage of this ticket here
+        held = imported
         try:
-            confirm(ticket, hold=True)
+            if not imported:
+                confirm(ticket, hold=True)
+                held = True
+            if event_handle is not None:  # None: the sender synchronized instead
+                wait_event(storage, ticket, exporter_device, event_handle, target)
         except BaseException:
-            spent.forget(ticket)
+            if held:  # the use is spent and held, and no storage will let go of it
+                holds.let_go(ticket)
+            else:
+                spent.forget(ticket)
             raise
-    # The use is held from here: the storage's death lets go of it, also
-    # when waiting on the event fails.
     holds.attach(storage, ticket, storage.device.index)
-    if first and event_handle is not None:  # None: the sender synchronized instead
-        wait_event(storage, ticket, exporter_device, event_handle, target)
     return storage
 
 

@@ -875,6 +875,9 @@ def test_a_receive_that_fails_after_spending_its_use_lets_go_of_the_hold(monkeyp
     assert r.confirmed == ([] if imported else ["g1"])
     assert r.released == ["g1"], "the use held for the failed load was never let go of"
     assert _torch_reductions.holds.held() == 0
+    r.event_fails = False
+    with pytest.raises(vmmipc.NotFoundError):  # not tensors nothing holds or orders
+        _torch_reductions.rebuild_storage("g1", ("sender", 1), 0, 64, 0, b"event")
 
 
 def test_a_ticket_let_go_of_covers_no_storage_again(monkeypatch):
