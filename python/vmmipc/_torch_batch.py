@@ -34,6 +34,7 @@ import threading
 import time
 
 from . import _errors, _mp
+from ._register import unregister
 from ._torch_env import plain_cuda, torch_module
 from ._torch_runs import RunAnchor, run_anchors
 
@@ -179,6 +180,15 @@ class Batch:
         entry[1].append(storage)
         return entry[0]
 
+    def end_grants(self) -> None:
+        """End this batch's grants: its pickle failed, so no receiver will
+        come for them (one that has already taken a use keeps its hold)."""
+        for ticket, _ in self._grants.values():
+            try:
+                unregister(ticket)
+            except _errors.NotFoundError:
+                pass  # ended already
+
     def event(self, device: int) -> bytes | None:
         """The interprocess event handle for device (one per batch), or None
         when the sender synchronized instead (ordering "sync")."""
@@ -236,7 +246,8 @@ def batch(obj=None):
     """Share everything reduced inside as one pickle: one grant per anchor,
     one event per device. obj (optional): what will be reduced, so that its
     storages are anchored together up front (dicts, lists and tuples of
-    tensors are searched)."""
+    tensors are searched). If the block raises, its pickle is taken as
+    lost: the grants it made end."""
     b = Batch()
     if obj is not None and b.where is None:  # never register for a forked child
         b.plan(obj)
@@ -244,6 +255,9 @@ def batch(obj=None):
     stack.append(b)
     try:
         yield b
+    except BaseException:
+        b.end_grants()  # else each waits for a receiver that never comes, keeping its storages
+        raise
     finally:
         stack.pop()
 

@@ -41,7 +41,7 @@ import uuid
 import weakref
 
 from . import _args, _errors, _lib
-from ._anchor import after_fork
+from ._anchor import after_fork, reaper
 from ._mapping import import_stream, release
 from ._ticket import Ticket
 from ._torch_env import torch_module
@@ -173,57 +173,111 @@ class Holds:
     storages each held ticket keeps: its use is let go of when none is
     left. A storage's newest ticket takes over from its older one (the
     sender keeps the same memory for both: within a live anchor, one offset
-    and size is one storage of the sender's)."""
+    and size is one storage of the sender's). A ticket let go of covers
+    nothing again (its pickle loaded again): NotFoundError. A use one of
+    whose storages died is let go of only after the storage's device is
+    synchronized (kernels queued on the storage may still use it; torch's
+    own receiver synchronizes as well)."""
+
+    LIMIT = SpentTickets.LIMIT  # tickets let go of that are remembered
 
     def __init__(self):  # also after fork, in place
         self._lock = threading.Lock()
         self._count: dict = {}  # ticket -> live storages whose newest ticket it is
         self._of: dict = {}     # id(storage) -> its cell: [newest ticket, weakref to it]
+        self._gone: collections.OrderedDict = collections.OrderedDict()  # tickets let go of
+        self._dead: dict = {}   # ticket -> the device of a storage of it that died
 
-    def attach(self, storage, ticket) -> None:
-        """storage is (also) covered by ticket, whose use this process holds.
-        Called for every storage of every load: one lock, and a finalizer
-        only for a storage seen the first time."""
+    def attach(self, storage, ticket, device: int | None = None) -> None:
+        """storage (on CUDA device `device`) is (also) covered by ticket,
+        whose use this process holds. Called for every storage of every
+        load: one lock, and a finalizer only for a storage seen the first
+        time."""
         key, new_cell = id(storage), None
         with self._lock:
+            if ticket in self._gone:
+                raise _errors.NotFoundError(
+                    "vmmipc.torch: this pickle's tensors were received here before and let go "
+                    "of, which ended its grant: a pickle is loaded once; have the sender send "
+                    "the tensors again", _errors.ENOENT, "vmmipc.torch")
             cell = self._of.get(key)
             if cell is None or cell[1]() is not storage:
-                cell = new_cell = [None, weakref.ref(storage)]
+                cell = new_cell = [None, weakref.ref(storage), device]
                 self._of[key] = cell
             old, cell[0] = cell[0], ticket
             if old == ticket:
                 return
             self._count[ticket] = self._count.get(ticket, 0) + 1
-            gone = old is not None and self._uncount(old)
+            gone, sync = (False, None) if old is None else self._uncount(old)
         if new_cell is not None:
             weakref.finalize(storage, self._storage_died, key, new_cell).atexit = False
         if gone:
-            _release_quietly(old)
+            _let_go(old, sync)
 
-    def _storage_died(self, key, cell) -> None:
-        with self._lock:
+    def _storage_died(self, key, cell, wait: bool = False) -> None:
+        # A finalizer: it runs where the storage died, also in a garbage
+        # collection started inside attach on this thread, self._lock held
+        # (a storage only a reference cycle kept). Waiting there would
+        # deadlock: the reaper waits for the lock instead.
+        if not self._lock.acquire(blocking=wait):
+            reaper.submit(self._storage_died, key, cell, True)
+            return
+        try:
             if self._of.get(key) is cell:
                 del self._of[key]
             ticket, cell[0] = cell[0], None
-            gone = ticket is not None and self._uncount(ticket)
+            gone, sync = False, None
+            if ticket is not None:
+                if cell[2] is not None:
+                    self._dead.setdefault(ticket, cell[2])
+                gone, sync = self._uncount(ticket)
+        finally:
+            self._lock.release()
         if gone:
-            _release_quietly(ticket)
+            _let_go(ticket, sync)
 
-    def _uncount(self, ticket) -> bool:
-        """One storage fewer for ticket (self._lock held); True when none is
-        left, and its use is to be let go of."""
+    def _uncount(self, ticket) -> tuple[bool, int | None]:
+        """One storage fewer for ticket (self._lock held): (True, the device
+        to synchronize first, or None) when none is left, and its use is to
+        be let go of; else (False, None)."""
         n = self._count.get(ticket, 0) - 1
         if n > 0:
             self._count[ticket] = n
-            return False
+            return False, None
         self._count.pop(ticket, None)
-        return True
+        self._mark_gone(ticket)
+        return True, self._dead.pop(ticket, None)
+
+    def _mark_gone(self, ticket) -> None:
+        self._gone[ticket] = True
+        if len(self._gone) > self.LIMIT:
+            self._gone.popitem(last=False)
+
+    def let_go(self, ticket) -> None:
+        """Let go of a use held for no storage: a load that failed after
+        its import had spent (and held) it."""
+        with self._lock:
+            self._mark_gone(ticket)
+        _release_quietly(ticket)
 
     def held(self) -> int:
         """Tickets whose use this process holds for live storages (for
         tests)."""
         with self._lock:
             return len(self._count)
+
+
+def _let_go(ticket, sync: int | None) -> None:
+    """Let go of ticket's use, after synchronizing device sync (not None:
+    a storage of it died, and work queued on it must be done before the
+    sender may reuse its memory)."""
+    if sync is not None:
+        try:
+            torch_module().cuda.synchronize(sync)
+        except Exception:  # noqa: BLE001 - a finalizer: the use is let go of all the same
+            log.exception("vmmipc.torch: could not synchronize cuda:%d before letting the "
+                          "sender reuse a received storage's memory", sync)
+    _release_quietly(ticket)
 
 
 def _release_quietly(ticket) -> None:
@@ -256,7 +310,15 @@ def received_storages() -> int:
 
 def storage_over(torch, run: MappedRun, offset: int, nbytes: int):
     """A torch storage over [offset, offset + nbytes) of a mapped run, zero
-    copy; it holds the run until it is freed."""
+    copy; it holds the run until it is freed. InvalidError for a range
+    outside the run (the pickle says where: a blob may come from anywhere)."""
+    size = run.mapping.size
+    if not (isinstance(offset, int) and isinstance(nbytes, int)
+            and 0 <= offset and 0 < nbytes <= size - offset):
+        raise _errors.InvalidError(
+            f"vmmipc.torch: a received storage of {nbytes!r} bytes at offset {offset!r} lies "
+            f"outside its run of {size} bytes: the pickle is damaged or not from vmmipc.torch",
+            _errors.EINVAL, "vmmipc.torch")
     region = _Region(run, offset, nbytes)
     tensor = torch.as_tensor(region)
     if tensor.data_ptr() != region.addr or tensor.device != torch.device("cuda",

@@ -146,17 +146,27 @@ def rebuild_storage(ticket, anchor_id, offset, nbytes, exporter_device, event_ha
         torch = torch_module()
         torch.cuda.init()  # a fresh child may not have touched CUDA yet
         run, imported = map_run(torch, ticket, anchor_id, target)
-        storage = received.add(key, storage_over(torch, run, offset, nbytes))
+        try:
+            storage = received.add(key, storage_over(torch, run, offset, nbytes))
+        except BaseException:
+            if imported:  # the import held the use, and no storage will
+                holds.let_go(ticket)
+            raise
     if spent.add(ticket):  # the first storage of this ticket here
+        held = imported
         try:
             if not imported:
                 confirm(ticket, hold=True)
+                held = True
             if event_handle is not None:  # None: the sender synchronized instead
                 wait_event(storage, ticket, exporter_device, event_handle, target)
         except BaseException:
-            spent.forget(ticket)
+            if held:  # the use is spent and held, and no storage will let go of it
+                holds.let_go(ticket)
+            else:
+                spent.forget(ticket)
             raise
-    holds.attach(storage, ticket)
+    holds.attach(storage, ticket, storage.device.index)
     return storage
 
 
@@ -201,6 +211,9 @@ def tensor_meta(torch, tensor) -> tuple:
     if tensor.is_conj() or tensor.is_neg():
         raise ValueError("cannot send a tensor with a lazy conjugate or negative bit through "
                          "vmmipc: call tensor.resolve_conj() or tensor.resolve_neg() first")
+    # torch's own checks and words (named tensors: RuntimeError, "NYI: ..."):
+    # names would be lost on the way.
+    torch._namedtensor_internals.check_serializing_named_tensor(tensor)
     torch.utils.hooks.warn_if_has_hooks(tensor)
     return (type(tensor), tensor.storage_offset(), tuple(tensor.size()), tuple(tensor.stride()),
             tensor.dtype, tensor.requires_grad)

@@ -46,13 +46,12 @@ Rules the caller keeps (the same as torch's own CUDA sharing):
     other containers are reached), pickling instead waits until that
     stream's work has finished (set_ordering says which).
   - The sender process must outlive its receivers' imports (its vmmipc
-    server serves them). It keeps each sent storage alive until its receiver
-    has it; the receiver's mapping holds its own references to the memory,
-    so the sender may drop its tensors right after, and even return the
-    memory to the driver (torch.cuda.empty_cache()): the receiver's data
-    stays. But the sender's allocator may then hand the same memory to a
-    new tensor, whose writes the receiver would see: keep the sent tensors
-    alive in the sender for as long as receivers use them.
+    server serves them). It keeps each sent storage alive, out of its
+    allocator's reach, until the receiver has let go of every storage it
+    rebuilt from it, or has died (torch's rule), so the sender may drop its
+    tensors right after sending; a pickle never received keeps them until
+    set_pickle_ttl's time passes. Do not free a sent storage's memory
+    under it (storage.resize_(0)): torch's allocator could then reuse it.
   - The fork start method cannot work (VmmipcForkError): use spawn or
     forkserver.
 

@@ -204,3 +204,45 @@ def test_torch_receiver_ignores_a_release_that_finds_nothing(monkeypatch):
     del s
     gc.collect()  # a finalizer: it must not raise
     assert holds.held() == 0
+
+
+def test_torch_receiver_storage_dying_in_a_collection_inside_attach_does_not_deadlock():
+    """weakref finalizers run wherever a collection starts, also inside
+    Holds.attach while it holds its lock (allocating a cell there can start
+    one): a received storage that only a reference cycle kept (a module, a
+    traceback) dies there and must not wait for that lock. In a child: a
+    deadlocked thread would hold the collector's threshold at 1 here."""
+    import subprocess
+    import sys
+    code = (
+        "import gc, threading\n"
+        "from vmmipc import _torch_received\n"
+        "_torch_received.release = lambda t: None\n"
+        "class S: pass\n"
+        "holds = _torch_received.Holds()\n"
+        "def work():\n"
+        "    gc.set_threshold(1)  # a collection at (nearly) every allocation\n"
+        "    for i in range(2000):\n"
+        "        s = S(); s.me = s  # a storage only a cycle keeps\n"
+        "        holds.attach(s, ('cyclic', i))\n"
+        "        del s\n"
+        "        keep = S()\n"
+        "        holds.attach(keep, ('kept', i))\n"
+        "    del keep\n"
+        "t = threading.Thread(target=work, daemon=True)\n"
+        "t.start()\n"
+        "t.join(20)\n"
+        "if t.is_alive():\n"
+        "    print('deadlocked')\n"
+        "else:\n"
+        "    gc.set_threshold(700, 10, 10)\n"
+        "    gc.collect()\n"
+        "    done = threading.Event()\n"
+        "    _torch_received.reaper.submit(done.set)  # what the finalizers handed it\n"
+        "    done.wait(20)\n"
+        "    print('ok' if holds.held() == 0 else f'{holds.held()} tickets still held')\n")
+    parent = os.path.dirname(os.path.dirname(os.path.abspath(vmmipc.__file__)))
+    env = dict(os.environ, PYTHONPATH=parent)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.stdout.strip() == "ok", r.stdout + r.stderr

@@ -123,6 +123,7 @@ def fake(monkeypatch):
     monkeypatch.setattr(_torch_runs, "share", f.share)
     monkeypatch.setattr(_anchor, "register_again", f.register_again)
     monkeypatch.setattr(_anchor, "unregister", f.unregister)
+    monkeypatch.setattr(_torch_batch, "unregister", f.unregister)
     yield f
     # End what the test left pending while these stand-ins are still in
     # place, so no later test hears of this one's anchors.
@@ -675,6 +676,9 @@ def test_parameters_and_requires_grad_are_kept():
     z = torch.randn(4, dtype=torch.complex64).conj()  # a lazy view: the bit is not in the data
     with pytest.raises(ValueError, match="resolve_conj"):
         meta(torch, z)
+    named = torch.zeros(2, 3, names=("N", "C"))  # torch refuses to send names; so do we
+    with pytest.raises(RuntimeError, match="Named tensors don't support serialization"):
+        meta(torch, named)
 
 
 def test_views_of_one_storage_share_one_argument_tuple(fake):
@@ -806,3 +810,177 @@ def test_interprocess_events_are_bounded_and_reused(monkeypatch):
     again = _torch_batch.Batch().event(0)
     assert again in handles, "a completed event is recorded again, not a new one made"
     assert events.counts()[0] == 3
+
+
+# ------------------------------------------------- rebuild_storage's holds
+
+
+class FakeReceiver:
+    """Stands in for what rebuild_storage calls in the receiver: the run is
+    mapped (map_run: imported with the ticket, or found mapped), a storage
+    made over it, the ticket confirmed, the event waited on; and records
+    which held tickets are let go of, and which devices synchronized
+    (events: both, in order)."""
+
+    def __init__(self, monkeypatch, imported=True, event_fails=False):
+        self.confirmed, self.released, self.events = [], [], []
+        self.imported, self.event_fails = imported, event_fails
+        for name, value in (("received", _torch_received.WeakTable()),
+                            ("spent", _torch_received.SpentTickets()),
+                            ("holds", _torch_received.Holds()),
+                            ("receive_device", lambda: None),
+                            ("torch_module", lambda: self),
+                            ("map_run", self.map_run), ("storage_over", self.storage_over),
+                            ("confirm", self.confirm), ("wait_event", self.wait_event)):
+            monkeypatch.setattr(_torch_reductions, name, value)
+        monkeypatch.setattr(_torch_received, "release", self.release)
+        monkeypatch.setattr(_torch_received, "torch_module", lambda: self)
+        self.cuda = self
+
+    def release(self, ticket):
+        self.released.append(ticket)
+        self.events.append(("release", ticket))
+
+    def synchronize(self, device):
+        self.events.append(("synchronize", device))
+
+    def init(self):
+        pass
+
+    def map_run(self, torch, ticket, anchor_id, target):
+        return "run", self.imported
+
+    def storage_over(self, torch, run, offset, nbytes):
+        return Storage(BASE + offset, nbytes)
+
+    def confirm(self, ticket, hold=False):
+        assert hold
+        self.confirmed.append(ticket)
+
+    def wait_event(self, storage, ticket, exporter_device, event_handle, target):
+        if self.event_fails:
+            raise RuntimeError("cannot open the sender's CUDA event")
+
+
+@pytest.mark.parametrize("imported", [True, False], ids=["imported", "confirmed"])
+def test_a_receive_that_fails_after_spending_its_use_lets_go_of_the_hold(monkeypatch, imported):
+    """The run was imported (or the ticket confirmed), both holding the use,
+    and then the sender's event could not be opened (another /dev/shm): the
+    load fails, and the hold must go with the storage, not stay until this
+    process ends (the sender would keep the sent storages that long)."""
+    r = FakeReceiver(monkeypatch, imported=imported, event_fails=True)
+    with pytest.raises(RuntimeError, match="CUDA event"):
+        _torch_reductions.rebuild_storage("g1", ("sender", 1), 0, 64, 0, b"event")
+    gc.collect()
+    assert r.confirmed == ([] if imported else ["g1"])
+    assert r.released == ["g1"], "the use held for the failed load was never let go of"
+    assert _torch_reductions.holds.held() == 0
+    r.event_fails = False
+    with pytest.raises(vmmipc.NotFoundError):  # not tensors nothing holds or orders
+        _torch_reductions.rebuild_storage("g1", ("sender", 1), 0, 64, 0, b"event")
+
+
+def test_a_ticket_let_go_of_covers_no_storage_again(monkeypatch):
+    """A pickle loaded again after this process let go of its ticket's use
+    (its storages died, or a later pickle of them took over): nothing holds
+    that use any more, so the sender may reuse the memory. The load must
+    fail (as a miss does: the sender answers ENOENT), not hand out a
+    storage that nothing keeps, nor move a live storage off the ticket
+    that does keep it."""
+    r = FakeReceiver(monkeypatch, imported=False)  # the run is mapped here already
+    args = (("sender", 1), 0, 64, 0, None)
+    s = _torch_reductions.rebuild_storage("g1", *args)
+    del s
+    gc.collect()
+    assert r.released == ["g1"]
+    with pytest.raises(vmmipc.NotFoundError, match="received here before"):
+        _torch_reductions.rebuild_storage("g1", *args)  # the same pickle, loaded again
+    s = _torch_reductions.rebuild_storage("g2", *args)
+    assert _torch_reductions.rebuild_storage("g3", *args) is s, "sent again: g3 takes over"
+    assert r.released == ["g1", "g2"]
+    with pytest.raises(vmmipc.NotFoundError, match="received here before"):
+        _torch_reductions.rebuild_storage("g2", *args)  # an older pickle of s, again
+    assert r.released == ["g1", "g2"], "g3 must still hold s"
+    del s
+    gc.collect()
+    assert r.released == ["g1", "g2", "g3"] and _torch_reductions.holds.held() == 0
+
+
+def test_a_pickle_that_fails_ends_the_grants_it_made(fake):
+    """A tensor refused (or anything else unpicklable: a lambda) after
+    others of the same pickle were granted: no receiver will ever see those
+    grants, so they end with the failed pickle, and the storages they kept
+    are let go of, not held until this process ends."""
+    anchors = _torch_runs.run_anchors
+    s = Storage(BASE + (500 << 20), 1 << 20)
+    plan(anchors, s)
+    alive = weakref.ref(s)
+
+    class NonLeaf:
+        requires_grad, is_leaf = True, False
+
+    with pytest.raises(RuntimeError, match="requires_grad"):
+        with _torch_batch.batch([s]) as b:
+            b._events[0] = b"event"
+            run = anchors.attached(s)
+            ticket = _torch_reductions._storage_args(s, run, b)[0]  # s is granted
+            _torch_reductions._tensor_reduction(None, NonLeaf(), s, run, b)
+    assert ticket in fake.unregistered, "the failed pickle's grant is still pending"
+    release = next(r for t, *_, r in fake.again if t == run.anchor.ticket)
+    release()  # what the library does once the grant has ended
+    del s, b
+    drain()
+    assert alive() is None, "the failed pickle's grant still keeps the storage"
+
+
+def test_a_use_is_let_go_of_after_its_dead_storages_device_is_synchronized(monkeypatch):
+    """A received storage dies while kernels queued on it may still run
+    (y = x @ w; del w): its ticket's use is let go of only after the device
+    is synchronized, as torch's own receiver does, or the sender could
+    reuse the memory under them. A storage that a newer ticket took over
+    lives on, and the sender keeps the same memory for it: no wait then."""
+    r = FakeReceiver(monkeypatch, imported=False)
+    w = _torch_reductions.rebuild_storage("g1", ("sender", 1), 0, 64, 0, None)
+    b = _torch_reductions.rebuild_storage("g1", ("sender", 1), 64, 64, 0, None)
+    assert _torch_reductions.rebuild_storage("g2", ("sender", 1), 0, 64, 0, None) is w
+    assert r.events == [], "g1 still keeps b"
+    assert _torch_reductions.rebuild_storage("g2", ("sender", 1), 64, 64, 0, None) is b
+    assert r.events == [("release", "g1")], "g1's storages live on under g2: no wait"
+    del w
+    gc.collect()
+    assert r.events == [("release", "g1")], "g2 still keeps b"
+    del b
+    gc.collect()
+    assert r.events == [("release", "g1"), ("synchronize", 0), ("release", "g2")]
+
+
+def test_a_storage_outside_its_run_is_refused(monkeypatch):
+    """rebuild_storage's offset and size come from the pickle (from the
+    network, for open_tensors): a range outside the mapped run must be
+    refused before torch wraps an address that is not the run's."""
+    class Mapping:
+        addr, size, device = 1 << 40, 4 << 20, 0
+
+    class NoTorch:
+        def as_tensor(self, region):
+            raise AssertionError(f"wrapped {region.nbytes} bytes at {region.addr:#x}")
+
+    run = _torch_received.MappedRun.__new__(_torch_received.MappedRun)
+    run.mapping = Mapping()  # no finalizer: nothing to unmap
+    for offset, nbytes in ((4 << 20, 1), ((4 << 20) - 8, 16), (-8, 8), (0, (4 << 20) + 1)):
+        with pytest.raises(vmmipc.InvalidError, match="outside"):
+            _torch_received.storage_over(NoTorch(), run, offset, nbytes)
+
+
+
+def test_a_storage_refused_after_its_run_was_imported_lets_go_of_the_hold(monkeypatch):
+    """The import spent and held the ticket's use, then the storage was
+    refused (outside its run): no storage will ever let go of that use."""
+    r = FakeReceiver(monkeypatch, imported=True)
+
+    def refuse(torch, run, offset, nbytes):
+        raise vmmipc.InvalidError("lies outside its run", vmmipc.EINVAL, "vmmipc.torch")
+    monkeypatch.setattr(_torch_reductions, "storage_over", refuse)
+    with pytest.raises(vmmipc.InvalidError, match="outside its run"):
+        _torch_reductions.rebuild_storage("g1", ("sender", 1), 1 << 40, 64, 0, None)
+    assert r.released == ["g1"]
