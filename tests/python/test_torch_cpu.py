@@ -662,6 +662,7 @@ def test_tensor_metadata_round_trip(dtype):
 
 
 @needs_torch
+@pytest.mark.filterwarnings("ignore:Named tensors:UserWarning")  # torch calls them experimental
 def test_parameters_and_requires_grad_are_kept():
     import torch
     meta, over = _torch_reductions.tensor_meta, _torch_reductions.tensor_over
