@@ -52,6 +52,9 @@ Rules the caller keeps (the same as torch's own CUDA sharing):
     tensors right after sending; a pickle never received keeps them until
     set_pickle_ttl's time passes. Do not free a sent storage's memory
     under it (storage.resize_(0)): torch's allocator could then reuse it.
+  - A pickle loaded again while tensors from it live gives the same
+    storages; once they have all died, its grant has ended, and loading it
+    again raises NotFoundError: have the sender send again.
   - The fork start method cannot work (VmmipcForkError): use spawn or
     forkserver.
 
