@@ -921,7 +921,7 @@ def test_a_pickle_that_fails_ends_the_grants_it_made(fake):
         requires_grad, is_leaf = True, False
 
     with pytest.raises(RuntimeError, match="requires_grad"):
-        with _torch_batch.batch([s]) as b:
+        with _torch_batch.batch() as b:  # s is planned already (and torch not needed)
             b._events[0] = b"event"
             run = anchors.attached(s)
             ticket = _torch_reductions._storage_args(s, run, b)[0]  # s is granted
