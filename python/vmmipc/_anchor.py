@@ -131,6 +131,7 @@ class Anchor:
         self._grants: dict[int, Ticket | None] = {}
         self._keys = itertools.count()
         self.retired = False
+        self._warned = False  # about the limit of pending grants
 
     def grant(self, *, uses: int = 1, ttl: float | None = None, keep=None,
               limit: int | None = None, hold: bool = False) -> Ticket:
@@ -148,9 +149,13 @@ class Anchor:
             if limit is not None and len(self._grants) >= limit:
                 oldest = next((k for k, t in self._grants.items() if t is not None), None)
                 if oldest is not None:
-                    log.warning("vmmipc: %d grants of one anchor are still not received; ending "
-                                "the oldest (its receiver will be told it was unregistered)",
-                                len(self._grants))
+                    if not self._warned:  # once: receivers that hold many would repeat it
+                        self._warned = True
+                        log.warning("vmmipc: %d grants of one anchor have not ended (not received "
+                                    "yet, or held by their receivers); ending the oldest ones from "
+                                    "now on: a receiver that has not received one yet will be told "
+                                    "it was unregistered; one that holds it keeps its memory",
+                                    len(self._grants))
                     reaper.submit(_end_quietly, self._grants.pop(oldest))
             self._grants[key] = None  # a release that comes first removes it
         release = _Release(self, key, keep)
