@@ -911,8 +911,8 @@ int vmmipc_cache_get_info(vmmipc_cache_info *info_out, size_t size);
  * set once over the range. 15 GiB to one receiver on an H200 (first
  * transfer / floor of import + map + set access): 766 chunks of 20 MiB
  * 81-98 / 54-64 ms; 240 of 64 MiB 28-41 / 25-27 ms; 15 of 1 GiB 4.0-4.8 /
- * 2.2 ms; 4 of 4 GiB 3.1-8.0 / 1.4-1.7 ms (a run that left no log; the
- * logged 8 GiB one, bench/results/2026-12-01-h200.md: 4096 chunks of 2 MiB
+ * 2.2 ms; 4 of 4 GiB 3.1-8.0 / 1.4-1.7 ms (issue 25's measurement, no log
+ * here; a logged 8 GiB one, bench/results/2026-12-01-h200.md: 4096 chunks of 2 MiB
  * 537.8 / 408.3 ms, 410 of 20 MiB 53.9 / 41.8 ms). A pool allocates from large
  * physical chunks (1 GiB by default), so what is allocated in it spans few.
  *
