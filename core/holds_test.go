@@ -314,6 +314,32 @@ func TestHoldForAnEndedSession(t *testing.T) {
 	if em, _ := parseError(got.Body); em.Code != ENOENT {
 		t.Fatalf("hold-for an unknown session: %+v, want ENOENT", em)
 	}
+
+	// The receiver's side: its holder session names a token the exporter
+	// no longer knows (the session ended there first); the new stream is
+	// refused so, and opens again as a holder session of its own, on which
+	// its use is held.
+	g1, _ := f.grant(t, true)
+	if err := Confirm(g1, holdImport); err != nil {
+		t.Fatal(err)
+	}
+	old := holderFor(g1)
+	if old == nil {
+		t.Fatal("no holder session after a held use")
+	}
+	old.token[0] ^= 0xff
+	g2, _ := f.grant(t, true)
+	r := importHost(t, g2, holdImport) // a miss: a stream, with hold-for
+	defer Unmap(r.ID, r.Base)
+	if err := verifyRef(r, 21); err != nil {
+		t.Fatal(err)
+	}
+	stillHeld(t, f, g2, "a use whose hold-for named an ended session")
+	if n := len(holdersOf(g2.exporterKey())); n != 2 {
+		t.Fatalf("%d holder sessions to the exporter, want the old one and the new", n)
+	}
+	letGo(t, f, g2, "the use held on the new session")
+	letGo(t, f, g1, "the use held on the old session")
 }
 
 // TestHoldOnASecondStream: a second new mapping from the same exporter (a
