@@ -225,7 +225,7 @@ func TestNoReceiverReleasesAnothersHold(t *testing.T) {
 
 	// A use of the victim's registration proved without its secret.
 	tr := s.tr
-	tr.RegID, tr.Flags, tr.TicketDigest = victim.RegID, useProofFlag, mustDigest(t, victim)
+	tr.RegID, tr.Flags, tr.TicketDigest = victim.RegID, useProofFlag, mustDigestTB(t, victim)
 	forged := useMsg{RegID: victim.RegID, Proof: tr.proof(mine.Secret, roleReceiver)}
 	if err := rawWrite(s.fd, forged.encode()); err != nil {
 		t.Fatal(err)
@@ -253,15 +253,6 @@ func TestNoReceiverReleasesAnothersHold(t *testing.T) {
 		t.Fatal(err)
 	}
 	releasedSoon(t, f, victim, "the victim, unregistered")
-}
-
-func mustDigest(t *testing.T, tk *Ticket) [32]byte {
-	t.Helper()
-	d, err := tk.Digest()
-	if err != nil {
-		t.Fatal(err)
-	}
-	return d
 }
 
 // TestHeldReleasesInBatches: many holds let go of at once all arrive (in
