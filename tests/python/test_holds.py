@@ -42,13 +42,15 @@ def held_grant(anchor):
     return vmmipc.register_again(anchor, uses=1, hold=True, release=released.set), released
 
 
-def start_holder(ctx, ticket):
+def start_holder(ctx, ticket, holds=1):
+    """A child that imports ticket asking to hold it, and then holds
+    `holds` uses (0: the grant was made without hold)."""
     results, commands = ctx.Queue(), ctx.Queue()
     p = ctx.Process(target=hh.holding_child, args=(bytes(ticket), results, commands))
     p.start()
     r = results.get(timeout=TIMEOUT)
     assert r[0] == "held", r
-    assert r[2] == b"HOLD" and r[3] == 1, r
+    assert r[2] == b"HOLD" and r[3] == holds, r
     return p, results, commands
 
 
@@ -102,11 +104,7 @@ def test_a_grant_without_hold_is_released_when_used(anchor):
     ctx = mp.get_context("spawn")
     released = threading.Event()
     grant = vmmipc.register_again(anchor, uses=1, release=released.set)
-    results, commands = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=hh.holding_child, args=(bytes(grant), results, commands))
-    p.start()
-    r = results.get(timeout=TIMEOUT)
-    assert r[0] == "held" and r[3] == 0, r  # nothing held: the sender did not ask
+    p, _, commands = start_holder(ctx, grant, holds=0)  # nothing held: the sender did not ask
     assert released.wait(5)
     commands.put("exit")
     p.join(TIMEOUT)
