@@ -10,6 +10,7 @@ import fcntl
 import multiprocessing as mp
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -196,12 +197,17 @@ def test_torch_receiver_ignores_a_release_that_finds_nothing(monkeypatch):
     def gone(ticket):
         raise vmmipc.NotFoundError("holds no use", vmmipc.ENOENT, "vmmipc.release")
     monkeypatch.setattr(_torch_received, "release", gone)
+    # What a finalizer raises is not raised here: Python hands it to
+    # sys.unraisablehook (pytest only warns of it).
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
     holds = _torch_received.Holds()
     s = _Storage()
     holds.attach(s, "old-sender's ticket")
     del s
     gc.collect()  # a finalizer: it must not raise
     assert holds.held() == 0
+    assert not unraisable, f"the finalizer raised {unraisable[0].exc_value!r}"
 
 
 def test_torch_receiver_storage_dying_in_a_collection_inside_attach_does_not_deadlock():
