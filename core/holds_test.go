@@ -190,7 +190,13 @@ func TestHoldNeedsBothSides(t *testing.T) {
 // the used registration's own secret.
 func TestNoReceiverReleasesAnothersHold(t *testing.T) {
 	f := newHoldFixture(t)
-	victim, _ := f.grant(t, true)
+	// Two uses: one held, one left, so that only the proof can refuse the
+	// forged use below (a used-up registration is refused with ENOENT
+	// whatever the proof).
+	victim, err := f.s.RegisterAgain(f.anchor, RegisterOptions{Uses: 2, Hold: true})
+	if err != nil {
+		t.Fatal(err)
+	}
 	if err := Confirm(victim, holdImport); err != nil {
 		t.Fatal(err)
 	}
@@ -219,7 +225,7 @@ func TestNoReceiverReleasesAnothersHold(t *testing.T) {
 
 	// A use of the victim's registration proved without its secret.
 	tr := s.tr
-	tr.RegID, tr.Flags, tr.TicketDigest = victim.RegID, useProofFlag, mustDigest(t, victim)
+	tr.RegID, tr.Flags, tr.TicketDigest = victim.RegID, useProofFlag, mustDigestTB(t, victim)
 	forged := useMsg{RegID: victim.RegID, Proof: tr.proof(mine.Secret, roleReceiver)}
 	if err := rawWrite(s.fd, forged.encode()); err != nil {
 		t.Fatal(err)
@@ -228,8 +234,8 @@ func TestNoReceiverReleasesAnothersHold(t *testing.T) {
 	if err != nil || got.Type != msgUseAck {
 		t.Fatalf("a forged use answered with %s (%v)", describeMsg(got), err)
 	}
-	if ack, err := parseUseAck(got.Body); err != nil || (ack.Code != EAUTH && ack.Code != ENOENT) {
-		t.Fatalf("a forged use: %+v (%v), want EAUTH or ENOENT", ack, err)
+	if ack, err := parseUseAck(got.Body); err != nil || ack.Code != EAUTH {
+		t.Fatalf("a forged use: %+v (%v), want EAUTH", ack, err)
 	}
 	stillHeld(t, f, victim, "after a forged use")
 	if f.s.Holds() != 1 {
@@ -238,16 +244,15 @@ func TestNoReceiverReleasesAnothersHold(t *testing.T) {
 	if err := Release(victim); err != nil {
 		t.Fatal(err)
 	}
-	releasedSoon(t, f, victim, "the victim's own release")
-}
-
-func mustDigest(t *testing.T, tk *Ticket) [32]byte {
-	t.Helper()
-	d, err := tk.Digest()
-	if err != nil {
+	// Its use left is not spent: it lives on until the test ends it.
+	stillHeld(t, f, victim, "the victim with a use left")
+	if !waitUntil(5*time.Second, func() bool { return f.s.Holds() == 0 }) {
+		t.Fatalf("server holds %d after the victim's release, want 0", f.s.Holds())
+	}
+	if err := f.s.Unregister(victim); err != nil {
 		t.Fatal(err)
 	}
-	return d
+	releasedSoon(t, f, victim, "the victim, unregistered")
 }
 
 // TestHeldReleasesInBatches: many holds let go of at once all arrive (in
@@ -300,6 +305,32 @@ func TestHoldForAnEndedSession(t *testing.T) {
 	if em, _ := parseError(got.Body); em.Code != ENOENT {
 		t.Fatalf("hold-for an unknown session: %+v, want ENOENT", em)
 	}
+
+	// The receiver's side: its holder session names a token the exporter
+	// no longer knows (the session ended there first); the new stream is
+	// refused so, and opens again as a holder session of its own, on which
+	// its use is held.
+	g1, _ := f.grant(t, true)
+	if err := Confirm(g1, holdImport); err != nil {
+		t.Fatal(err)
+	}
+	old := holderFor(g1)
+	if old == nil {
+		t.Fatal("no holder session after a held use")
+	}
+	old.token[0] ^= 0xff
+	g2, _ := f.grant(t, true)
+	r := importHost(t, g2, holdImport) // a miss: a stream, with hold-for
+	defer Unmap(r.ID, r.Base)
+	if err := verifyRef(r, 21); err != nil {
+		t.Fatal(err)
+	}
+	stillHeld(t, f, g2, "a use whose hold-for named an ended session")
+	if n := len(holdersOf(g2.exporterKey())); n != 2 {
+		t.Fatalf("%d holder sessions to the exporter, want the old one and the new", n)
+	}
+	letGo(t, f, g2, "the use held on the new session")
+	letGo(t, f, g1, "the use held on the old session")
 }
 
 // TestHoldOnASecondStream: a second new mapping from the same exporter (a

@@ -56,6 +56,9 @@ func receiversAtOnce(t *testing.T, sender fds, tk *Ticket, n int, opts ImportOpt
 	if failed > 0 {
 		t.Fatalf("%d of %d receivers failed; the first: %v", failed, n, first)
 	}
+	if peak == 0 { // samplePeak skips counts it cannot read: a bound of nothing checks nothing
+		t.Fatalf("the sender's descriptors (process %d) were never counted while the receivers ran", sender.pid)
+	}
 	return took, peak
 }
 

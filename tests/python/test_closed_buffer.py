@@ -165,11 +165,12 @@ def test_item_access_and_view_raise_value_error(closed):
 
 
 def test_pickling_a_closed_buffer_is_refused(closed):
+    import pickle
     kind, x = closed
-    if kind in ("owner", "held"):
-        import pickle
-        with pytest.raises(ValueError, match="closed"):
-            pickle.dumps(x)
+    if kind == "mapping":
+        pytest.skip("a Mapping is never pickled, closed or not (python/vmmipc/_mapping.py)")
+    with pytest.raises(ValueError, match="closed"):  # imported ones too: no grant of nothing
+        pickle.dumps(x)
 
 
 # -- `view`: close() refuses while it is kept ----------------------------------

@@ -10,6 +10,7 @@ import fcntl
 import multiprocessing as mp
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -42,13 +43,15 @@ def held_grant(anchor):
     return vmmipc.register_again(anchor, uses=1, hold=True, release=released.set), released
 
 
-def start_holder(ctx, ticket):
+def start_holder(ctx, ticket, holds=1):
+    """A child that imports ticket asking to hold it, and then holds
+    `holds` uses (0: the grant was made without hold)."""
     results, commands = ctx.Queue(), ctx.Queue()
     p = ctx.Process(target=hh.holding_child, args=(bytes(ticket), results, commands))
     p.start()
     r = results.get(timeout=TIMEOUT)
     assert r[0] == "held", r
-    assert r[2] == b"HOLD" and r[3] == 1, r
+    assert r[2] == b"HOLD" and r[3] == holds, r
     return p, results, commands
 
 
@@ -102,11 +105,7 @@ def test_a_grant_without_hold_is_released_when_used(anchor):
     ctx = mp.get_context("spawn")
     released = threading.Event()
     grant = vmmipc.register_again(anchor, uses=1, release=released.set)
-    results, commands = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=hh.holding_child, args=(bytes(grant), results, commands))
-    p.start()
-    r = results.get(timeout=TIMEOUT)
-    assert r[0] == "held" and r[3] == 0, r  # nothing held: the sender did not ask
+    p, _, commands = start_holder(ctx, grant, holds=0)  # nothing held: the sender did not ask
     assert released.wait(5)
     commands.put("exit")
     p.join(TIMEOUT)
@@ -198,12 +197,17 @@ def test_torch_receiver_ignores_a_release_that_finds_nothing(monkeypatch):
     def gone(ticket):
         raise vmmipc.NotFoundError("holds no use", vmmipc.ENOENT, "vmmipc.release")
     monkeypatch.setattr(_torch_received, "release", gone)
+    # What a finalizer raises is not raised here: Python hands it to
+    # sys.unraisablehook (pytest only warns of it).
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
     holds = _torch_received.Holds()
     s = _Storage()
     holds.attach(s, "old-sender's ticket")
     del s
     gc.collect()  # a finalizer: it must not raise
     assert holds.held() == 0
+    assert not unraisable, f"the finalizer raised {unraisable[0].exc_value!r}"
 
 
 def test_torch_receiver_storage_dying_in_a_collection_inside_attach_does_not_deadlock():

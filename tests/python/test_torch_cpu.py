@@ -418,6 +418,7 @@ def test_a_batch_makes_one_grant_per_anchor_and_keeps_its_storages(fake):
     tickets.add(b.ticket(anchors.attached(far), far))
     assert tickets == {"pickle-1", "pickle-2"}
     assert [(t, uses) for t, uses, *_ in fake.again] == [("anchor-1", 1), ("anchor-2", 1)]
+    assert fake.holds == [True, True], "a receiver's hold must keep the sent storages"
     far_ref = weakref.ref(far)
     del s, far, b
     gc.collect()
