@@ -705,6 +705,11 @@ def test_views_of_one_storage_share_one_argument_tuple(fake):
     assert first[2:] == (0, 1 << 20, 0, b"event") and second[2] == 1 << 20
 
 
+class NonLeaf:
+    """A stand-in for a tensor that requires grad and is not a leaf."""
+    requires_grad, is_leaf = True, False
+
+
 def test_a_refused_tensor_leaves_no_grant(fake):
     """A non-leaf tensor that requires grad is refused (RuntimeError naming
     requires_grad, the word torch's own test asserts) before anything is
@@ -713,9 +718,6 @@ def test_a_refused_tensor_leaves_no_grant(fake):
     s = Storage(BASE, 1 << 20)
     plan(anchors, s)
     granted = len(fake.again)
-
-    class NonLeaf:
-        requires_grad, is_leaf = True, False
 
     b = _torch_batch.Batch()
     b._events[0] = b"event"
@@ -921,9 +923,6 @@ def test_a_pickle_that_fails_ends_the_grants_it_made(fake):
     s = Storage(BASE + (500 << 20), 1 << 20)
     plan(anchors, s)
     alive = weakref.ref(s)
-
-    class NonLeaf:
-        requires_grad, is_leaf = True, False
 
     with pytest.raises(RuntimeError, match="requires_grad"):
         with _torch_batch.batch() as b:  # s is planned already (and torch not needed)
