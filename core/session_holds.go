@@ -54,10 +54,7 @@ func (ss *session) sendUseAck(m useAckMsg) bool {
 func (ss *session) useOnHolder(h *holderSession, m useMsg) useAckMsg {
 	ack := useAckMsg{RegID: m.RegID}
 	refuse := func(err error) useAckMsg {
-		ack.Code, ack.Text = CodeOf(err), err.Error()
-		if !ack.Code.IsError() {
-			ack.Code = EINTERNAL
-		}
+		ack.Code, ack.Text = refusalCode(err), err.Error()
 		return ack
 	}
 	g, err := ss.reg.lookup(m.RegID)
