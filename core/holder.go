@@ -204,8 +204,7 @@ func (h *holder) use(t *Ticket) (broken bool, err error) {
 	if err != nil {
 		return false, err
 	}
-	tr := h.tr
-	tr.RegID, tr.Flags, tr.TicketDigest = t.RegID, useProofFlag, digest
+	tr := h.tr.forUse(t.RegID, digest)
 	msg := useMsg{RegID: t.RegID, Proof: tr.proof(t.Secret, roleReceiver)}.encode()
 	h.sendMu.Lock() // no release goes out before this use: they follow it
 	defer h.sendMu.Unlock()

@@ -61,9 +61,7 @@ func (ss *session) useOnHolder(h *holderSession, m useMsg) useAckMsg {
 	if err != nil {
 		return refuse(err)
 	}
-	tr := ss.tr
-	tr.RegID, tr.Flags, tr.TicketDigest = g.id, useProofFlag, g.digest
-	if !tr.verify(g.secret, roleReceiver, m.Proof) {
+	if tr := ss.tr.forUse(g.id, g.digest); !tr.verify(g.secret, roleReceiver, m.Proof) {
 		return refuse(Errorf(EAUTH, "use of registration %d: the proof does not check out: the ticket is corrupted or forged", g.id))
 	}
 	cl, err := g.claim(func() {})
