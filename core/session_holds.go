@@ -68,7 +68,7 @@ func (ss *session) useOnHolder(h *holderSession, m useMsg) useAckMsg {
 	if err != nil {
 		return refuse(err)
 	}
-	held := g.holdable && h.take(g)
+	held := h.take(g)
 	usedUp := g.spend(cl)
 	g.drop(cl)
 	if usedUp {
