@@ -109,16 +109,7 @@ func adoptHolder(t *Ticket, c *conn, tr transcript, held bool) (*holder, error) 
 // the protocol; then the session is closed and forgotten.
 func (h *holder) read() {
 	for {
-		f, err := h.c.recv()
-		if err == nil && f.FD >= 0 {
-			closeFD(&f.FD)
-			err = Errorf(EINVAL, "protocol: the exporter sent a descriptor on a holder session")
-		}
-		if err == nil && f.Type == msgError {
-			err = remoteError(f.Body, beforeChunks)
-		} else if err == nil && f.Type != msgUseAck {
-			err = Errorf(EINVAL, "protocol: expected use-ack on a holder session, got %s", msgName(f.Type))
-		}
+		f, err := recvControl(h.c, "use-ack")
 		var ack useAckMsg
 		if err == nil {
 			ack, err = parseUseAck(f.Body)
@@ -213,8 +204,7 @@ func (h *holder) use(t *Ticket) (broken bool, err error) {
 	if err != nil {
 		return false, err
 	}
-	tr := h.tr
-	tr.RegID, tr.Flags, tr.TicketDigest = t.RegID, useProofFlag, digest
+	tr := h.tr.forUse(t.RegID, digest)
 	msg := useMsg{RegID: t.RegID, Proof: tr.proof(t.Secret, roleReceiver)}.encode()
 	h.sendMu.Lock() // no release goes out before this use: they follow it
 	defer h.sendMu.Unlock()

@@ -58,9 +58,13 @@ func newHolderSession(hangUp func()) (*holderSession, error) {
 	return h, nil
 }
 
-// take holds one use of g on h, unless h has closed (its receiver is
-// gone: nothing to hold for) or g has ended (registration.go hold).
+// take holds one use of g on h, unless g does not hold
+// (RegisterOptions.Hold unset), h has closed (its receiver is gone: nothing
+// to hold for) or g has ended (registration.go hold).
 func (h *holderSession) take(g *registration) bool {
+	if !g.holdable {
+		return false
+	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if h.closed || !g.hold() {

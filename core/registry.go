@@ -4,6 +4,7 @@ import (
 	"crypto/subtle"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -24,8 +25,9 @@ type Registry struct {
 	order     []uint64                 // ended ids, oldest first, to bound the map
 	buffers   map[uint64]*buffer       // buffers with live registrations
 	byKey     map[string]*buffer
-	holds     int64 // receivers' holds on spent uses (holds.go)
 	holders   map[holderToken]*holderSession
+
+	holds atomic.Int64 // receivers' holds on spent uses (holds.go): counted off mu
 }
 
 const rememberEnded = 4096
@@ -283,15 +285,7 @@ func (r *Registry) hangUpHolders() {
 	}
 }
 
-func (r *Registry) holdsChanged(d int64) {
-	r.mu.Lock()
-	r.holds += d
-	r.mu.Unlock()
-}
+func (r *Registry) holdsChanged(d int64) { r.holds.Add(d) }
 
 // Holds counts the uses receivers hold now, over every registration.
-func (r *Registry) Holds() int64 {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return r.holds
-}
+func (r *Registry) Holds() int64 { return r.holds.Load() }

@@ -141,7 +141,7 @@ func (ss *session) serveUse(g *registration, hello helloMsg, holder *holderSessi
 	spend := func(spendIt bool) {
 		switch {
 		case spendIt && !spent:
-			held = g.holdable && holder != nil && holder.take(g)
+			held = holder != nil && holder.take(g)
 			spent, usedUp = true, g.spend(cl)
 		case !spendIt && spent:
 			g.unspend(cl)

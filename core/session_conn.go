@@ -41,12 +41,18 @@ func (ss *session) recv() (frame, bool) {
 // refuse tells the receiver why it gets nothing (best effort) and lets the
 // caller close the connection. No descriptor is ever sent with it.
 func (ss *session) refuse(err error) {
-	code := CodeOf(err)
-	if !code.IsError() {
-		code = EINTERNAL
-	}
 	ss.refused = true
 	ss.c.deadline = time.Time{}
 	ss.c.timeout = time.Second // never block long on a receiver that does not read
-	_ = ss.c.send(errorMsg{Code: code, Text: err.Error()}.encode(), -1)
+	_ = ss.c.send(errorMsg{Code: refusalCode(err), Text: err.Error()}.encode(), -1)
+}
+
+// refusalCode is the status a refusal sends for err: its own, or EINTERNAL
+// where that is no error status (the receiver takes only those as a
+// refusal: parseError, parseUseAck).
+func refusalCode(err error) Code {
+	if code := CodeOf(err); code.IsError() {
+		return code
+	}
+	return EINTERNAL
 }

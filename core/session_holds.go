@@ -54,26 +54,21 @@ func (ss *session) sendUseAck(m useAckMsg) bool {
 func (ss *session) useOnHolder(h *holderSession, m useMsg) useAckMsg {
 	ack := useAckMsg{RegID: m.RegID}
 	refuse := func(err error) useAckMsg {
-		ack.Code, ack.Text = CodeOf(err), err.Error()
-		if !ack.Code.IsError() {
-			ack.Code = EINTERNAL
-		}
+		ack.Code, ack.Text = refusalCode(err), err.Error()
 		return ack
 	}
 	g, err := ss.reg.lookup(m.RegID)
 	if err != nil {
 		return refuse(err)
 	}
-	tr := ss.tr
-	tr.RegID, tr.Flags, tr.TicketDigest = g.id, useProofFlag, g.digest
-	if !tr.verify(g.secret, roleReceiver, m.Proof) {
+	if tr := ss.tr.forUse(g.id, g.digest); !tr.verify(g.secret, roleReceiver, m.Proof) {
 		return refuse(Errorf(EAUTH, "use of registration %d: the proof does not check out: the ticket is corrupted or forged", g.id))
 	}
 	cl, err := g.claim(func() {})
 	if err != nil {
 		return refuse(err)
 	}
-	held := g.holdable && h.take(g)
+	held := h.take(g)
 	usedUp := g.spend(cl)
 	g.drop(cl)
 	if usedUp {
