@@ -81,12 +81,11 @@ def is_vmm_tensor(obj) -> bool:
         if not plain_cuda(torch, obj):
             return False
         obj = obj.untyped_storage()
-    if run_anchors.attached(obj) is not None:
-        return True
     try:
-        return run_anchors.pending(obj) is not None
+        run, pending = find_run(obj, None)
     except _errors.InvalidError:
         return True  # VMM memory, just not sendable
+    return run is not None or pending is not None
 
 
 # ------------------------------------------------------------------ storage
