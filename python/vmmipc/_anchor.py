@@ -101,7 +101,7 @@ def _let_go(_objects) -> None:
     """Runs on the reaper: what it was given dies when it returns."""
 
 
-def _end_quietly(ticket: Ticket) -> None:
+def end_quietly(ticket: Ticket) -> None:
     try:
         unregister(ticket)
     except _errors.NotFoundError:
@@ -156,7 +156,7 @@ class Anchor:
                                     "now on: a receiver that has not received one yet will be told "
                                     "it was unregistered; one that holds it keeps its memory",
                                     len(self._grants))
-                    reaper.submit(_end_quietly, self._grants.pop(oldest))
+                    reaper.submit(end_quietly, self._grants.pop(oldest))
             self._grants[key] = None  # a release that comes first removes it
         release = _Release(self, key, keep)
         try:
@@ -189,9 +189,9 @@ class Anchor:
         if self._generation != _generation[0]:
             return
         if now:
-            _end_quietly(self.ticket)
+            end_quietly(self.ticket)
         else:
-            reaper.submit(_end_quietly, self.ticket)
+            reaper.submit(end_quietly, self.ticket)
 
 
 class _Release:

@@ -34,7 +34,7 @@ import threading
 import time
 
 from . import _errors, _mp
-from ._register import unregister
+from ._anchor import end_quietly
 from ._torch_env import plain_cuda, torch_module
 from ._torch_runs import RunAnchor, run_anchors
 
@@ -184,10 +184,7 @@ class Batch:
         """End this batch's grants: its pickle failed, so no receiver will
         come for them (one that has already taken a use keeps its hold)."""
         for ticket, _ in self._grants.values():
-            try:
-                unregister(ticket)
-            except _errors.NotFoundError:
-                pass  # ended already
+            end_quietly(ticket)
 
     def event(self, device: int) -> bytes | None:
         """The interprocess event handle for device (one per batch), or None

@@ -144,7 +144,8 @@ class SpentTickets:
     """Tickets whose use this process has spent (imported or confirmed),
     and the events it has waited on for them: each at most once. Bounded:
     the oldest are forgotten (a ticket is one use, so seeing it again means
-    the same pickle loaded again)."""
+    the same pickle loaded again). Holds remembers the tickets it let go
+    of in one too."""
 
     LIMIT = 1 << 16
 
@@ -167,6 +168,10 @@ class SpentTickets:
         with self._lock:
             self._seen.pop(ticket, None)
 
+    def __contains__(self, ticket) -> bool:
+        with self._lock:
+            return ticket in self._seen
+
 
 class Holds:
     """Which held ticket keeps each received storage safe, and how many live
@@ -179,13 +184,11 @@ class Holds:
     synchronized (kernels queued on the storage may still use it; torch's
     own receiver synchronizes as well)."""
 
-    LIMIT = SpentTickets.LIMIT  # tickets let go of that are remembered
-
     def __init__(self):  # also after fork, in place
         self._lock = threading.Lock()
         self._count: dict = {}  # ticket -> live storages whose newest ticket it is
         self._of: dict = {}     # id(storage) -> its cell: [newest ticket, weakref to it]
-        self._gone: collections.OrderedDict = collections.OrderedDict()  # tickets let go of
+        self._gone = SpentTickets()  # tickets let go of (the newest of them)
         self._dead: dict = {}   # ticket -> the device of a storage of it that died
 
     def attach(self, storage, ticket, device: int | None = None) -> None:
@@ -245,19 +248,13 @@ class Holds:
             self._count[ticket] = n
             return False, None
         self._count.pop(ticket, None)
-        self._mark_gone(ticket)
+        self._gone.add(ticket)
         return True, self._dead.pop(ticket, None)
-
-    def _mark_gone(self, ticket) -> None:
-        self._gone[ticket] = True
-        if len(self._gone) > self.LIMIT:
-            self._gone.popitem(last=False)
 
     def let_go(self, ticket) -> None:
         """Let go of a use held for no storage: a load that failed after
         its import had spent (and held) it."""
-        with self._lock:
-            self._mark_gone(ticket)
+        self._gone.add(ticket)
         _release_quietly(ticket)
 
     def held(self) -> int:

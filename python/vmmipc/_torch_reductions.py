@@ -59,18 +59,20 @@ def _reduce_through(what: str, storage, torch_reduce, vmm_reduce):
     (fork destinations refused before anything is registered, errors
     carried to the receiver of a Queue)."""
     b = current_batch()
-    where = b.where if b is not None else _mp.ASK
     try:
         run, pending = find_run(storage, b)
     except _errors.VmmipcError as e:  # e.g. no POSIX fd, libvmmipc or libcuda missing
-        return _mp.guarded_reduce(what, functools.partial(_raise, e), where)
+        return _mp.guarded_reduce(what, functools.partial(_raise, e),
+                                  b.where if b is not None else _mp.ASK)
     if run is None and pending is None:
         return torch_reduce()
+    if b is None:  # reduced outside a pickle's batch: a batch of its own
+        b = Batch()
 
     def reduce():
         anchored = run if pending is None else anchor_pending(storage, pending, b)
         return vmm_reduce(anchored, b)
-    return _mp.guarded_reduce(what, reduce, where)
+    return _mp.guarded_reduce(what, reduce, b.where)
 
 
 def is_vmm_tensor(obj) -> bool:
@@ -81,12 +83,11 @@ def is_vmm_tensor(obj) -> bool:
         if not plain_cuda(torch, obj):
             return False
         obj = obj.untyped_storage()
-    if run_anchors.attached(obj) is not None:
-        return True
     try:
-        return run_anchors.pending(obj) is not None
+        run, pending = find_run(obj, None)
     except _errors.InvalidError:
         return True  # VMM memory, just not sendable
+    return run is not None or pending is not None
 
 
 # ------------------------------------------------------------------ storage
@@ -102,19 +103,16 @@ def reduce_storage(storage):
                            lambda run, b: _storage_reduction(storage, run, b))
 
 
-def _storage_reduction(storage, run: RunAnchor, b: Batch | None):
+def _storage_reduction(storage, run: RunAnchor, b: Batch):
     return (rebuild_storage, _storage_args(storage, run, b))
 
 
-def _storage_args(storage, run: RunAnchor, b: Batch | None) -> tuple:
+def _storage_args(storage, run: RunAnchor, b: Batch) -> tuple:
     """rebuild_storage's arguments for storage (one tuple per storage and
     batch, so the pickler's memo sends it once for all its views)."""
-    if b is not None:
-        found = b.args.get(id(storage))
-        if found is not None and found[0] is storage:
-            return found[1]
-    else:
-        b = Batch()
+    found = b.args.get(id(storage))
+    if found is not None and found[0] is storage:
+        return found[1]
     try:
         ticket = b.ticket(run, storage)
     except _errors.NotFoundError:
@@ -188,7 +186,7 @@ def reduce_tensor(tensor):
                            lambda run, b: _tensor_reduction(torch, tensor, storage, run, b))
 
 
-def _tensor_reduction(torch, tensor, storage, run: RunAnchor, b: Batch | None):
+def _tensor_reduction(torch, tensor, storage, run: RunAnchor, b: Batch):
     # One call per tensor, its storage's arguments inline: the receiver's
     # table of received storages gives views of one storage one storage.
     # The checks first: a tensor refused must leave no grant behind.

@@ -123,7 +123,6 @@ def fake(monkeypatch):
     monkeypatch.setattr(_torch_runs, "share", f.share)
     monkeypatch.setattr(_anchor, "register_again", f.register_again)
     monkeypatch.setattr(_anchor, "unregister", f.unregister)
-    monkeypatch.setattr(_torch_batch, "unregister", f.unregister)
     yield f
     # End what the test left pending while these stand-ins are still in
     # place, so no later test hears of this one's anchors.
