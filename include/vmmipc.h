@@ -47,9 +47,13 @@
  *   - The library runs the Go runtime, which cannot survive running out of
  *     address space or memory for itself: such a failure ends the process
  *     ("fatal error: runtime: cannot allocate memory"), it is not a status.
- *     Imports check their own address-space needs against RLIMIT_AS first
- *     and fail cleanly with VMMIPC_ENOMEM; keep a few hundred MiB of
- *     headroom above what you map.
+ *     An import first checks that RLIMIT_AS leaves free what it reserves
+ *     plus 128 MiB kept for the Go runtime (the process's size read from
+ *     /proc/self/statm at the call) and fails cleanly with VMMIPC_ENOMEM,
+ *     giving the figures, where it does not. The runtime's own growth
+ *     (64 MiB heap arenas, thread stacks) changes that size between calls,
+ *     so an import that just fits may be refused the next time: keep a few
+ *     hundred MiB of headroom above what you map.
  *   - After fork(), every function returns VMMIPC_EFORK in the child (the Go
  *     runtime inside does not survive fork). Start helpers with exec or
  *     posix_spawn, or with Python's "spawn"/"forkserver" start methods.
