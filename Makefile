@@ -119,7 +119,7 @@ test-wheel: ## pip wheel ./python: a manylinux wheel (auditwheel), installed int
 test-editable: ## pip install -e ./python into a fresh venv; the Python example from elsewhere loads the editable build's library
 	bash tests/install/test_editable.sh $(PYTHON) $(BUILD)/editable-test
 
-test-readme: ## README.md's code blocks are excerpts of examples/ and compile as printed
+test-readme: ## README.md and docs/*.md: code blocks are excerpts of examples/ that compile and import what they use, links lead to files and headings, sections stay short
 	$(PYTHON) tests/readme/check_snippets.py
 
 demo: deps ## share a 4096-chunk buffer between two processes (GPU if present, else host)

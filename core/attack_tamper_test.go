@@ -1,6 +1,8 @@
 package core
 
 import (
+	"fmt"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -124,4 +126,46 @@ func TestRegisteredFileNotItsNumber(t *testing.T) {
 	}
 	unix.Close(fd)
 	ourFDs().waitFor(t, before-1, "after both registrations were used up (the library's duplicates closed)")
+}
+
+// TestDamagedTicketIsSuspected: where a ticket's own fields lead nowhere
+// (a pid no process has, a pid of another process, nobody listening at
+// its address, a network namespace not ours) while the exporter lives, the
+// receiver is refused at once (EIO) with a message that says the ticket may
+// be damaged or come from another host or container, not only that the
+// exporter exited; the registration's use is not spent.
+func TestDamagedTicketIsSuspected(t *testing.T) {
+	flushCache(t)
+	s := newTestServer(t)
+	fd := newMemfd(t, 4*4096, pattern(4*4096, 7))
+	tk := registerFile(t, s, fd, 4*4096, 4096, RegisterOptions{Uses: 1})
+	unix.Close(fd)
+	unused := uint32(0)
+	for pid := uint32(4194303); pid > 1000; pid-- {
+		if _, err := os.Stat(fmt.Sprintf("/proc/%d", pid)); os.IsNotExist(err) {
+			unused = pid
+			break
+		}
+	}
+	damage := map[string]func(*Ticket){
+		"a pid no process has":       func(b *Ticket) { b.Pid = unused },
+		"the pid of another process": func(b *Ticket) { b.Pid = uint32(os.Getppid()) },
+		"an address nobody listens at": func(b *Ticket) {
+			b.Address = b.Address[:len(b.Address)-1] + string(b.Address[len(b.Address)-1]^1)
+		},
+		"another network namespace": func(b *Ticket) { b.NS.Net++ },
+	}
+	for what, change := range damage {
+		bad := *tk
+		change(&bad)
+		_, err := Import(&bad, DeviceHost, ImportOptions{OpenOptions: OpenOptions{Timeout: 2 * time.Second}}, nil)
+		if CodeOf(err) != EIO || !strings.Contains(err.Error(), "the ticket is damaged, or comes from another host or container") {
+			t.Errorf("%s: got %v (%v), want EIO saying the ticket may be damaged", what, CodeOf(err), err)
+		}
+		t.Logf("%s: %v", what, err)
+	}
+	r := importHost(t, tk, ImportOptions{}) // the only use is still there
+	if err := verifyAndUnmap(r, 7); err != nil {
+		t.Fatal(err)
+	}
 }

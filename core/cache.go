@@ -105,7 +105,7 @@ func (c *importCache) configure() {
 	if v, ok := os.LookupEnv(CacheBytesEnv); ok {
 		n, err := ParseBytes(v)
 		if err != nil {
-			c.limitErr = Errorf(EINVAL, "%s=%q: %v (e.g. 8G, 1073741824, or 0 to turn the import cache off)", CacheBytesEnv, v, err)
+			c.limitErr = Errorf(ECONFIG, "%s=%q: %v (e.g. 8G, 1073741824, or 0 to turn the import cache off)", CacheBytesEnv, v, err)
 			return
 		}
 		c.limit = n

@@ -182,7 +182,8 @@ func TestCacheMisses(t *testing.T) {
 
 // TestCacheBytesEnv: VMMIPC_CACHE_BYTES sets the bound (read once per
 // process, so each value runs in a helper process of its own); a bad value
-// makes imports fail with EINVAL naming the variable.
+// makes imports fail with ECONFIG (a configuration error, not a bad
+// argument) naming the variable.
 func TestCacheBytesEnv(t *testing.T) {
 	for _, tc := range []struct {
 		value       string
@@ -194,9 +195,9 @@ func TestCacheBytesEnv(t *testing.T) {
 		{"1G", OK, 1 << 30, 1, ""},
 		{"0", OK, 0, 0, ""},
 		{"16K", OK, 16 << 10, 0, ""}, // smaller than the 64 KiB buffer
-		{"bogus", EINVAL, DefaultCacheBytes, 0, "VMMIPC_CACHE_BYTES=\"bogus\""},
-		{"-1", EINVAL, DefaultCacheBytes, 0, "VMMIPC_CACHE_BYTES=\"-1\""},
-		{"99999999999T", EINVAL, DefaultCacheBytes, 0, "too large"},
+		{"bogus", ECONFIG, DefaultCacheBytes, 0, "VMMIPC_CACHE_BYTES=\"bogus\""},
+		{"-1", ECONFIG, DefaultCacheBytes, 0, "VMMIPC_CACHE_BYTES=\"-1\""},
+		{"99999999999T", ECONFIG, DefaultCacheBytes, 0, "too large"},
 	} {
 		t.Run(tc.value, func(t *testing.T) {
 			var env []string

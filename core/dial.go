@@ -64,13 +64,13 @@ func dialExporter(t *Ticket, deadline time.Time) (*net.UnixConn, error) {
 func nobodyListens(t *Ticket, err error) string {
 	switch {
 	case strings.HasPrefix(t.Address, "@") && t.NS.netNS() == nsSame:
-		return "the exporter closed its server or exited"
+		return "the exporter closed its server or exited, " + orDamaged
 	case strings.HasPrefix(t.Address, "@"):
-		return "the exporter closed its server or exited, or it is in another network namespace: abstract sockets do not cross network namespaces; set " + SocketDirEnv + " to a directory both sides mount"
+		return "the exporter closed its server or exited, or it is in another network namespace: abstract sockets do not cross network namespaces; set " + SocketDirEnv + " to a directory both sides mount; " + orDamaged
 	case errors.Is(err, syscall.ENOENT):
-		return "no such socket file: the exporter closed its server, or this process does not see its socket directory (mount the same directory at the same path on both sides)"
+		return "no such socket file: the exporter closed its server, or this process does not see its socket directory (mount the same directory at the same path on both sides), " + orDamaged
 	}
-	return "the exporter exited or closed its server, leaving its socket file behind"
+	return "the exporter exited or closed its server, leaving its socket file behind, " + orDamaged
 }
 
 // checkExporter is the first filter before the handshake proves anything:
@@ -88,7 +88,7 @@ func checkExporter(uc *net.UnixConn, t *Ticket) error {
 		return Errorf(EAUTH, "open: the socket %s belongs to uid %d; only our own uid or root may export to us%s", t.Address, cred.Uid, overflowUIDNote(cred.Uid))
 	}
 	if t.NS.pidNS() == nsSame && uint32(cred.Pid) != t.Pid {
-		return Errorf(EAUTH, "open: the socket %s belongs to pid %d, but the ticket was issued by pid %d; refusing to trust it (the exporter exited and another process took its address, or the ticket is forged)", t.Address, cred.Pid, t.Pid)
+		return Errorf(EAUTH, "open: the socket %s belongs to pid %d, but the ticket was issued by pid %d; refusing to trust it (the exporter exited and another process took its address, or the ticket is damaged or forged)", t.Address, cred.Pid, t.Pid)
 	}
 	return nil
 }

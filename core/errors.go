@@ -33,10 +33,11 @@ const (
 	EINTERNAL                  // -10
 	ENOMEM                     // -11
 	ETIMEDOUT                  // -12
+	ECONFIG                    // -13
 )
 
 // firstCode is the most negative status; codes run from it to End.
-const firstCode = ETIMEDOUT
+const firstCode = ECONFIG
 
 var codeNames = map[Code]string{
 	OK:        "VMMIPC_OK: success",
@@ -53,6 +54,7 @@ var codeNames = map[Code]string{
 	EINTERNAL: "VMMIPC_EINTERNAL: internal error in libvmmipc",
 	ENOMEM:    "VMMIPC_ENOMEM: no address space for the reservation",
 	ETIMEDOUT: "VMMIPC_ETIMEDOUT: timed out; the registration is still live",
+	ECONFIG:   "VMMIPC_ECONFIG: bad configuration (VMMIPC_SOCKET_DIR or another VMMIPC_* variable)",
 }
 
 // Codes lists every status code, most negative first.

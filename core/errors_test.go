@@ -28,11 +28,11 @@ func TestErrorfWrapsOnce(t *testing.T) {
 // name; IsError holds for exactly the negative ones.
 func TestCodes(t *testing.T) {
 	cs := Codes()
-	if len(cs) != 14 || cs[0] != ETIMEDOUT || cs[len(cs)-1] != End {
-		t.Fatalf("Codes() = %v, want VMMIPC_ETIMEDOUT (-12) .. VMMIPC_END (1)", cs)
+	if len(cs) != 15 || cs[0] != ECONFIG || cs[len(cs)-1] != End {
+		t.Fatalf("Codes() = %v, want VMMIPC_ECONFIG (-13) .. VMMIPC_END (1)", cs)
 	}
 	for i, c := range cs {
-		if int(c) != -12+i {
+		if int(c) != -13+i {
 			t.Fatalf("Codes()[%d] = %d", i, c)
 		}
 		if c.IsError() != (c < 0) {
@@ -42,12 +42,12 @@ func TestCodes(t *testing.T) {
 			t.Errorf("code %d is named %q", c, s)
 		}
 	}
-	for _, c := range []Code{ETIMEDOUT - 1, End + 1} {
+	for _, c := range []Code{ECONFIG - 1, End + 1} {
 		if c.IsError() || !strings.Contains(c.String(), "UNKNOWN") {
 			t.Errorf("code %d: IsError %v, named %q", c, c.IsError(), c.String())
 		}
 	}
-	if ENOMEM != -11 || ETIMEDOUT != -12 {
-		t.Fatal("ENOMEM and ETIMEDOUT differ from vmmipc.h")
+	if ENOMEM != -11 || ETIMEDOUT != -12 || ECONFIG != -13 {
+		t.Fatal("ENOMEM, ETIMEDOUT or ECONFIG differ from vmmipc.h")
 	}
 }

@@ -38,9 +38,9 @@ func checkReachable(t *Ticket) error {
 	}
 	switch {
 	case t.NS.netNS() == nsOther:
-		return Errorf(EIO, "open: nothing listens at %s for us: the exporter is in another network namespace, and abstract sockets do not cross network namespaces; set %s for the exporter to a directory both sides mount at the same path", t.Address, SocketDirEnv)
+		return Errorf(EIO, "open: nothing listens at %s for us: the exporter is in another network namespace, and abstract sockets do not cross network namespaces; set %s for the exporter to a directory both sides mount at the same path (%s: its network namespace field differs from ours)", t.Address, SocketDirEnv, orDamaged)
 	case t.NS.pidNS() == nsOther:
-		return Errorf(EIO, "open: the exporter (pid %d in its own namespace) is in another PID namespace and no shared socket directory is set: its pid means nothing here, so neither its liveness nor its socket's owner can be checked; set %s for the exporter to a directory both sides mount at the same path", t.Pid, SocketDirEnv)
+		return Errorf(EIO, "open: the exporter (pid %d in its own namespace) is in another PID namespace and no shared socket directory is set: its pid means nothing here, so neither its liveness nor its socket's owner can be checked; set %s for the exporter to a directory both sides mount at the same path (%s: its PID namespace field differs from ours)", t.Pid, SocketDirEnv, orDamaged)
 	}
 	return nil
 }
@@ -100,11 +100,11 @@ func checkPidAlive(t *Ticket) error {
 	st, err := processStartTime(int(t.Pid))
 	switch {
 	case errors.Is(err, fs.ErrNotExist):
-		return Errorf(EIO, "open: the exporter (pid %d) has exited: no process has that pid any more", t.Pid)
+		return Errorf(EIO, "open: the exporter (pid %d) has exited, %s: no process has that pid any more", t.Pid, orDamaged)
 	case err != nil || t.StartTime == 0 || !sameClock(t):
 		return nil
 	case st != t.StartTime:
-		return Errorf(EIO, "open: the exporter (pid %d, started at tick %d) has exited: pid %d now belongs to another process, started at tick %d", t.Pid, t.StartTime, t.Pid, st)
+		return Errorf(EIO, "open: the exporter (pid %d, started at tick %d) has exited, %s: pid %d now belongs to another process, started at tick %d", t.Pid, t.StartTime, orDamaged, t.Pid, st)
 	}
 	return nil
 }
@@ -133,13 +133,13 @@ func checkLockHeld(t *Ticket) error {
 	}
 	var unsafe *unsafePathError
 	if _, err := checkPath(filepath.Dir(path)); errors.As(err, &unsafe) {
-		return Errorf(EIO, "open: the exporter's socket directory %s cannot be trusted here: %s (then set %s for the exporter to such a path)", filepath.Dir(path), unsafe.msg, SocketDirEnv)
+		return Errorf(ECONFIG, "open: the exporter's socket directory %s cannot be trusted here: %s (then set %s for the exporter to such a path)", filepath.Dir(path), unsafe.msg, SocketDirEnv)
 	}
 	switch held, holder := probeLock(path); {
 	case held == lockFree:
 		return Errorf(EIO, "open: the exporter (pid %d in its own namespace) has exited: nothing holds its lock %s any more (its socket file may be left behind)", t.Pid, path)
 	case held == lockHeld && holder > 0 && t.NS.pidNS() == nsSame && uint32(holder) != t.Pid:
-		return Errorf(EIO, "open: the exporter (pid %d) has exited: its lock %s is held by pid %d", t.Pid, path, holder)
+		return Errorf(EIO, "open: the exporter (pid %d) has exited, or the ticket's pid is damaged: its lock %s is held by pid %d", t.Pid, path, holder)
 	}
 	return nil
 }

@@ -77,7 +77,7 @@ func NewServer(dir string) (*Server, error) {
 		}
 		if addr = filepath.Join(d.path, name) + socketSuffix; len(addr) > maxAddrLen {
 			d.close()
-			return nil, Errorf(EIO, "server: socket path %q is longer than %d bytes; use a shorter %s", addr, maxAddrLen, SocketDirEnv)
+			return nil, Errorf(ECONFIG, "server: socket path %q is longer than %d bytes; use a shorter %s", addr, maxAddrLen, SocketDirEnv)
 		}
 		d.removeStale()
 		if files, err = createLock(d, name); err != nil {

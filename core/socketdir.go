@@ -56,11 +56,13 @@ type socketDir struct {
 }
 
 // openSocketDir checks dir (checkPath) and opens the directory it leads
-// to.
+// to. A directory that is missing, unsafe or unusable is the caller's
+// configuration (ECONFIG), told apart from an I/O failure (EIO).
 func openSocketDir(dir string) (*socketDir, error) {
-	fail := func(format string, args ...any) (*socketDir, error) {
-		return nil, Errorf(EIO, "server: %s=%q: "+format, append([]any{SocketDirEnv, dir}, args...)...)
+	failAs := func(code Code, format string, args ...any) (*socketDir, error) {
+		return nil, Errorf(code, "server: %s=%q: "+format, append([]any{SocketDirEnv, dir}, args...)...)
 	}
+	fail := func(format string, args ...any) (*socketDir, error) { return failAs(ECONFIG, format, args...) }
 	abs, err := filepath.Abs(dir)
 	if err != nil {
 		return fail("%w", err)
@@ -76,14 +78,14 @@ func openSocketDir(dir string) (*socketDir, error) {
 	}
 	fd, err := unix.Open(real, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 	if err != nil {
-		return fail("opening %s: %w", real, err)
+		return failAs(EIO, "opening %s: %w", real, err)
 	}
 	// Only we or root could have changed the path since the check; if one
 	// did, say so rather than work in a directory the path no longer names.
 	var held, named unix.Stat_t
 	if err := unix.Fstat(fd, &held); err != nil || unix.Stat(abs, &named) != nil || held.Dev != named.Dev || held.Ino != named.Ino {
 		_ = unix.Close(fd)
-		return fail("it changed while being checked; start again")
+		return failAs(EIO, "it changed while being checked; start again")
 	}
 	return &socketDir{path: abs, fd: fd}, nil
 }

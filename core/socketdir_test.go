@@ -12,7 +12,8 @@ import (
 
 // TestSocketDirRules: a socket directory that others could write into
 // (without the sticky bit), that belongs to another user, below such a
-// directory, missing, or not a directory, is refused with EIO saying why;
+// directory, missing, or not a directory, is refused with ECONFIG (a
+// configuration error, not EIO) saying why;
 // a private or sticky one is used: the socket is mode 0600, named with the
 // PID namespace, pid and 64 random bits, with its lock next to it, and
 // both go when the server closes.
@@ -60,12 +61,12 @@ func TestSocketDirRules(t *testing.T) {
 			s.Close()
 			t.Fatalf("%s: a server started there", tc.dir)
 		}
-		if CodeOf(err) != EIO || !strings.Contains(err.Error(), tc.want) || !strings.Contains(err.Error(), SocketDirEnv) {
-			t.Fatalf("%s: got %v, want EIO naming %s and saying %q", tc.dir, err, SocketDirEnv, tc.want)
+		if CodeOf(err) != ECONFIG || !strings.Contains(err.Error(), tc.want) || !strings.Contains(err.Error(), SocketDirEnv) {
+			t.Fatalf("%s: got %v, want ECONFIG naming %s and saying %q", tc.dir, err, SocketDirEnv, tc.want)
 		}
 	}
 	long := mk(strings.Repeat("d", 60), 0o700)
-	if _, err := NewServer(long); CodeOf(err) != EIO || !strings.Contains(err.Error(), "longer than 107 bytes") {
+	if _, err := NewServer(long); CodeOf(err) != ECONFIG || !strings.Contains(err.Error(), "longer than 107 bytes") {
 		t.Fatalf("a socket path too long: got %v", err)
 	}
 	for _, dir := range []string{private, sticky, link} {

@@ -104,6 +104,12 @@ type Ticket struct {
 	NS         Namespaces // the exporter's; what its pid and address mean
 }
 
+// orDamaged is what a receiver's every "the ticket's exporter is not
+// there" message adds (liveness.go, dial.go): the ticket's own fields (pid,
+// start time, namespaces, address) may be what is wrong, so an exporter
+// that still runs is not blamed alone.
+const orDamaged = "or the ticket is damaged, or comes from another host or container"
+
 // Marshal encodes t into exactly TicketSize bytes.
 func (t *Ticket) Marshal() ([TicketSize]byte, error) {
 	var b [TicketSize]byte

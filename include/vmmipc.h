@@ -47,9 +47,13 @@
  *   - The library runs the Go runtime, which cannot survive running out of
  *     address space or memory for itself: such a failure ends the process
  *     ("fatal error: runtime: cannot allocate memory"), it is not a status.
- *     Imports check their own address-space needs against RLIMIT_AS first
- *     and fail cleanly with VMMIPC_ENOMEM; keep a few hundred MiB of
- *     headroom above what you map.
+ *     An import first checks that RLIMIT_AS leaves free what it reserves
+ *     plus 128 MiB kept for the Go runtime (the process's size read from
+ *     /proc/self/statm at the call) and fails cleanly with VMMIPC_ENOMEM,
+ *     giving the figures, where it does not. The runtime's own growth
+ *     (64 MiB heap arenas, thread stacks) changes that size between calls,
+ *     so an import that just fits may be refused the next time: keep a few
+ *     hundred MiB of headroom above what you map.
  *   - After fork(), every function returns VMMIPC_EFORK in the child (the Go
  *     runtime inside does not survive fork). Start helpers with exec or
  *     posix_spawn, or with Python's "spawn"/"forkserver" start methods.
@@ -83,7 +87,7 @@
  *   a directory that both sides mount at the same path. Both sides need the
  *   same kernel (host), that directory, uids that are the same user on both
  *   sides (or root), and for CUDA memory the same GPU's device nodes.
- *   The directory: the exporter's first register call fails (VMMIPC_EIO,
+ *   The directory: the exporter's first register call fails (VMMIPC_ECONFIG,
  *   saying why) if the directory is missing, or if a uid other than its own
  *   and root could change where the path leads: a directory or symlink on
  *   the path (as named, and where its symlinks lead) belongs to another uid
@@ -99,8 +103,8 @@
  *   that descriptor, kept for the purpose: in that directory, wherever the
  *   path leads by then. A receiver checks the ticket's socket directory the
  *   same way (its own uid and root) before it trusts the lock or dials, and
- *   refuses a path another uid could re-point (VMMIPC_EIO, at once, naming
- *   the entry and its owner).
+ *   refuses a path another uid could re-point (VMMIPC_ECONFIG, at once,
+ *   naming the entry and its owner).
  *   Promised in every namespace: all of "Trust"; a receiver is told at once
  *   (VMMIPC_EIO "has exited") that the exporter of a socket in the
  *   directory is gone when its lock is free (it exited, crashed or exec'd;
@@ -218,6 +222,11 @@ extern "C" {
                                   (RLIMIT_AS, or the driver's VA space);
                                   pools: no GPU memory for a chunk */
 #define VMMIPC_ETIMEDOUT (-12) /* vmmipc_wait: the registration is still live */
+#define VMMIPC_ECONFIG (-13)   /* this process's configuration is wrong, not
+                                  the I/O: VMMIPC_SOCKET_DIR missing, not a
+                                  directory, too long or unsafe (here or as
+                                  a ticket names it), or a bad value of a
+                                  VMMIPC_* variable; fix it and try again */
 
 /* Memory kinds recorded in a ticket. */
 #define VMMIPC_MEMORY_HOST 1 /* descriptors are sealed memfds (mmap-able) */
@@ -396,8 +405,9 @@ int vmmipc_options_init(vmmipc_options *opts, size_t size);
  *                  sizes not page aligned, an unknown memory_kind or an
  *                  option out of bounds (release_fn is not called)
  *   VMMIPC_EIO     the server could not start: socket, bind or listen
- *                  failed, or VMMIPC_SOCKET_DIR is missing, too long or
- *                  unsafe (see "Across containers"; the message says why)
+ *                  failed
+ *   VMMIPC_ECONFIG VMMIPC_SOCKET_DIR is missing, not a directory, too long
+ *                  or unsafe (see "Across containers"; the message says why)
  *   VMMIPC_ENFILE  no descriptor free to start the server
  *   VMMIPC_EFORK   called after fork() */
 int vmmipc_register(const uint64_t *sizes, uint64_t count,
@@ -438,6 +448,7 @@ int vmmipc_register(const uint64_t *sizes, uint64_t count,
  *                  against writing, or an option out of bounds (release_fn
  *                  is not called; the file is left as it was)
  *   VMMIPC_EIO     the server could not start (as vmmipc_register)
+ *   VMMIPC_ECONFIG VMMIPC_SOCKET_DIR is unusable (as vmmipc_register)
  *   VMMIPC_ENFILE  no descriptor free for the duplicate or the server
  *   VMMIPC_EFORK   called after fork() */
 int vmmipc_register_host_file(int fd, uint64_t size, uint64_t chunk_size,
@@ -468,6 +479,7 @@ int vmmipc_register_host_file(int fd, uint64_t size, uint64_t chunk_size,
  *   VMMIPC_ECUDA   libcuda.so.1 not found, dptr is not VMM memory, or a
  *                  driver call failed
  *   VMMIPC_EIO     the server could not start (as vmmipc_register)
+ *   VMMIPC_ECONFIG VMMIPC_SOCKET_DIR is unusable (as vmmipc_register)
  *   VMMIPC_ENFILE  no descriptor free to start the server
  *   VMMIPC_EFORK   called after fork() */
 int vmmipc_register_cuda(uint64_t dptr, uint64_t size,
@@ -646,16 +658,20 @@ typedef struct vmmipc_chunk {
  *   VMMIPC_EIO     the exporter has exited (its pid is gone or was reused,
  *                  or its lock is free: at once), cannot be reached from
  *                  here (an abstract socket of another network or PID
- *                  namespace: at once, saying what to set), its socket
- *                  directory's path could be re-pointed by another uid (at
- *                  once, naming the entry and its owner), cannot connect,
+ *                  namespace: at once, saying what to set), cannot connect,
  *                  sock_diag is unavailable and the exporter is in another
  *                  PID namespace, or timed out (the message says
  *                  whether the exporter never answered, e.g. at its
  *                  connection cap, or went silent), or the exporter
  *                  reported a failure of its own (the message names the
  *                  status it sent: only EINVAL, EAUTH, ENOENT and EIO are
- *                  passed on as they are)
+ *                  passed on as they are). Where the ticket's own fields
+ *                  lead nowhere (no such pid, nobody listening, other
+ *                  namespaces) the message also says that the ticket may be
+ *                  damaged or come from another host or container
+ *   VMMIPC_ECONFIG the ticket's socket directory, as this process sees it,
+ *                  could be re-pointed by another uid (at once, naming the
+ *                  entry and its owner)
  *   VMMIPC_ENFILE  out of descriptors
  *   VMMIPC_EFORK   called after fork() */
 int vmmipc_open(const vmmipc_ticket *ticket, const vmmipc_options *opts,
@@ -794,9 +810,9 @@ typedef struct vmmipc_mapping {
  *                  option out of bounds, a host chunk the receiver refuses
  *                  to map (not a memfd sealed against shrinking, of huge
  *                  pages, not open O_RDWR, or sealed against writing: see
- *                  "Host memory"), a bad VMMIPC_CACHE_BYTES value, or a
- *                  protocol violation
+ *                  "Host memory"), or a protocol violation
  *   VMMIPC_EAUTH, VMMIPC_ENOENT, VMMIPC_EIO, VMMIPC_ENFILE  as vmmipc_open
+ *   VMMIPC_ECONFIG as vmmipc_open, or a bad VMMIPC_CACHE_BYTES value
  *   VMMIPC_ENOMEM  the range cannot be reserved: RLIMIT_AS leaves too little
  *                  room (the message gives the figures), or the driver has
  *                  no virtual address space left
@@ -829,7 +845,8 @@ int vmmipc_import_stream(const vmmipc_ticket *ticket, int device,
  *   VMMIPC_EINVAL  NULL ticket, malformed ticket, option out of bounds,
  *                  unknown import_flags bits (or HOLD with CONFIRM_LATER),
  *                  or the exporter broke the protocol (as vmmipc_open)
- *   VMMIPC_EAUTH, VMMIPC_ENOENT, VMMIPC_EIO, VMMIPC_ENFILE  as vmmipc_open
+ *   VMMIPC_EAUTH, VMMIPC_ENOENT, VMMIPC_EIO, VMMIPC_ENFILE, VMMIPC_ECONFIG
+ *                  as vmmipc_open
  *   VMMIPC_EFORK   called after fork() */
 int vmmipc_confirm(const vmmipc_ticket *ticket, const vmmipc_options *opts);
 

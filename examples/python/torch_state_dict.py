@@ -5,10 +5,10 @@
 # Needs a CUDA GPU and torch; run on a GPU machine:
 #
 #   python3 examples/python/torch_state_dict.py
-import os
 import sys
 
 # readme-snippet: python-torch
+import os
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch
 import torch.multiprocessing as mp

@@ -8,10 +8,12 @@
 # torch; run on a GPU machine:
 #
 #   python3 examples/python/torch_weight_sync.py
-import io
-import os
 import pickle
 import sys
+
+# readme-snippet: python-weight-sync-imports
+import io
+import os
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch
@@ -19,6 +21,7 @@ import torch.multiprocessing as mp
 from multiprocessing.reduction import ForkingPickler
 
 import vmmipc.torch  # noqa: F401  (installs the reducers)
+# end readme-snippet
 
 
 def checksum(tensors) -> float:

@@ -14,11 +14,11 @@ a missing library raises there, before any child process is started. The contrac
         ...m.addr, m.size, m.device...
 """
 
-from ._errors import (AuthError, BadHandleError, BufferInUseError, CudaError, ExportError, InternalError,
+from ._errors import (AuthError, BadHandleError, BufferInUseError, ConfigError, CudaError, ExportError, InternalError,
                       InvalidError, LibraryNotFoundError, NotFoundError, OutOfDescriptorsError,
                       VmmipcError, VmmipcForkError, VmmipcIOError, VmmipcMemoryError,
                       VmmipcTimeoutError, error_for)
-from ._errors import (EAUTH, EBADF, ECUDA, EEXPORT, EFORK, EINTERNAL, EINVAL, EIO, END,
+from ._errors import (EAUTH, EBADF, ECONFIG, ECUDA, EEXPORT, EFORK, EINTERNAL, EINVAL, EIO, END,
                       ENFILE, ENOENT, ENOMEM, ETIMEDOUT, OK)
 from ._lib import (DEVICE_HOST, DEVICE_SAME, IMPORT_CONFIRM_LATER, IMPORT_HOLD, IMPORT_NO_CACHE,
                    MAX_ACCESS_DEVICES, MAX_CHUNKS, MAX_TTL_MS, MAX_WINDOW, MEMORY_CUDA,
@@ -67,8 +67,8 @@ def __dir__() -> list[str]:
 _reductions.init_reductions()
 
 __all__ = [
-    "AuthError", "BadHandleError", "BufferInUseError", "CacheInfo", "Chunk", "CudaError", "CudaRange",
-    "DEFAULT_CHUNK_SIZE", "DEVICE_HOST", "DEVICE_SAME", "EAUTH", "EBADF", "ECUDA", "EEXPORT",
+    "AuthError", "BadHandleError", "BufferInUseError", "CacheInfo", "ConfigError", "Chunk", "CudaError", "CudaRange",
+    "DEFAULT_CHUNK_SIZE", "DEVICE_HOST", "DEVICE_SAME", "EAUTH", "EBADF", "ECONFIG", "ECUDA", "EEXPORT",
     "EFORK", "EINTERNAL", "EINVAL", "EIO", "END", "ENFILE", "ENOENT", "ENOMEM", "ETIMEDOUT",
     "ExportError", "HostBuffer", "IMPORT_CONFIRM_LATER", "IMPORT_HOLD", "IMPORT_NO_CACHE", "InternalError", "InvalidError",
     "LibraryNotFoundError", "MAX_ACCESS_DEVICES", "MAX_CHUNKS", "MAX_TTL_MS", "MAX_WINDOW",

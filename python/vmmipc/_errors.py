@@ -15,7 +15,7 @@ import warnings
 # OK and END, then the errors numbered from -1 down, in the header's order.
 OK, END = 0, 1
 (EINVAL, EBADF, EAUTH, ENOENT, EIO, EEXPORT, ECUDA, ENFILE, EFORK, EINTERNAL, ENOMEM,
- ETIMEDOUT) = range(-1, -13, -1)
+ ETIMEDOUT, ECONFIG) = range(-1, -14, -1)
 
 STATUS_NAMES = {
     OK: "VMMIPC_OK",
@@ -32,6 +32,7 @@ STATUS_NAMES = {
     EINTERNAL: "VMMIPC_EINTERNAL",
     ENOMEM: "VMMIPC_ENOMEM",
     ETIMEDOUT: "VMMIPC_ETIMEDOUT",
+    ECONFIG: "VMMIPC_ECONFIG",
 }
 
 
@@ -218,6 +219,14 @@ class VmmipcTimeoutError(VmmipcError, TimeoutError):
     status = ETIMEDOUT
 
 
+class ConfigError(VmmipcError):
+    """VMMIPC_ECONFIG: this process's configuration is wrong, not the I/O:
+    VMMIPC_SOCKET_DIR missing, not a directory, too long or unsafe (here or
+    as a ticket names it), or a bad value of a VMMIPC_* variable. The
+    message names the variable and says what to change."""
+    status = ECONFIG
+
+
 class BufferInUseError(VmmipcError, BufferError):
     """close() of a HostBuffer or host Mapping while views of its memory
     (memoryviews, numpy arrays, torch tensors) are alive; it stays open.
@@ -238,7 +247,7 @@ _BY_STATUS = {
     cls.status: cls
     for cls in (InvalidError, BadHandleError, AuthError, NotFoundError, VmmipcIOError,
                 ExportError, CudaError, OutOfDescriptorsError, VmmipcForkError, InternalError,
-                VmmipcMemoryError, VmmipcTimeoutError)
+                VmmipcMemoryError, VmmipcTimeoutError, ConfigError)
 }
 
 

@@ -61,7 +61,7 @@ Rules the caller keeps (the same as torch's own CUDA sharing):
 Memory made for sharing: inside ``with vmmipc.torch.sharing_pool():``
 tensors are allocated in 1 GiB chunks (settable) of libvmmipc's pool, so a
 model is a handful of handles for a receiver instead of hundreds (see
-_torch_pool.py and README.md, "Chunk size sets the speed").
+_torch_pool.py and docs/performance.md, "Chunk size").
 
 torch is imported lazily: without it, ``import vmmipc.torch`` works and the
 functions raise ImportError saying what is missing.

@@ -544,7 +544,7 @@ static int test_status_names(void) {
       {VMMIPC_EBADF, "VMMIPC_EBADF"},     {VMMIPC_EAUTH, "VMMIPC_EAUTH"},     {VMMIPC_ENOENT, "VMMIPC_ENOENT"},
       {VMMIPC_EIO, "VMMIPC_EIO"},         {VMMIPC_EEXPORT, "VMMIPC_EEXPORT"}, {VMMIPC_ECUDA, "VMMIPC_ECUDA"},
       {VMMIPC_ENFILE, "VMMIPC_ENFILE"},   {VMMIPC_EFORK, "VMMIPC_EFORK"},     {VMMIPC_EINTERNAL, "VMMIPC_EINTERNAL"},
-      {VMMIPC_ENOMEM, "VMMIPC_ENOMEM"},   {VMMIPC_ETIMEDOUT, "VMMIPC_ETIMEDOUT"},
+      {VMMIPC_ENOMEM, "VMMIPC_ENOMEM"},   {VMMIPC_ETIMEDOUT, "VMMIPC_ETIMEDOUT"}, {VMMIPC_ECONFIG, "VMMIPC_ECONFIG"},
   };
   for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
     const char *s = vmmipc_strerror(names[i].status);

@@ -151,6 +151,7 @@ def test_status_tables_match_the_header():
     (vmmipc.ECUDA, vmmipc.CudaError), (vmmipc.ENFILE, vmmipc.OutOfDescriptorsError),
     (vmmipc.EFORK, vmmipc.VmmipcForkError), (vmmipc.EINTERNAL, vmmipc.InternalError),
     (vmmipc.ENOMEM, vmmipc.VmmipcMemoryError), (vmmipc.ETIMEDOUT, vmmipc.VmmipcTimeoutError),
+    (vmmipc.ECONFIG, vmmipc.ConfigError),
 ])
 def test_error_class_per_status(status, cls):
     e = vmmipc.error_for(status, "chunk 17 of 4096: what failed", "vmmipc_fn")

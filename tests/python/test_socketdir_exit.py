@@ -53,3 +53,36 @@ def test_exit_removes_its_files_where_it_made_them():
         for n in names:
             with open(os.path.join(elsewhere, n)) as f:
                 assert f.read() == "theirs", f"the exporter's exit() removed {n} in the directory the path leads to now"
+
+
+# Tries to register with the socket directory the test set, and prints the
+# exception's class, status and message.
+REFUSED = """
+import vmmipc
+try:
+    vmmipc.HostBuffer(4096).grant()
+    print("registered")
+except vmmipc.VmmipcError as e:
+    print(type(e).__name__, e.status_name, e)
+"""
+
+
+def test_unsafe_or_missing_socket_dir_is_a_config_error():
+    """A socket directory others may write (mode 0777, no sticky bit) or one
+    that is missing is the caller's configuration: ConfigError
+    (VMMIPC_ECONFIG) naming VMMIPC_SOCKET_DIR and what to change, not an I/O
+    error (VmmipcIOError) that a caller might retry."""
+    with tempfile.TemporaryDirectory(prefix="vmmipc-") as root:
+        open_dir = os.path.join(root, "open")
+        os.mkdir(open_dir)
+        os.chmod(open_dir, 0o777)
+        cases = {open_dir: "is writable by other users (mode 0777) and has no sticky bit",
+                 os.path.join(root, "missing"): "no such directory"}
+        for path, want in cases.items():
+            env = dict(os.environ, VMMIPC_SOCKET_DIR=path, PYTHONPATH=conftest.PYTHON_DIR)
+            r = subprocess.run([sys.executable, "-c", REFUSED], env=env, capture_output=True,
+                               text=True, timeout=60)
+            assert r.returncode == 0, r.stderr[-2000:]
+            out = r.stdout.strip()
+            assert out.startswith("ConfigError VMMIPC_ECONFIG "), out
+            assert "VMMIPC_SOCKET_DIR" in out and want in out, out

@@ -1,18 +1,22 @@
-"""README.md's code is excerpts of the examples, which `make test` builds and
-runs; this check fails when the two drift apart.
+"""README.md and the documents under docs/ are checked as code is: their
+code is excerpts of the examples, which `make test` builds and runs, their
+links lead somewhere, and their sections stay short. This check fails when
+any of that drifts.
 
 In an example, an excerpt is the lines between a line holding
 "readme-snippet: NAME" and a line holding "end readme-snippet" (in a comment
-of the file's language). In README.md, the line right before a fenced block
+of the file's language). In a document, the line right before a fenced block
 names the excerpt the block must equal:
 
     <!-- snippet: examples/host/sender.c host-sender -->
 
-Checked: every such block equals its excerpt, byte for byte; every C or
-Python block of README.md is such a block; every excerpt in examples/ is
-shown; every C block compiles as printed (cc -fsyntax-only -Wall -Wextra
--Werror against include/vmmipc.h; one that includes <cuda.h> only where
-cuda.h is found, else it says so) and every Python block parses.
+Checked, in README.md and docs/*.md: every such block equals its excerpt,
+byte for byte; every C or Python block is such a block; every excerpt in
+examples/ is shown in one of them; every C block compiles as printed
+(cc -fsyntax-only -Wall -Wextra -Werror against include/vmmipc.h; one that
+includes <cuda.h> only where cuda.h is found, else it says so); every Python
+block parses and uses no name that it, or an earlier block of the same
+example file in the same document, does not import or define.
 
 A block of program output names the C program that prints it on the line
 before, and each of its lines must be one that a printf of that program can
@@ -20,14 +24,23 @@ print (its format, with any number or text where a conversion stands):
 
     <!-- output: tests/c/demo.c -->
 
+Links: every relative link of README.md, docs/*.md and python/README.md
+leads to a file or directory of the repository, and an anchor (#section)
+to a heading of the Markdown file it names (GitHub's anchors). Length:
+README.md is at most 250 lines, and no section (## heading to the next) of
+a document under docs/ is longer than 120 lines.
+
     python3 tests/readme/check_snippets.py            # check
-    python3 tests/readme/check_snippets.py --update   # copy the excerpts into README.md
+    python3 tests/readme/check_snippets.py --update   # copy the excerpts into the documents
 """
 
 from __future__ import annotations
 
+import ast
+import builtins
 import dataclasses
 import difflib
+import glob
 import os
 import re
 import shlex
@@ -37,7 +50,10 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 README = os.path.join(ROOT, "README.md")
+DOCS = os.path.join(ROOT, "docs")
 EXAMPLES = os.path.join(ROOT, "examples")
+README_MAX_LINES = 250
+SECTION_MAX_LINES = 120
 
 MARKER = re.compile(r"^<!-- snippet: (\S+) (\S+) -->$")
 OUTPUT_MARKER = re.compile(r"^<!-- output: (\S+) -->$")
@@ -93,7 +109,7 @@ class Block:
     source: tuple[str, str] | None  # (file, excerpt) its marker names
 
 
-def blocks(lines: list[str]) -> list[Block]:
+def blocks(lines: list[str], doc: str = "README.md") -> list[Block]:
     found, i = [], 0
     while i < len(lines):
         fence = FENCE.match(lines[i].rstrip("\n"))
@@ -104,7 +120,7 @@ def blocks(lines: list[str]) -> list[Block]:
         while end < len(lines) and lines[end].rstrip("\n") != "```":
             end += 1
         if end == len(lines):
-            raise SystemExit(f"README.md:{i + 1}: the ``` block never closes")
+            raise SystemExit(f"{doc}:{i + 1}: the ``` block never closes")
         marker = MARKER.match(lines[i - 1].rstrip("\n")) if i > 0 else None
         found.append(Block(fence.group(1), i + 1, end, "".join(lines[i + 1:end]),
                            (marker.group(1), marker.group(2)) if marker else None))
@@ -146,7 +162,7 @@ def format_pattern(fmt: str) -> str:
     return "".join(out)
 
 
-def output_problems(lines: list[str]) -> tuple[int, list[str]]:
+def output_problems(lines: list[str], doc: str = "README.md") -> tuple[int, list[str]]:
     """Output blocks checked, and what is wrong with them."""
     checked, problems = 0, []
     for i, line in enumerate(lines[:-1]):
@@ -155,17 +171,17 @@ def output_problems(lines: list[str]) -> tuple[int, list[str]]:
             continue
         program = os.path.join(ROOT, marker.group(1))
         if not os.path.exists(program):
-            problems.append(f"README.md:{i + 1}: no program {marker.group(1)}")
+            problems.append(f"{doc}:{i + 1}: no program {marker.group(1)}")
             continue
         if lines[i + 1].rstrip("\n") != "```":
-            problems.append(f"README.md:{i + 1}: the output marker is not followed by a ``` block")
+            problems.append(f"{doc}:{i + 1}: the output marker is not followed by a ``` block")
             continue
         formats = printf_lines(program)
         end = i + 2
         while end < len(lines) and lines[end].rstrip("\n") != "```":
             printed = lines[end].rstrip("\n")
             if printed and not any(p.fullmatch(printed) for _, p in formats):
-                problems.append(f"README.md:{end + 1}: {marker.group(1)} prints no such line:\n  {printed}\n"
+                problems.append(f"{doc}:{end + 1}: {marker.group(1)} prints no such line:\n  {printed}\n"
                                 "its lines:\n" + "".join(f"  {f}\n" for f, _ in formats)
                                 + "  run it and paste what it prints")
             end += 1
@@ -206,62 +222,197 @@ def uses_cuda(block: Block) -> bool:
     return block.language == "c" and "#include <cuda.h>" in block.text
 
 
-def main(update: bool) -> int:
-    with open(README, encoding="utf-8") as f:
-        lines = f.readlines()
-    known = all_excerpts()
-    errors, shown = [], set()
-    found = blocks(lines)
-    for block in reversed(found):  # from the end, so --update keeps earlier line numbers valid
+def documents() -> list[str]:
+    """README.md and docs/*.md, as paths relative to the root."""
+    docs = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(DOCS, "*.md")))
+    return ["README.md"] + docs
+
+
+def check_excerpts(doc: str, lines: list[str], known: dict, shown: set, update: bool) -> list[str]:
+    """The code blocks of one document against their excerpts; with update,
+    copies the excerpts into lines."""
+    errors = []
+    for block in reversed(blocks(lines, doc)):  # from the end, so --update keeps earlier line numbers valid
         if block.source is None:
             if block.language in ("c", "python"):
-                errors.append(f"README.md:{block.first}: a {block.language} block that is no excerpt: put the "
+                errors.append(f"{doc}:{block.first}: a {block.language} block that is no excerpt: put the "
                               "code in examples/ and name it on the line before: <!-- snippet: FILE NAME -->")
             continue
         shown.add(block.source)
         if block.source not in known:
-            errors.append(f"README.md:{block.first - 1}: no excerpt {block.source[1]} in {block.source[0]}")
+            errors.append(f"{doc}:{block.first - 1}: no excerpt {block.source[1]} in {block.source[0]}")
             continue
         want = known[block.source]
         if block.text == want:
             continue
         if update:
             lines[block.first:block.last] = want.splitlines(keepends=True)
-            print(f"readme: README.md:{block.first}: copied {block.source[0]} {block.source[1]}")
+            print(f"readme: {doc}:{block.first}: copied {block.source[0]} {block.source[1]}")
             continue
         diff = "".join(difflib.unified_diff(
             want.splitlines(keepends=True), block.text.splitlines(keepends=True),
-            f"{block.source[0]} ({block.source[1]})", f"README.md:{block.first}"))
-        errors.append(f"README.md:{block.first}: differs from {block.source[0]} {block.source[1]}; "
+            f"{block.source[0]} ({block.source[1]})", f"{doc}:{block.first}"))
+        errors.append(f"{doc}:{block.first}: differs from {block.source[0]} {block.source[1]}; "
                       f"run python3 tests/readme/check_snippets.py --update to copy it:\n{diff}")
-    for path, name in sorted(set(known) - shown):
-        errors.append(f"{path}: excerpt {name} is not shown in README.md (<!-- snippet: {path} {name} -->)")
-    if update:
-        with open(README, "w", encoding="utf-8") as f:
-            f.writelines(lines)
-        found = blocks(lines)
-    compiled, skipped = 0, 0
-    for block in found:
-        if block.source not in known:
+    return errors
+
+
+def bound_and_used(tree: ast.AST) -> tuple[set[str], set[str]]:
+    """Names a block binds anywhere (imports, definitions, assignments,
+    arguments, loop and with targets) and names it reads."""
+    bound, used = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            (used if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            bound.add(node.name)
+    return bound, used
+
+
+def undefined_names(doc: str, lines: list[str]) -> list[str]:
+    """Python blocks that use a name nothing imports or defines: not the
+    block, not an earlier block of the same example file in this document,
+    not Python's builtins."""
+    errors, earlier = [], {}
+    for block in blocks(lines, doc):
+        if block.language != "python" or block.source is None:
             continue
-        where = f"README.md:{block.first} ({block.source[0]} {block.source[1]})"
-        if uses_cuda(block) and cuda_include() is None:
-            print(f"readme: not compiling {where}: no cuda.h under CUDA_HOME "
-                  f"({os.environ.get('CUDA_HOME', '/usr/local/cuda')})")
-            skipped += 1
-        elif (problem := compile_problem(block, where)) is not None:
-            errors.append(problem)
-        else:
-            compiled += 1
-    outputs, problems = output_problems(lines)
-    errors += problems
+        try:
+            tree = ast.parse(block.text)
+        except SyntaxError:
+            continue  # compile_problem reports it
+        bound, used = bound_and_used(tree)
+        known = earlier.setdefault(block.source[0], set())
+        missing = sorted(used - bound - known - set(dir(builtins)))
+        if missing:
+            errors.append(f"{doc}:{block.first}: {block.source[0]} {block.source[1]} uses "
+                          f"{', '.join(missing)} without importing or defining it (in the excerpt or an "
+                          "earlier excerpt of that file in this document): widen the excerpt")
+        known |= bound
+    return errors
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped,
+    spaces as hyphens."""
+    text = re.sub(r"`|\*\*|\[([^\]]*)\]\([^)]*\)", lambda m: m.group(1) or "", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(path: str) -> set[str]:
+    """The anchors of a Markdown file's headings (a repeated heading gets
+    -1, -2, ... as on GitHub); headings inside code blocks are none."""
+    found, seen, fenced = set(), {}, False
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("```"):
+                fenced = not fenced
+            elif not fenced and (m := re.match(r"^#{1,6} (.+?)\s*#*$", line.rstrip("\n"))):
+                base = slug(m.group(1))
+                n = seen.get(base, 0)
+                seen[base] = n + 1
+                found.add(base if n == 0 else f"{base}-{n}")
+    return found
+
+
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def link_problems(doc: str) -> list[str]:
+    """Relative links of one Markdown file that lead nowhere."""
+    problems, fenced = [], False
+    where = os.path.dirname(os.path.join(ROOT, doc))
+    with open(os.path.join(ROOT, doc), encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if line.startswith("```"):
+                fenced = not fenced
+                continue
+            if fenced:
+                continue
+            for m in LINK.finditer(line):
+                target = m.group(1) or m.group(2)
+                if re.match(r"^[a-z]+:", target):
+                    continue  # https:, mailto:
+                path, _, anchor = target.partition("#")
+                full = os.path.normpath(os.path.join(where, path)) if path else os.path.join(ROOT, doc)
+                if not full.startswith(ROOT + os.sep) and full != ROOT:
+                    problems.append(f"{doc}:{number}: {target} leads out of the repository")
+                elif not os.path.exists(full):
+                    problems.append(f"{doc}:{number}: {target}: no such file")
+                elif anchor and full.endswith(".md") and anchor not in anchors(full):
+                    problems.append(f"{doc}:{number}: {target}: {os.path.relpath(full, ROOT)} has no heading "
+                                    f"with the anchor #{anchor}")
+    return problems
+
+
+def length_problems(doc: str, lines: list[str]) -> list[str]:
+    """README.md over its length, or a section of a document over its."""
+    if doc == "README.md":
+        if len(lines) > README_MAX_LINES:
+            return [f"README.md: {len(lines)} lines, more than {README_MAX_LINES}: it is the front door; "
+                    "move detail into docs/ and link it"]
+        return []
+    problems, start, title, fenced = [], 0, "(before the first ## heading)", False
+    for i, line in enumerate(lines + ["## (end)\n"]):
+        if line.startswith("```"):
+            fenced = not fenced
+        if not fenced and line.startswith("## "):
+            if i - start > SECTION_MAX_LINES:
+                problems.append(f"{doc}:{start + 1}: section {title} is {i - start} lines, more than "
+                                f"{SECTION_MAX_LINES}: split it")
+            start, title = i, line.strip()
+    return problems
+
+
+def main(update: bool) -> int:
+    known = all_excerpts()
+    errors, shown = [], set()
+    compiled = skipped = outputs = 0
+    docs = documents()
+    for doc in docs:
+        with open(os.path.join(ROOT, doc), encoding="utf-8") as f:
+            lines = f.readlines()
+        errors += check_excerpts(doc, lines, known, shown, update)
+        if update:
+            with open(os.path.join(ROOT, doc), "w", encoding="utf-8") as f:
+                f.writelines(lines)
+        for block in blocks(lines, doc):
+            if block.source not in known:
+                continue
+            where = f"{doc}:{block.first} ({block.source[0]} {block.source[1]})"
+            if uses_cuda(block) and cuda_include() is None:
+                print(f"readme: not compiling {where}: no cuda.h under CUDA_HOME "
+                      f"({os.environ.get('CUDA_HOME', '/usr/local/cuda')})")
+                skipped += 1
+            elif (problem := compile_problem(block, where)) is not None:
+                errors.append(problem)
+            else:
+                compiled += 1
+        errors += undefined_names(doc, lines)
+        n, problems = output_problems(lines, doc)
+        outputs += n
+        errors += problems
+        errors += length_problems(doc, lines)
+    for doc in docs + ["python/README.md"]:
+        errors += link_problems(doc)
+    for path, name in sorted(set(known) - shown):
+        errors.append(f"{path}: excerpt {name} is shown in none of {', '.join(docs)} "
+                      f"(<!-- snippet: {path} {name} -->)")
     for error in errors:
         print(f"readme: {error}", file=sys.stderr)
     if errors:
         return 1
-    print(f"readme: the {compiled + skipped} code blocks of README.md are excerpts of examples/; "
-          f"{compiled} compile (C) or parse (Python) as printed, {skipped} not compiled here; "
-          f"the {outputs} output block(s) are lines their program prints")
+    print(f"readme: {len(docs)} documents (README.md, docs/*.md): the {compiled + skipped} code blocks are "
+          f"excerpts of examples/; {compiled} compile (C) or parse (Python) as printed, {skipped} not compiled "
+          f"here; Python blocks import what they use; the {outputs} output block(s) are lines their program "
+          f"prints; every relative link (and python/README.md's) leads to a file and heading; README.md is "
+          f"at most {README_MAX_LINES} lines, no section of docs/ over {SECTION_MAX_LINES}")
     return 0
 
 
