@@ -67,6 +67,7 @@ func FuzzHostFileChecks(f *testing.F) {
 	f.Add(uint8(fileMemfdHuge), uint8(unix.F_SEAL_SHRINK), uint8(0), uint8(openAsMade), uint32(2<<20), uint32(4096), uint8(0), uint8(0))
 	f.Add(uint8(fileMemfdNoExec), uint8(unix.F_SEAL_SHRINK|unix.F_SEAL_GROW), uint8(0), uint8(openRDWR), uint32(8*4096), uint32(8*4096), uint8(2), uint8(5))
 
+	srv := newTestServer(f)
 	f.Fuzz(func(t *testing.T, kind, seals1, seals2, open uint8, fileSize, chunkSize uint32, fileOffPages, punch uint8) {
 		kind, open = kind%fileKinds, open%openModes
 		fileSize %= 4 << 20 // sparse: only the pages touched take memory
@@ -116,10 +117,12 @@ func FuzzHostFileChecks(f *testing.F) {
 		expectVerdict(t, "checkHostFile", err, fileOK && holds)
 
 		before := getSealsOrZero(made)
-		spec, err := HostFile(fd, uint64(chunkSize), pageSize)
-		expectVerdict(t, "HostFile", err, fileOK && chunkSize > 0 && uint64(st.Size) >= uint64(chunkSize))
+		tk, err := srv.RegisterHostFile(fd, uint64(chunkSize), pageSize, RegisterOptions{})
+		expectVerdict(t, "RegisterHostFile", err, fileOK && chunkSize > 0 && uint64(st.Size) >= uint64(chunkSize))
 		if err == nil {
-			spec.Exporter.Release()
+			if err := srv.Unregister(tk); err != nil {
+				t.Fatal(err)
+			}
 			if s := getSealsOrZero(made); s&unix.F_SEAL_SEAL == 0 {
 				t.Fatalf("after an accepted registration the seals are %#x, without F_SEAL_SEAL", s)
 			}

@@ -2,6 +2,7 @@ package core
 
 import (
 	"fmt"
+	"sync"
 
 	"golang.org/x/sys/unix"
 )
@@ -21,11 +22,9 @@ type FileExporter struct {
 // HostFile validates a memfd registration of bytes [0, size) in chunks of
 // chunkSize and returns what to register. The spec's Key names the file (its
 // inode) and the chunking, so registering the same memfd again while a
-// registration of it lives shares the buffer. On success the file carries
-// F_SEAL_SEAL (added here if it did not: no receiver of it can add a seal
-// that would refuse later receivers; memfd.go) and the spec's exporter
-// holds one duplicate of fd until the buffer ends. A file the checks refuse
-// is left as it was.
+// registration of it lives shares the buffer. On success the spec's
+// exporter holds one duplicate of fd until the buffer ends. It adds no
+// seal: Server.RegisterHostFile seals the file, last.
 func HostFile(fd int, size, chunkSize uint64) (BufferSpec, error) {
 	if chunkSize == 0 || chunkSize%pageSize != 0 {
 		return BufferSpec{}, Errorf(EINVAL, "register: chunk size %d is not a positive multiple of the page size %d", chunkSize, pageSize)
@@ -44,9 +43,6 @@ func HostFile(fd int, size, chunkSize uint64) (BufferSpec, error) {
 	if err != nil {
 		return BufferSpec{}, WrapErr(EINVAL, err, "register")
 	}
-	if err := sealForSharing(fd); err != nil {
-		return BufferSpec{}, WrapErr(EINVAL, err, "register")
-	}
 	dup, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
 	if err != nil {
 		return BufferSpec{}, &Error{Code: ioCode(err), Msg: fmt.Sprintf("register: duplicating fd %d", fd), Err: err}
@@ -62,6 +58,85 @@ func HostFile(fd int, size, chunkSize uint64) (BufferSpec, error) {
 		// have its number on that device: equal keys are the same file.
 		Key: fmt.Sprintf("memfd:%d:%d:%d:%d", st.Dev, st.Ino, size, chunkSize),
 	}, nil
+}
+
+// RegisterHostFile registers bytes [0, size) of the memfd fd (HostFile)
+// and seals it with F_SEAL_SEAL (memfd.go: no receiver of it can then add a
+// seal that would refuse later receivers). A seal cannot be taken back, so
+// it is the last step, after everything else that can fail: a call that
+// fails leaves the file's seals as it found them. (The one exception is
+// another holder of the file sealing it against writing during the call,
+// which makes it unusable for sharing anyway.) opts.OnRelease runs once if
+// this returns a ticket, never if it fails.
+func (s *Server) RegisterHostFile(fd int, size, chunkSize uint64, opts RegisterOptions) (*Ticket, error) {
+	spec, err := HostFile(fd, size, chunkSize)
+	if err != nil {
+		return nil, err
+	}
+	gate := &releaseGate{onRelease: opts.OnRelease}
+	if opts.OnRelease != nil {
+		opts.OnRelease = gate.released
+	}
+	t, err := s.Register(spec, opts)
+	if err != nil {
+		spec.Exporter.Release() // close our duplicate
+		return nil, err
+	}
+	// No receiver can be served before this returns: nobody else has the
+	// ticket, whose secret is new.
+	if err := sealForSharing(fd); err != nil {
+		gate.withdraw()
+		_ = s.Unregister(t) // ends it, and closes the duplicate with its buffer
+		return nil, WrapErr(EINVAL, err, "register")
+	}
+	gate.grant()
+	return t, nil
+}
+
+// releaseGate holds back a registration's release callback until the
+// registration has been handed out (grant): one that fails after it was
+// recorded, and is ended at once, must not run it (withdraw); one that
+// ends before grant (a very short ttl) runs it at grant.
+type releaseGate struct {
+	mu        sync.Mutex
+	onRelease func()
+	state     int // gatePending, gateGranted, gateWithdrawn or gateReleasedEarly
+}
+
+const (
+	gatePending = iota
+	gateGranted
+	gateWithdrawn
+	gateReleasedEarly
+)
+
+// released is the registration's release callback.
+func (g *releaseGate) released() {
+	g.mu.Lock()
+	run := g.state == gateGranted
+	if g.state == gatePending {
+		g.state = gateReleasedEarly
+	}
+	g.mu.Unlock()
+	if run {
+		g.onRelease()
+	}
+}
+
+func (g *releaseGate) grant() {
+	g.mu.Lock()
+	early := g.state == gateReleasedEarly
+	g.state = gateGranted
+	g.mu.Unlock()
+	if early && g.onRelease != nil {
+		go safely(g.onRelease) // on a library thread, as always
+	}
+}
+
+func (g *releaseGate) withdraw() {
+	g.mu.Lock()
+	g.state = gateWithdrawn
+	g.mu.Unlock()
 }
 
 // ExportChunk duplicates our descriptor of the file for chunk index.

@@ -6,6 +6,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -247,5 +248,67 @@ func TestHolePunchedReadsZeros(t *testing.T) {
 	got := make([]byte, 21)
 	if _, err := unix.Pread(fd, got, 3*4096); err != nil || string(got) != "written into the hole" {
 		t.Fatalf("the file after a write into the hole through the mapping: %q, %v", got, err)
+	}
+}
+
+// TestAFailedRegistrationAddsNoSeal: F_SEAL_SEAL is RegisterHostFile's
+// last step, so a registration the registry refuses (here an option out
+// of bounds, checked after the file) leaves the file's seals as they were,
+// closes its duplicate and runs no release callback. On 860d711 HostFile
+// sealed the file first.
+func TestAFailedRegistrationAddsNoSeal(t *testing.T) {
+	s := newTestServer(t)
+	fd := memfdSealed(t, 4096, 1, 0) // F_SEAL_SHRINK only
+	fdsBefore := ourFDs().settled(t)
+	released := 0
+	_, err := s.RegisterHostFile(fd, 4096, 4096, RegisterOptions{TTL: MaxTTL + 1, OnRelease: func() { released++ }})
+	if CodeOf(err) != EINVAL {
+		t.Fatalf("registering with a ttl out of bounds: %v, want EINVAL", err)
+	}
+	if got := getSeals(t, fd); got != unix.F_SEAL_SHRINK {
+		t.Errorf("after the failed registration, seals %#x, want %#x (as they were)", got, unix.F_SEAL_SHRINK)
+	}
+	ourFDs().waitFor(t, fdsBefore, "after the failed registration (its duplicate closed)")
+	if released != 0 {
+		t.Errorf("the failed registration ran its release callback %d times", released)
+	}
+	registerFile(t, s, fd, 4096, 4096, RegisterOptions{}) // and it still registers, sealed
+	if got := getSeals(t, fd); got != unix.F_SEAL_SHRINK|unix.F_SEAL_SEAL {
+		t.Errorf("after registering, seals %#x, want F_SEAL_SHRINK|F_SEAL_SEAL", got)
+	}
+}
+
+// TestReleaseGate: a registration's release callback runs once after it
+// was handed out, also when it ended before (a ttl shorter than the call),
+// and never after it was withdrawn.
+func TestReleaseGate(t *testing.T) {
+	ran := make(chan struct{}, 4)
+	run := func() { ran <- struct{}{} }
+	g := &releaseGate{onRelease: run}
+	g.grant()
+	g.released()
+	g.released() // the registry calls it once; twice would run it twice, as before
+	if len(ran) != 2 {
+		t.Fatalf("granted: ran %d times, want 2 (once per release)", len(ran))
+	}
+	<-ran
+	<-ran
+	g = &releaseGate{onRelease: run}
+	g.released() // ended before it was handed out
+	if len(ran) != 0 {
+		t.Fatal("ran before the registration was handed out")
+	}
+	g.grant()
+	select {
+	case <-ran:
+	case <-time.After(5 * time.Second):
+		t.Fatal("a registration released before grant never ran its callback")
+	}
+	g = &releaseGate{onRelease: run}
+	g.withdraw()
+	g.released()
+	time.Sleep(10 * time.Millisecond)
+	if len(ran) != 0 {
+		t.Fatal("a withdrawn registration ran its callback")
 	}
 }

@@ -5,10 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
-	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
+
+	"golang.org/x/sys/unix"
 )
 
 // Before dialing, a receiver asks two things of a ticket: can its exporter
@@ -50,12 +51,33 @@ func processStartTime(pid int) (uint64, error) {
 	return startTimeIn(fmt.Sprintf("/proc/%d/stat", pid))
 }
 
-// startTimeIn reads the start time from a /proc/<pid>/stat file.
+// startTimeIn reads the start time from a /proc/<pid>/stat file. Every
+// connection reads it (checkPidAlive), so it takes three system calls
+// (open, read, close) into one buffer, not os.ReadFile's ten
+// (it registers the file with the poller and stats it first).
 func startTimeIn(path string) (uint64, error) {
-	b, err := os.ReadFile(path)
+	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_CLOEXEC, 0)
 	if err != nil {
-		return 0, err
+		return 0, &fs.PathError{Op: "open", Path: path, Err: err}
 	}
+	var buf [2048]byte // the line is a few hundred bytes: 52 numbers and a name of at most 64
+	n := 0
+	for n < len(buf) {
+		m, err := unix.Read(fd, buf[n:])
+		if err == unix.EINTR {
+			continue
+		}
+		if err != nil {
+			unix.Close(fd)
+			return 0, &fs.PathError{Op: "read", Path: path, Err: err}
+		}
+		if m == 0 {
+			break
+		}
+		n += m
+	}
+	unix.Close(fd)
+	b := buf[:n]
 	// The command name (field 2) is in parentheses and may hold spaces or
 	// parentheses itself: fields 3.. start after the last ')'.
 	i := bytes.LastIndexByte(b, ')')

@@ -133,11 +133,12 @@ func shrinkSealMissing(fd, seals int) error {
 // sealForSharing adds F_SEAL_SEAL to a file checkHostFile accepted, so that
 // no receiver of a descriptor of it can add a seal that refuses later
 // receivers (see above), and checks the seals it ends with: someone else
-// may have sealed it meanwhile.
+// may have sealed it meanwhile. It checks them first too, so that a file
+// sealed against writing since its check fails without a seal of ours.
 func sealForSharing(fd int) error {
-	seals, err := unix.FcntlInt(uintptr(fd), unix.F_GET_SEALS, 0)
+	seals, err := checkSeals(fd)
 	if err != nil {
-		return Errorf(EINVAL, "fd %d: fcntl F_GET_SEALS: %w", fd, err)
+		return err
 	}
 	if seals&unix.F_SEAL_SEAL == 0 {
 		// EPERM: sealed by someone else since; the check below judges.

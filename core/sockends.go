@@ -98,14 +98,21 @@ func kernelExporterSocket(fd int, side byte) (uint64, error) {
 	var st unix.Stat_t
 	err := unix.Fstat(fd, &st)
 	var peer sockDiag
+	nl := -1 // one netlink socket for both questions: every connection asks them
 	if err == nil {
-		peer, err = unixSockDiag(st.Ino)
+		nl, err = sockDiagSocket()
+	}
+	if nl >= 0 {
+		defer unix.Close(nl)
+	}
+	if err == nil {
+		peer, err = askSockDiag(nl, st.Ino)
 	}
 	if err == nil && peer.peer == 0 {
 		return 0, errNoPeer
 	}
 	if err == nil {
-		peer, err = unixSockDiag(peer.peer)
+		peer, err = askSockDiag(nl, peer.peer)
 	}
 	if errors.Is(err, unix.ENOENT) {
 		return 0, errNoPeer // closed between the two questions
@@ -140,11 +147,22 @@ const (
 // network namespace. sock_diag answers within the request's sendto, so
 // the read never waits.
 func unixSockDiag(ino uint64) (sockDiag, error) {
-	fd, err := unix.Socket(unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.NETLINK_SOCK_DIAG)
+	fd, err := sockDiagSocket()
 	if err != nil {
 		return sockDiag{}, err
 	}
 	defer unix.Close(fd)
+	return askSockDiag(fd, ino)
+}
+
+// sockDiagSocket opens a netlink socket for sock_diag questions.
+func sockDiagSocket() (int, error) {
+	return unix.Socket(unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.NETLINK_SOCK_DIAG)
+}
+
+// askSockDiag is unixSockDiag on the netlink socket fd (sockDiagSocket),
+// which may be asked again: each answer is read before the next question.
+func askSockDiag(fd int, ino uint64) (sockDiag, error) {
 	req := make([]byte, unix.SizeofNlMsghdr+unixDiagReqSize)
 	le := binary.LittleEndian
 	le.PutUint32(req[0:], uint32(len(req)))

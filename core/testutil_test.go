@@ -167,16 +167,12 @@ func newTestServerIn(t testing.TB, dir string) *Server {
 	return s
 }
 
-// registerFile registers bytes [0, size) of fd in chunks of chunk bytes.
+// registerFile registers bytes [0, size) of fd in chunks of chunk bytes
+// (sealing it, as vmmipc_register_host_file does).
 func registerFile(t testing.TB, s *Server, fd int, size, chunk uint64, opts RegisterOptions) *Ticket {
 	t.Helper()
-	spec, err := HostFile(fd, size, chunk)
+	tk, err := s.RegisterHostFile(fd, size, chunk, opts)
 	if err != nil {
-		t.Fatal(err)
-	}
-	tk, err := s.Register(spec, opts)
-	if err != nil {
-		spec.Exporter.Release()
 		t.Fatal(err)
 	}
 	return tk

@@ -113,11 +113,12 @@ func registerArgs(fn string, opts *C.vmmipc_options, out *C.vmmipc_ticket, count
 	return o, copies, err
 }
 
-// register registers spec with this process's server and writes the ticket.
-func register(spec core.BufferSpec, o core.RegisterOptions, out *C.vmmipc_ticket) error {
+// startServer returns this process's server, started on first use, with
+// its socket directory's files removed at exit.
+func startServer() (*core.Server, error) {
 	srv, err := core.DefaultServer()
 	if err != nil {
-		return err
+		return nil, err
 	}
 	removeAtExit.Do(func() {
 		if dirfd, names := srv.DirFiles(); dirfd >= 0 && len(names) == 2 {
@@ -127,6 +128,15 @@ func register(spec core.BufferSpec, o core.RegisterOptions, out *C.vmmipc_ticket
 			C.free(unsafe.Pointer(lock))
 		}
 	})
+	return srv, nil
+}
+
+// register registers spec with this process's server and writes the ticket.
+func register(spec core.BufferSpec, o core.RegisterOptions, out *C.vmmipc_ticket) error {
+	srv, err := startServer()
+	if err != nil {
+		return err
+	}
 	t, err := srv.Register(spec, o)
 	if err != nil {
 		return err
@@ -158,17 +168,19 @@ func vmmipcgo_register_host_file(fd C.int, size, chunkSize C.uint64_t, releaseFn
 		if err != nil {
 			return err
 		}
-		spec, err := core.HostFile(int(fd), uint64(size), uint64(chunkSize))
+		// The server first: a file it cannot start for keeps its seals
+		// (core.Server.RegisterHostFile seals last).
+		srv, err := startServer()
 		if err != nil {
 			return err
 		}
 		ro := o.register()
 		ro.OnRelease = releaseCallback(releaseFn, user)
-		if err := register(spec, ro, ticketOut); err != nil {
-			spec.Exporter.Release() // close our duplicate
+		t, err := srv.RegisterHostFile(int(fd), uint64(size), uint64(chunkSize), ro)
+		if err != nil {
 			return err
 		}
-		return nil
+		return writeTicket(t, ticketOut) // cannot fail: the registry marshalled t for its digest
 	})
 }
 

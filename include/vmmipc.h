@@ -172,8 +172,9 @@
  *   every later receiver would be refused. So registering seals the file:
  *   vmmipc_register_host_file adds F_SEAL_SEAL to it (if it lacks it) once
  *   the file passed the checks, after which no one can add or change a
- *   seal; add any seal you want (F_SEAL_GROW) before registering. A file
- *   the checks refuse is left as it was. An export_fn (vmmipc_register)
+ *   seal; add any seal you want (F_SEAL_GROW) before registering. That seal
+ *   is the call's last step: a call that fails, for whatever reason, leaves
+ *   the file's seals as they were. An export_fn (vmmipc_register)
  *   makes its own descriptors: seal a file you hand out more than once with
  *   F_SEAL_SEAL yourself.
  */
@@ -425,8 +426,13 @@ int vmmipc_register(const uint64_t *sizes, uint64_t count,
  * why (see "Host memory"). Registering seals the file: once it passed these
  * checks, the library adds F_SEAL_SEAL to it (if it lacks it), so that no
  * receiver can add a seal that would refuse later receivers; add any seal
- * you want before registering. chunk_size must be a multiple of the page
- * size.
+ * you want before registering. A seal cannot be taken back, so adding it is
+ * the call's last step: on every failure below (the checks, the server
+ * that could not start, no descriptor free, an option out of bounds) the
+ * file's seals are as they were before the call. (The one exception:
+ * another holder of the file sealing it against writing during the call,
+ * which is refused with VMMIPC_EINVAL and leaves the file unusable for
+ * sharing anyway.) chunk_size must be a multiple of the page size.
  * Descriptors: the library keeps ONE duplicate of fd (F_DUPFD_CLOEXEC) per
  * registered file, whatever the chunk count, until the last registration of
  * that file has ended; the caller's fd stays the caller's and may be closed
@@ -445,12 +451,13 @@ int vmmipc_register(const uint64_t *sizes, uint64_t count,
  *                  aligned, more than VMMIPC_MAX_CHUNKS chunks, a file that
  *                  is not sealed against shrinking or cannot be sealed, a
  *                  file of huge pages, fd not open O_RDWR, a file sealed
- *                  against writing, or an option out of bounds (release_fn
- *                  is not called; the file is left as it was)
+ *                  against writing, or an option out of bounds
  *   VMMIPC_EIO     the server could not start (as vmmipc_register)
  *   VMMIPC_ECONFIG VMMIPC_SOCKET_DIR is unusable (as vmmipc_register)
  *   VMMIPC_ENFILE  no descriptor free for the duplicate or the server
- *   VMMIPC_EFORK   called after fork() */
+ *   VMMIPC_EFORK   called after fork()
+ *   On every error release_fn is not called and the file's seals are as
+ *   they were. */
 int vmmipc_register_host_file(int fd, uint64_t size, uint64_t chunk_size,
                               vmmipc_release_fn release_fn, void *user,
                               const vmmipc_options *opts,

@@ -85,11 +85,14 @@ def reduce_host_buffer(hb: HostBuffer):
 
 def rebuild_host_buffer(ticket, chunk_size):
     """Unpickling side of a HostBuffer: map the sender's memory. A buffer
-    mapped here already (the import cache) spends its ticket's use with one
-    message on this process's kept connection to the sender (hold=True;
-    HostBuffer grants hold nothing), before this returns: a receiver killed
-    right after unpickling cannot leave the sender's grant pending."""
-    return HostBuffer.from_ticket(ticket, chunk_size, hold=True)
+    mapped here already (the import cache) spends its ticket's use before
+    this returns, on a connection of its own that proves the whole ticket
+    (a changed byte is refused, an ended grant raises NotFoundError as for a
+    new receiver): a receiver killed right after unpickling cannot leave the
+    sender's grant pending. Nothing is held: a HostBuffer's memfd is its
+    own, and its pages live as long as any mapping of them (holds are for
+    memory handed out again, vmmipc.h "Holds")."""
+    return HostBuffer.from_ticket(ticket, chunk_size)
 
 
 HOST = Reductions(everywhere=((HostBuffer, reduce_host_buffer),))

@@ -2,7 +2,6 @@
 the test module so children import only this and vmmipc)."""
 
 import os
-import time
 
 import vmmipc
 
@@ -32,23 +31,3 @@ def holding_child(ticket: bytes, results, commands) -> None:
                 results.put(("release-other", e.message))
         elif cmd == "exit":
             return
-
-
-def touch(hb) -> int:
-    """A Pool task: read the buffer this worker was sent."""
-    return hb[0] + hb[len(hb) - 1]
-
-
-def slow_touch(hb) -> int:
-    time.sleep(0.05)
-    return touch(hb)
-
-
-def read_many(q, done, n: int) -> None:
-    """Take the buffer n times from q (a cache hit after the first), say
-    the sum of what was read, then wait to be killed."""
-    total = 0
-    for _ in range(n):
-        total += touch(q.get())
-    done.put(total)
-    time.sleep(3600)

@@ -74,3 +74,51 @@ def test_a_receiver_cannot_seal_a_hostbuffer():
     finally:
         got.close()
     vmmipc.unregister(t)
+
+
+# Registering a memfd that fails leaves its seals as they were (issue 31
+# item 9): F_SEAL_SEAL is the call's last step. Each case runs in a process
+# of its own (a server that could not start, a descriptor table that is
+# full): makes a memfd sealed against shrinking only, registers it, prints
+# the status's name and the seals before and after.
+SEALS_ON_FAILURE = """
+import fcntl, os, resource, sys
+import vmmipc
+def memfd():
+    fd = os.memfd_create("vmmipc-test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, 4096)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+    return fd
+fd = memfd()
+if sys.argv[1] == "full":
+    keep = vmmipc.register_host_file(memfd(), 4096, 4096, uses=0)  # the server runs
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    held = []
+    try:
+        while True:
+            held.append(os.open("/dev/null", os.O_RDONLY))
+    except OSError:
+        pass
+before = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+try:
+    vmmipc.register_host_file(fd, 4096, 4096)
+    got = "OK"
+except vmmipc.VmmipcError as e:
+    got = type(e).__name__
+print(got, before, fcntl.fcntl(fd, fcntl.F_GET_SEALS))
+"""
+
+
+@pytest.mark.parametrize("case, env, error", [
+    ("no socket directory", {"VMMIPC_SOCKET_DIR": "/nonexistent/vmmipc-sockets"}, "VmmipcIOError"),
+    ("full", {}, "OutOfDescriptorsError"),
+])
+def test_a_failed_registration_leaves_the_seals(case, env, error):
+    r = subprocess.run([sys.executable, "-c", SEALS_ON_FAILURE, case],
+                       env=dict(os.environ, PYTHONPATH=conftest.PYTHON_DIR, **env),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    got, before, after = r.stdout.split()
+    assert got == error, f"{case}: registering got {got}, want {error}"
+    assert int(after) == int(before) == fcntl.F_SEAL_SHRINK, \
+        f"{case}: seals {int(before):#x} before the failed registration, {int(after):#x} after"

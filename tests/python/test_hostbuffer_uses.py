@@ -1,0 +1,161 @@
+"""Each unpickled HostBuffer spends its pickle's use before unpickling
+returns, and holds nothing (issue 31): a HostBuffer's memfd is its own and
+its pages live as long as any mapping of them, so no hold (vmmipc.h
+"Holds") is asked for, neither by its registration nor by its receivers.
+A cache hit is confirmed by the exporter, on a connection that proves the
+whole ticket, before it returns: a changed byte is refused and an ended
+grant raises NotFoundError, as for a new receiver; and a receiver killed
+right after unpickling (SIGKILL, Pool.terminate) leaves nothing pending.
+
+On 860d711 a hit spent its use with one message on a kept holder
+connection and returned without the answer: a receiver killed right after
+could leave grants live for ever (the exporter stopped reading that
+connection when an answer could not be delivered), 2 runs in 25 of the
+Pool test below, and the hit test here."""
+
+import multiprocessing as mp
+import os
+import signal
+import time
+from multiprocessing.reduction import ForkingPickler
+
+import pytest
+
+import _hostbuffer_helpers as hh
+import _mp_helpers as h
+import vmmipc
+from vmmipc import _reductions
+
+TIMEOUT = 30
+pytestmark = pytest.mark.usefixtures("server_running")
+
+
+def marked_buffer(size=16 << 20, chunk_size=1 << 20):
+    hb = vmmipc.HostBuffer(size, chunk_size=chunk_size)
+    hb.view[0], hb.view[-1] = 1, 2
+    return hb
+
+
+def settled(live: int, timeout: float = 6) -> int:
+    """Registrations live beyond `live` once they stop ending (timeout s)."""
+    h.wait_for(lambda: vmmipc.live_registrations() == live, timeout=timeout)
+    return vmmipc.live_registrations() - live
+
+
+def test_a_hostbuffer_asks_for_no_hold():
+    """Neither the registration nor the receiver holds: the receiver keeps
+    no connection to the sender (holder_sessions 0) and holds nothing."""
+    hb = marked_buffer()
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    p = ctx.Process(target=hh.unpickle_all_and_die,
+                    args=([bytes(ForkingPickler.dumps(hb)) for _ in range(3)], results))
+    p.start()
+    hits, misses, holds, sessions = results.get(timeout=TIMEOUT)
+    p.join(TIMEOUT)
+    hb.close()
+    assert (hits, misses) == (2, 1)
+    assert (holds, sessions) == (0, 0), f"the receiver holds {holds} uses on {sessions} connections"
+    assert vmmipc.holds() == 0
+
+
+def test_a_hit_has_spent_its_use_when_unpickling_returns():
+    """64 pickles unpickled back to back (a map, then hits) by a child that
+    dies by SIGKILL right after: every grant has ended."""
+    ctx = mp.get_context("spawn")
+    for _ in range(5):
+        live = vmmipc.live_registrations()
+        hb = marked_buffer()
+        blobs = [bytes(ForkingPickler.dumps(hb)) for _ in range(64)]
+        p = ctx.Process(target=hh.unpickle_all_and_die, args=(blobs,))
+        p.start()
+        p.join(TIMEOUT)
+        assert p.exitcode == -signal.SIGKILL, f"the child unpickled them all and died: {p.exitcode}"
+        hb.close()
+        left = settled(live)
+        assert left == 0, f"{left} of 64 grants still live after their receiver died"
+
+
+def test_a_hit_on_an_ended_grant_raises_not_found():
+    hb = marked_buffer()
+    first = _reductions.rebuild_host_buffer(hb.grant(), hb.chunk_size)  # mapped: hits from now on
+    try:
+        for end in ("unregistered", "expired"):
+            t = hb.grant(ttl=0.05) if end == "expired" else hb.grant()
+            if end == "unregistered":
+                vmmipc.unregister(t)
+            else:
+                time.sleep(0.2)
+            before = vmmipc.cache_info()
+            with pytest.raises(vmmipc.NotFoundError):
+                _reductions.rebuild_host_buffer(t, hb.chunk_size)
+            after = vmmipc.cache_info()
+            assert after.hits == before.hits, f"{end}: the hit was counted"
+    finally:
+        first.close()
+        hb.close()
+
+
+def test_a_hit_refuses_every_changed_byte():
+    """Each of the ticket's 256 bytes changed (two ways) while this process
+    has the buffer mapped: every one is refused, none maps."""
+    hb = marked_buffer(4 << 20)
+    first = _reductions.rebuild_host_buffer(hb.grant(), hb.chunk_size)
+    try:
+        t = bytes(hb.grant(uses=0))
+        accepted = []
+        for i in range(len(t)):
+            for flip in (0x01, 0x80):
+                bad = bytearray(t)
+                bad[i] ^= flip
+                try:
+                    got = _reductions.rebuild_host_buffer(bytes(bad), hb.chunk_size)
+                except (vmmipc.VmmipcError, ValueError):
+                    continue
+                got.close()
+                accepted.append((i, flip))
+        assert accepted == [], f"changed tickets accepted: {accepted[:10]} ({len(accepted)})"
+    finally:
+        first.close()
+        hb.close()
+
+
+def test_pool_workers_terminated_leave_nothing_pending():
+    """Ten buffers, each sent to a pool's workers 16 times (cache hits
+    after the first), the pool terminated (Pool.__exit__: SIGTERM), the
+    buffer closed: every registration ends within a few seconds."""
+    ctx = mp.get_context("spawn")
+    live = vmmipc.live_registrations()
+    for _ in range(10):
+        hb = marked_buffer()
+        with ctx.Pool(4) as pool:
+            assert pool.map(hh.touch, [hb] * 16, chunksize=1) == [3] * 16
+        hb.close()
+    left = settled(live)
+    assert left == 0, f"{left} registrations still live 6 s after the pools ended"
+
+
+def test_receivers_killed_after_cache_hits_leave_nothing_pending():
+    """As above with SIGKILL (a Pool cannot be terminated after its workers
+    were SIGKILLed: one may die holding its task queue's lock), so plain
+    processes reading a Queue: each gets the buffer 16 times, says so, and
+    is killed."""
+    ctx = mp.get_context("spawn")
+    live = vmmipc.live_registrations()
+    for _ in range(5):
+        hb = marked_buffer()
+        q, done = ctx.Queue(), ctx.Queue()
+        procs = [ctx.Process(target=hh.read_many, args=(q, done, 16)) for _ in range(4)]
+        for p in procs:
+            p.start()
+        for _ in range(16 * len(procs)):
+            q.put(hb)
+        assert sorted(done.get(timeout=TIMEOUT) for _ in procs) == [3 * 16] * len(procs)
+        for p in procs:
+            os.kill(p.pid, signal.SIGKILL)
+            p.join(TIMEOUT)
+        hb.close()
+        q.close()
+        done.close()
+    left = settled(live)
+    assert left == 0, f"{left} registrations still live 6 s after the receivers died"
