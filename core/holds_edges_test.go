@@ -61,8 +61,8 @@ func closedBeforeTheAck(t *testing.T, f holdFixture, pull func(s *Stream, g *Tic
 	if err != nil {
 		t.Fatal(err)
 	}
-	if s.heldBy == nil {
-		t.Fatal("the stream did not name the holder session (hold-for)")
+	if s.lease == nil {
+		t.Fatal("the stream holds on no lease")
 	}
 	pull(s, g2)
 	_ = s.Close()
@@ -94,7 +94,7 @@ func TestHeldUsesInABurst(t *testing.T) {
 	if err := Confirm(g, holdImport); err != nil { // the holder session
 		t.Fatal(err)
 	}
-	const threads, each = 16, 1000
+	const threads, each = 16, 100
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
@@ -151,12 +151,11 @@ func TestNoHoldAfterTheRelease(t *testing.T) {
 	defer g.drop(cl)
 	g.end("was unregistered")
 	releasedSoon(t, f, tk, "an ended grant no receiver held")
-	h, err := f.s.reg.newHolder(func() {})
+	l, err := newLease(0, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer f.s.reg.closeHolder(h)
-	if h.take(g) {
+	if f.s.reg.leases.take(l, g) {
 		t.Fatalf("a hold was taken on a registration released already (OnRelease ran: %v)", released.Load())
 	}
 	if n := f.s.Holds(); n != 0 {

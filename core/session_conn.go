@@ -2,21 +2,20 @@ package core
 
 import "time"
 
-// session is one receiver's connection, from its hello to its done-ack,
-// and on after it while it is the receiver's holder session (holds.go).
+// session is one receiver's connection, from its hello (or release) to its
+// answer.
 //
 // This file has what every part of a session uses: reading the receiver's
 // messages (recv) and refusing it (refuse). session.go runs a session,
-// session_chunks.go serves its chunks, session_holds.go a holder session.
+// session_chunks.go serves its chunks, session_holds.go its lease and
+// releases.
 type session struct {
 	reg     *Registry
 	adm     *admission
 	c       *conn
 	p       *pendingConn
-	tr      transcript // the handshake's, which uses on a holder session are bound to
-	authed  bool       // the peer proved the secret
-	refused bool       // the peer was told why it gets nothing
-	holding bool       // a holder session now: no longer counted by admission
+	authed  bool // the peer proved the secret
+	refused bool // the peer was told why it gets nothing
 }
 
 // recv reads one message from the receiver; on failure it says why when
