@@ -291,7 +291,7 @@ class CacheInfo(NamedTuple):
     confirms_pending: int    # confirm_later confirmations queued or in flight
     confirms_failed: int     # ...that failed
     holds: int               # uses this process holds (hold=True), not yet released
-    holder_sessions: int     # connections kept to exporters for them
+    holder_sessions: int     # live leases at exporters (a page mapped each, no descriptor)
 
 
 def set_cache_limit(nbytes: int) -> None:
