@@ -32,6 +32,7 @@ import (
 //	      keeps its own). With <block at> >= 0 the exporter says
 //	      "blocked <id> <index>" and blocks forever at that chunk.
 //	live → "live <n>"
+//	holds → "holds <n>", the uses its receivers hold
 //	goroutines → "goroutines <n>"
 //	fds → "fds <n>", its open descriptors once they settle
 //	close → closes the server (removing its files), "closed"
@@ -113,6 +114,8 @@ func helperSender(t *testing.T, out *lineWriter) error {
 			out.printf("ticket %s", ticketHex(t, tk))
 		case len(f) == 1 && f[0] == "live":
 			out.printf("live %d", s.Live())
+		case len(f) == 1 && f[0] == "holds":
+			out.printf("holds %d", s.Holds())
 		case len(f) == 1 && f[0] == "goroutines":
 			out.printf("goroutines %d", runtime.NumGoroutine())
 		case len(f) == 1 && f[0] == "fds":

@@ -36,6 +36,8 @@ const (
 	partRelayRecord = "relayrecord" // imports through a recording proxy (TestSecretNeverCrossesTheSocket)
 	partImporter    = "importer"    // imports a ticket once, verifies it, reports leaks
 	partHoldMany    = "holdmany"    // holds a use of each of many tickets at a low RLIMIT_NOFILE
+	partHoldFork    = "holdfork"    // holds a use, then forks a child that shuts every socket down
+	partLeaseHog    = "leasehog"    // asks an exporter for leases and sessions in a loop
 )
 
 // Environment of the helpers.
@@ -85,6 +87,10 @@ func TestHelperProcess(t *testing.T) {
 		err = helperImporter(t, out)
 	case partHoldMany:
 		err = helperHoldMany(t, out)
+	case partHoldFork:
+		err = helperHoldFork(out)
+	case partLeaseHog:
+		err = helperLeaseHog(out)
 	default:
 		err = fmt.Errorf("unknown part %q", part)
 	}
