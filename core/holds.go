@@ -139,8 +139,9 @@ func unholdAll(gs []*registration) {
 // An exporter's leases (holds.go has the why): its one lease file, made
 // when the first receiver asks for a lease, the live leases by slot, and a
 // goroutine that, while any lease lives, checks every leasePoll that each
-// receiver still holds its lock (else it died or let go: its holds go) and
-// ends leases idle for leaseIdle (their receivers just get new ones).
+// receiver that holds something still holds its lock (else it died or let
+// go: its holds go) and ends leases idle for leaseIdle (their receivers
+// just get new ones).
 type leaseTable struct {
 	mu      sync.Mutex
 	fd      int // the lease file; -1 until the first lease, and after close
@@ -348,7 +349,10 @@ func (lt *leaseTable) poll() {
 		}
 		var gone []*registration
 		for _, l := range lt.bySlot {
-			dead := l.verified && !lt.lockedBy(l)
+			// Only a lease that holds something is asked about: each
+			// F_OFD_GETLK walks the file's locks, so a poll costs the
+			// square of the leases asked about.
+			dead := l.verified && l.nheld > 0 && !lt.lockedBy(l)
 			idle := l.inUse == 0 && l.nheld == 0 && time.Since(l.idleSince) > leaseIdle
 			if dead || idle {
 				gone = append(gone, lt.endLocked(l)...)
