@@ -152,14 +152,19 @@ func (l *clientLease) flush() {
 			l.drop()
 			return
 		}
-		err := l.sendRelease(ids, end)
+		sent, err := l.sendRelease(ids, end)
 		switch {
 		case err == nil && end, errors.Is(err, errLeaseGone), err != nil && l.exporterGone(err):
 			l.drop()
 			return
-		case err == nil:
+		case err == nil || sent:
+			// Sent but not answered, the exporter may have let go of them:
+			// sent again, they could let go of other holds of the same
+			// registrations. They stay held there until the lease ends,
+			// which it does, taking no new use, once it holds nothing.
 			l.mu.Lock()
 			l.queued = l.queued[n:]
+			l.lost = l.lost || err != nil
 			l.mu.Unlock()
 			backoff = 10 * time.Millisecond
 		default:
@@ -174,14 +179,15 @@ func (l *clientLease) flush() {
 }
 
 // sendRelease lets go of ids (and, with end, of the lease) on a connection
-// of its own, and reads the answer.
-func (l *clientLease) sendRelease(ids []uint64, end bool) error {
+// of its own, and reads the answer; sent says that the message went out
+// (whatever came of it).
+func (l *clientLease) sendRelease(ids []uint64, end bool) (sent bool, err error) {
 	if err := checkBeforeDial(l.t); err != nil {
-		return err
+		return false, err
 	}
 	c, err := dialConn(l.t, time.Now().Add(releaseTimeout), releaseTimeout)
 	if err != nil {
-		return err
+		return false, err
 	}
 	defer c.Close()
 	m := releaseMsg{Slot: l.slot, Token: l.token, RegIDs: ids}
@@ -189,14 +195,14 @@ func (l *clientLease) sendRelease(ids []uint64, end bool) error {
 		m.Flags = releaseEnd
 	}
 	if err := c.send(m.encode(), -1); err != nil {
-		return pendingError(c, err, beforeChunks)
+		return false, pendingError(c, err, beforeChunks)
 	}
 	f, err := recvControl(c, "release-ack")
 	if err != nil {
-		return err
+		return true, err
 	}
 	_, err = parseReleaseAck(f.Body)
-	return err
+	return true, err
 }
 
 // exporterGone reports whether err says that l's exporter has gone.
