@@ -260,9 +260,10 @@ def confirm(ticket, *, later: bool = False, hold: bool = False,
     through another ticket of the same buffer, so that the sender's
     registration ends. later=True returns at once and a library thread
     confirms (VMMIPC_IMPORT_CONFIRM_LATER; cache_info counts it).
-    hold=True holds the use, as import_stream(hold=True) does: one message
-    on this process's kept connection to the exporter, its answer not
-    waited for (a refusal is counted in cache_info().confirms_failed)."""
+    hold=True holds the use, as import_stream(hold=True) does (if the sender
+    registered with hold=True): one short session, held on this process's
+    lease at the exporter and answered before this returns (a grant that
+    ended raises NotFoundError)."""
     fn = "vmmipc_confirm"
     t = as_ticket(ticket, fn)
     flags = (IMPORT_CONFIRM_LATER if later else 0) | (IMPORT_HOLD if hold else 0)
