@@ -310,20 +310,20 @@ func TestHoldOnAnEndedLease(t *testing.T) {
 }
 
 // TestHoldOnASecondStream: a second new mapping from the same exporter (a
-// stream that names the holder session with hold-for) is held there too,
+// stream that names the lease with hold-on) is held there too,
 // and its Release lets go of it.
 func TestHoldOnASecondStream(t *testing.T) {
 	f := newHoldFixture(t)
 	other := registerCounting(t, f.s, cacheSize, 22, RegisterOptions{Uses: 0})
 	g1, _ := f.grant(t, true)
-	r1 := importHost(t, g1, holdImport) // the holder session
+	r1 := importHost(t, g1, holdImport) // the lease
 	defer Unmap(r1.ID, r1.Base)
 	var released atomic.Bool
 	g2, err := f.s.RegisterAgain(other.tk, RegisterOptions{Uses: 1, Hold: true, OnRelease: func() { released.Store(true) }})
 	if err != nil {
 		t.Fatal(err)
 	}
-	r2 := importHost(t, g2, holdImport) // a miss: its own stream, hold-for
+	r2 := importHost(t, g2, holdImport) // a miss: its own stream, hold-on
 	defer Unmap(r2.ID, r2.Base)
 	if err := verifyRef(r2, 22); err != nil {
 		t.Fatal(err)
