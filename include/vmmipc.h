@@ -142,6 +142,12 @@
  *   retries within its timeout_ms. So idle connections cannot lock
  *   authenticated receivers out. Peers of a foreign uid are told why and
  *   dropped at once (at most 64 at a time; beyond that, without a word).
+ *   Holds cost a sender one descriptor in all, its lease file, whatever the
+ *   number of receivers holding from it, and no connection stays open for
+ *   them (see "Holds"): a held use or a release is a short connection,
+ *   counted as any other while it runs. A receiver process may have at
+ *   most 4 leases at one sender (a fifth is refused with VMMIPC_EIO), so
+ *   one that asks for leases in a loop cannot lock others out.
  *
  * Host memory
  *   Host chunks travel as descriptors of memfds, which every receiver maps
