@@ -106,6 +106,14 @@ func (l *clientLease) useDone(id uint64, held bool) {
 	l.maybeEnd()
 }
 
+// moreInFlight counts n more uses in flight on l (a session's further
+// uses: confirm_many.go); each is settled like the first.
+func (l *clientLease) moreInFlight(n int) {
+	l.mu.Lock()
+	l.inflight += n
+	l.mu.Unlock()
+}
+
 // useLost settles a use in flight on l whose answer never came: the
 // exporter may hold it without our knowing, so l takes no new use and ends
 // (which lets go of everything on it) once what we know is let go.

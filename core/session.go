@@ -90,7 +90,9 @@ func (ss *session) run() {
 			return
 		}
 	}
-	ss.serveUse(g, hello, l)
+	if ss.serveUse(g, hello, l) && hello.Flags&helloMore != 0 {
+		ss.serveMoreUses(l)
+	}
 }
 
 // serveUse serves the use the hello asked for: the chunks, or a
@@ -157,20 +159,6 @@ func (ss *session) serveUse(g *registration, hello helloMsg, l *lease) bool {
 	return acked
 }
 
-// ackFlags are the done-ack flags of a use of g.
-func (ss *session) ackFlags(g *registration, usedUp, held bool) uint64 {
-	var flags uint64
-	// Another receiver may have spent the last use meanwhile: ask whether
-	// the registration still lives, not only whether we used it up.
-	if (!usedUp && g.live()) || ss.reg.bufferHasOthers(g) {
-		flags |= ackBufferLives
-	}
-	if held {
-		flags |= ackHeld
-	}
-	return flags
-}
-
 // authenticate runs the server's half of the handshake (handshake.go) and
 // then takes the connection out of the pending set.
 func (ss *session) authenticate(g *registration, hello helloMsg) bool {
@@ -208,7 +196,7 @@ func (ss *session) authenticate(g *registration, hello helloMsg) bool {
 		ss.refuse(Errorf(EAUTH, "the receiver's proof for registration %d does not check out: its ticket is corrupted or forged", g.id))
 		return false
 	}
-
+	ss.tr = tr
 	ss.authed = ss.adm.authenticated(ss.p)
 	return ss.authed
 }

@@ -14,8 +14,9 @@ type session struct {
 	adm     *admission
 	c       *conn
 	p       *pendingConn
-	authed  bool // the peer proved the secret
-	refused bool // the peer was told why it gets nothing
+	tr      transcript // the handshake's, which further uses are proved against
+	authed  bool       // the peer proved the secret
+	refused bool       // the peer was told why it gets nothing
 }
 
 // recv reads one message from the receiver; on failure it says why when
@@ -54,4 +55,18 @@ func refusalCode(err error) Code {
 		return code
 	}
 	return EINTERNAL
+}
+
+// ackFlags are the done-ack flags of a use of g.
+func (ss *session) ackFlags(g *registration, usedUp, held bool) uint64 {
+	var flags uint64
+	// Another receiver may have spent the last use meanwhile: ask whether
+	// the registration still lives, not only whether we used it up.
+	if (!usedUp && g.live()) || ss.reg.bufferHasOthers(g) {
+		flags |= ackBufferLives
+	}
+	if held {
+		flags |= ackHeld
+	}
+	return flags
 }

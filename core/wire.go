@@ -85,6 +85,8 @@ const (
 	msgReleaseAck uint8 = 18 // server: holds let go
 	msgRelease    uint8 = 19 // receiver, first on its connection: let go of holds on its lease
 	msgLeaseGone  uint8 = 20 // server: the lease named is not (or no longer) one of this exporter's
+	msgUse        uint8 = 21 // receiver, after a done-ack (helloMore): spend a use of another registration
+	msgUseAck     uint8 = 22 // server: registration id, status, done-ack flags, text
 )
 
 // Hello flags.
@@ -92,7 +94,8 @@ const (
 	helloConfirm  uint64 = 1 << 0 // the receiver has the buffer; spend a use, send nothing
 	helloPidBound uint64 = 1 << 1 // bind the receiver's pid, not the socket (sockends.go)
 	helloLease    uint64 = 1 << 2 // give me a lease and hold this use on it (holds.go)
-	helloKnown           = helloConfirm | helloPidBound | helloLease
+	helloMore     uint64 = 1 << 3 // uses of other registrations follow the done-ack (confirm_many.go)
+	helloKnown           = helloConfirm | helloPidBound | helloLease | helloMore
 )
 
 // Done-ack flags.
@@ -123,6 +126,9 @@ const (
 	releaseHead     = 8 + tokenSize + 8 + 8
 	releaseAckSize  = 8
 	maxReleaseBatch = 512 // registration ids in one release message
+	useSize         = 8 + 8 + proofSize
+	useAckHead      = 8 + 8 + 8
+	maxMoreUses     = 512 // uses that may follow a session's first (helloMore)
 )
 
 var bodySizes = map[uint8]int{
@@ -132,7 +138,7 @@ var bodySizes = map[uint8]int{
 	msgStatus: statusSize, msgStatusAck: statusAckSize,
 	msgPullRun: pullSize, msgRun: runMsgSize,
 	msgHoldOn: leaseRefSize, msgLease: leaseRefSize, msgLeased: 0, msgReleaseAck: releaseAckSize,
-	msgRelease: -1, msgLeaseGone: 0,
+	msgRelease: -1, msgLeaseGone: 0, msgUse: useSize, msgUseAck: -1,
 }
 
 var msgNames = map[uint8]string{
@@ -141,7 +147,7 @@ var msgNames = map[uint8]string{
 	msgProof: "proof", msgBusy: "busy", msgStatus: "status", msgStatusAck: "status-ack",
 	msgPullRun: "pull-run", msgRun: "run",
 	msgHoldOn: "hold-on", msgLease: "lease", msgLeased: "leased", msgReleaseAck: "release-ack",
-	msgRelease: "release", msgLeaseGone: "lease-gone",
+	msgRelease: "release", msgLeaseGone: "lease-gone", msgUse: "use", msgUseAck: "use-ack",
 }
 
 func msgName(t uint8) string {
@@ -202,6 +208,8 @@ func variableBody(typ uint8) (lo, hi uint32) {
 		return errorHead, errorHead + maxErrorText
 	case msgRelease:
 		return releaseHead, releaseHead + 8*maxReleaseBatch
+	case msgUseAck:
+		return useAckHead, useAckHead + maxErrorText
 	}
 	return 1, 0 // none fits
 }
