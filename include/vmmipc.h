@@ -855,6 +855,34 @@ int vmmipc_import_stream(const vmmipc_ticket *ticket, int device,
  *   VMMIPC_EFORK   called after fork() */
 int vmmipc_confirm(const vmmipc_ticket *ticket, const vmmipc_options *opts);
 
+/* vmmipc_confirm_many spends one use of each of the `count` tickets at
+ * `tickets`, as vmmipc_confirm does each, with one connection per exporter
+ * (and one more for every 513 tickets of one exporter): the first ticket
+ * of an exporter proves its secret both ways, the others follow as use
+ * messages each proved with its own ticket's secret bound to that
+ * handshake, sent together and answered together, so a receiver whose
+ * memory is mapped already (a re-sent model: one ticket per run) pays one
+ * round trip per exporter, not one per ticket. Exporters are confirmed
+ * concurrently, each within timeout_ms. With VMMIPC_IMPORT_HOLD each use
+ * is held (see "Holds"); VMMIPC_IMPORT_CONFIRM_LATER is refused. Each
+ * ticket's outcome is its own: an ended registration (VMMIPC_ENOENT) or a
+ * ticket changed in a byte (VMMIPC_EAUTH) takes nothing from the others.
+ * status_out, if not NULL, has room for `count` ints and gets each
+ * ticket's status (the statuses of vmmipc_confirm); it is written on every
+ * return but VMMIPC_EFORK and the argument errors below. At most 1048576
+ * tickets a call. The tickets and status_out stay the caller's.
+ * Returns:
+ *   VMMIPC_OK      every use is spent (and held, with VMMIPC_IMPORT_HOLD)
+ *   VMMIPC_EINVAL  tickets NULL with count > 0, count above 1048576, an
+ *                  option out of bounds, unknown import_flags bits or
+ *                  CONFIRM_LATER (status_out untouched); or a malformed
+ *                  ticket (its status says so, the others are confirmed)
+ *   otherwise      the status of the first ticket that failed, as
+ *                  vmmipc_confirm returns it; vmmipc_last_error names it
+ *   VMMIPC_EFORK   called after fork() */
+int vmmipc_confirm_many(const vmmipc_ticket *tickets, size_t count,
+                        const vmmipc_options *opts, int *status_out);
+
 /* vmmipc_release lets go of one use of the ticket's registration that this
  * process holds (taken by vmmipc_import_stream or vmmipc_confirm with
  * VMMIPC_IMPORT_HOLD; see "Holds"). It returns at once: the registration id

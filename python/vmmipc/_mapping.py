@@ -271,6 +271,40 @@ def confirm(ticket, *, later: bool = False, hold: bool = False,
     _lib.call(fn, ctypes.byref(t._c()), ctypes.byref(opts))
 
 
+def confirm_many(tickets, *, hold: bool = False,
+                 timeout: float | None = None) -> list:
+    """Spend one use of each ticket, as confirm() does each, with one
+    connection and one round trip per exporter (vmmipc_confirm_many): for
+    a receiver that has the memory of many tickets mapped already.
+    hold=True holds each use, as confirm(hold=True) does. Returns one entry
+    per ticket: None where its use was spent, else the exception confirm()
+    would have raised for it (the first one carries the library's detail).
+    Raises only for bad arguments."""
+    fn = "vmmipc_confirm_many"
+    ts = [as_ticket(t, fn) for t in tickets]
+    n = len(ts)
+    arr = (_lib.vmmipc_ticket * n)()
+    for i, t in enumerate(ts):
+        arr[i] = t._c()
+    status = (ctypes.c_int * n)()
+    opts = _lib.options(fn, timeout=timeout, import_flags=IMPORT_HOLD if hold else 0)
+    rc = _lib.lib(fn).vmmipc_confirm_many(arr, n, ctypes.byref(opts), status)
+    if rc >= 0:
+        return [None] * n
+    detail = _errors.python_message(_lib.last_error())
+    if all(s == 0 for s in status):  # an argument error: nothing was confirmed
+        raise _errors.error_for(rc, detail, fn)
+    out, first = [], True
+    for i, s in enumerate(status):
+        if s >= 0:
+            out.append(None)
+            continue
+        out.append(_errors.error_for(s, detail if first else f"ticket {i}: "
+                                     + _errors.STATUS_NAMES.get(s, f"status {s}"), fn))
+        first = False
+    return out
+
+
 def release(ticket) -> None:
     """Let go of a use of `ticket` this process holds (import_stream or
     confirm with hold=True): returns at once, a library thread tells the
