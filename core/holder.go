@@ -20,6 +20,8 @@ import (
 // no use is in flight on it, ends it: the last release says so and the
 // mapping goes (its lock with it). The receiver's death drops the lock,
 // which lets go of everything it held: nothing else is needed for that.
+// clientlease.go has a lease's own life.
+
 // leaseFor returns a live lease to t's exporter, counted in flight; or nil
 // and acquire: this thread asks for one (then it must call acquired).
 // Another thread getting one is waited for until deadline.

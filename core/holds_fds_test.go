@@ -139,3 +139,30 @@ func helperHoldMany(t *testing.T, out *lineWriter) error {
 	out.printf("held %d one=%d all=%d leases=%d", len(hexes), one, ourFDs().settled(t), GetCacheInfo().HolderSessions)
 	return nil
 }
+
+// TestReceiversOfARegistrationThatHoldsNothingCostNothing: receivers that
+// ask to hold (as every Python unpickle does) a registration made without
+// Hold take no lease, and leave the sender no descriptor (at 860d711 each
+// receiver process kept a holder session: +1 on each side).
+func TestReceiversOfARegistrationThatHoldsNothingCostNothing(t *testing.T) {
+	sender := startHelper(t, partSender, helperOpts{})
+	senderFDs := fdsOf(sender.pid())
+	tk := sender.register(4, 4096, 0, -1, 12)
+	base := senderFDs.settled(t)
+	leasesBefore := GetCacheInfo().HolderSessions
+	ours := ourFDs().settled(t)
+	for range 100 {
+		if err := Confirm(tk, holdImport); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := GetCacheInfo().HolderSessions; n != leasesBefore {
+		t.Fatalf("%d leases after holding uses of a registration that holds nothing, %d before", n, leasesBefore)
+	}
+	if n := senderFDs.settled(t); n != base {
+		t.Fatalf("the sender holds %d descriptors, %d before", n, base)
+	}
+	if n := ourFDs().settled(t); n != ours {
+		t.Fatalf("the receiver holds %d descriptors, %d before", n, ours)
+	}
+}
