@@ -138,11 +138,18 @@ func useHeld(t *Ticket, timeout time.Duration) (lives bool, err error) {
 	if !t.Holds {
 		return confirm(t, timeout)
 	}
+	deadline := time.Now().Add(timeout) // the whole use, not each wait
 	c, _, l, err := connectHeld(t, timeout, helloConfirm)
 	if err != nil {
 		return false, err
 	}
 	defer c.Close()
+	// An answer already here is read even if connecting took the whole
+	// timeout (a read past its deadline does not look).
+	c.deadline = deadline
+	if soon := time.Now().Add(10 * time.Millisecond); deadline.Before(soon) {
+		c.deadline = soon
+	}
 	flags, err := readDoneAckFlags(c)
 	if err != nil {
 		if CodeOf(err) == EIO { // no answer: it may have been held
