@@ -341,7 +341,8 @@ typedef struct vmmipc_options {
  *     every hold on the lease. Later held uses name the lease; each is an
  *     ordinary short session that returns only once the exporter answered
  *     (a hit on a registration that has ended gives VMMIPC_ENOENT, as a
- *     miss does). Releases are sent in batches by a library thread, each on
+ *     miss does); vmmipc_confirm_many spends many in one round trip per
+ *     exporter. Releases are sent in batches by a library thread, each on
  *     a short connection of its own proved by the lease's token, and when a
  *     receiver holds nothing more from an exporter its lease ends (the
  *     mapping goes with it). No connection stays open on either side: an
