@@ -1,6 +1,7 @@
 package core
 
 import (
+	"bytes"
 	"fmt"
 	"os"
 	"syscall"
@@ -109,6 +110,9 @@ func TestStoppedExporterKeepsHeldCallsDeadlines(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer unix.Kill(sender.pid(), unix.SIGCONT)
+	if !waitUntil(5*time.Second, func() bool { return stoppedProcess(sender.pid()) }) {
+		t.Fatal("the sender did not stop")
+	}
 	const timeout = 300 * time.Millisecond
 	opts := ImportOptions{Hold: true, OpenOptions: OpenOptions{Timeout: timeout}}
 	otherDone := make(chan error, 1)
@@ -123,8 +127,9 @@ func TestStoppedExporterKeepsHeldCallsDeadlines(t *testing.T) {
 	}()
 	for i := range 400 {
 		start := time.Now()
-		_, err := Import(tk, DeviceHost, opts, nil)
+		ref, err := Import(tk, DeviceHost, opts, nil)
 		if err == nil {
+			Unmap(ref.ID, ref.Base)
 			t.Fatalf("held hit %d on a stopped exporter returned OK: nothing granted it", i)
 		}
 		if took := time.Since(start); took > timeout+time.Second {
@@ -159,6 +164,17 @@ func TestStoppedExporterKeepsHeldCallsDeadlines(t *testing.T) {
 	waitHolds(t, sender, 0, 10*time.Second)
 }
 
+// stoppedProcess reports whether process pid is stopped (its state in
+// /proc/<pid>/stat is T): a SIGSTOP has taken effect.
+func stoppedProcess(pid int) bool {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return false
+	}
+	i := bytes.LastIndexByte(b, ')')
+	return i > 0 && i+2 < len(b) && (b[i+2] == 'T' || b[i+2] == 't')
+}
+
 // TestHeldCallsToAnExporterThatForkedAndDied: the exporter forks a child
 // that keeps its listening socket (and lease file) and never answers, then
 // exits. A receiver holding from it: its held import and confirmation
@@ -182,7 +198,10 @@ func TestHeldCallsToAnExporterThatForkedAndDied(t *testing.T) {
 	sender.forkListener("silent", "exit", exited)
 	opts := ImportOptions{Hold: true, OpenOptions: OpenOptions{Timeout: 20 * time.Second}}
 	start := time.Now()
-	if _, err := Import(tk, DeviceHost, opts, nil); err == nil || time.Since(start) > time.Second {
+	if ref, err := Import(tk, DeviceHost, opts, nil); err == nil || time.Since(start) > time.Second {
+		if err == nil {
+			Unmap(ref.ID, ref.Base)
+		}
 		t.Fatalf("a held import from an exporter that died: %v after %v", err, time.Since(start))
 	}
 	start = time.Now()
