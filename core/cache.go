@@ -72,7 +72,7 @@ type CacheInfo struct {
 	LimitBytes, Entries, ReferencedBytes, UnreferencedBytes uint64
 	Hits, Misses, Evictions, Invalidations                  uint64
 	ConfirmsPending, ConfirmsFailed                         uint64 // confirm.go
-	Holds, HolderSessions                                   uint64 // holder.go
+	Holds, HolderSessions                                   uint64 // holder.go: uses held, live leases
 }
 
 type importCache struct {
@@ -124,14 +124,17 @@ func (c *importCache) enabled() (bool, error) {
 }
 
 // hit returns another reference to the cached mapping for key, after the
-// exporter confirmed t (with opts.Hold: on a holder session, holder.go), or
+// exporter confirmed t (with opts.Hold: held on a lease, holder.go), or
 // at once with the confirmation queued (opts.ConfirmLater: confirm.go);
 // hit is false when there is none (then import anew).
 func (c *importCache) hit(key cacheKey, t *Ticket, opts ImportOptions) (Ref, bool, error) {
 	timeout := opts.Timeout
 	c.mu.Lock()
 	e := c.byKey[key]
-	if e == nil {
+	if e == nil || !sameGrant(e.exporter, t) {
+		// A ticket that differs from the mapping's in what names its
+		// memory (a changed byte, say) is no hit: the miss's handshake
+		// then has the exporter judge it.
 		c.mu.Unlock()
 		return Ref{}, false, nil
 	}
@@ -168,6 +171,16 @@ func (c *importCache) hit(key cacheKey, t *Ticket, opts ImportOptions) (Ref, boo
 	ref := c.newRef(e) // the pin becomes the caller's reference
 	c.mu.Unlock()
 	return ref, true, nil
+}
+
+// sameGrant reports whether ticket t names the memory a mapping was
+// imported with (ticket a): the same exporter, buffer, kind, chunk count,
+// size and device. The registration's own fields (id, secret) may
+// differ: the exporter proves them on every hit but a queued one.
+func sameGrant(a, t *Ticket) bool {
+	return a.Kind == t.Kind && a.Address == t.Address && a.Pid == t.Pid &&
+		a.StartTime == t.StartTime && a.NS == t.NS && a.BufferID == t.BufferID &&
+		a.Count == t.Count && a.Total == t.Total && a.DeviceUUID == t.DeviceUUID
 }
 
 // add records a new mapping with one reference; cacheable mappings are

@@ -7,15 +7,16 @@ import (
 	"time"
 )
 
-// The start of a receiver's session, shared by a stream (stream.go), a
-// confirmation (confirm.go) and a holder session (holder.go): the
+// The start of a receiver's session, shared by a stream (stream.go) and a
+// confirmation (confirm.go), held or not (holder.go): the
 // receiver's half of the handshake (handshake.go; the server's half is in
 // session.go), on a connection dial.go made, bound by sockends.go.
 // connect runs the start of a session: reachability and liveness, dial,
 // peer check and handshake, retrying a full listen backlog and "busy"
 // answers until timeout. It returns the authenticated connection, welcome
-// checked.
-func connect(t *Ticket, timeout time.Duration, flags uint64, pre []byte) (*conn, transcript, error) {
+// checked. With ask, the use is held: on the lease ask names, or on a new
+// one the session brings (ask.got).
+func connect(t *Ticket, timeout time.Duration, flags uint64, ask *holdAsk) (*conn, transcript, error) {
 	if err := checkBeforeDial(t); err != nil {
 		return nil, transcript{}, err
 	}
@@ -34,7 +35,7 @@ func connect(t *Ticket, timeout time.Duration, flags uint64, pre []byte) (*conn,
 		if err != nil {
 			return nil, transcript{}, err
 		}
-		tr, err := handshake(c, t, digest, flags, pre)
+		tr, err := handshake(c, t, digest, flags, ask)
 		if err == nil {
 			return c, tr, nil
 		}
@@ -65,17 +66,21 @@ func bindingFlag(t *Ticket) (uint64, error) {
 	return helloPidBound, nil
 }
 
-// handshake runs the receiver's half of handshake.go and checks the welcome.
-func handshake(c *conn, t *Ticket, digest [32]byte, flags uint64, pre []byte) (transcript, error) {
+// handshake runs the receiver's half of handshake.go, takes the lease the
+// session brings (where ask asks for one), and checks the welcome.
+func handshake(c *conn, t *Ticket, digest [32]byte, flags uint64, ask *holdAsk) (transcript, error) {
 	var tr transcript
 	nr, err := newNonce()
 	if err != nil {
 		return tr, err
 	}
-	if pre != nil {
-		if err := c.send(pre, -1); err != nil {
+	switch {
+	case ask != nil && ask.on != nil:
+		if err := c.send(leaseRefMsg{Slot: ask.on.slot, Token: ask.on.token}.encode(msgHoldOn), -1); err != nil {
 			return tr, pendingError(c, err, beforeChunks)
 		}
+	case ask != nil:
+		flags |= helloLease
 	}
 	if err := c.send(helloMsg{RegID: t.RegID, Flags: flags, Nonce: nr}.encode(), -1); err != nil {
 		// A server that refuses us at once hangs up after saying why:
@@ -114,6 +119,11 @@ func handshake(c *conn, t *Ticket, digest [32]byte, flags uint64, pre []byte) (t
 	}
 	if err := c.send(proofMsg{Proof: tr.proof(t.Secret, roleReceiver)}.encode(), -1); err != nil {
 		return tr, pendingError(c, err, beforeChunks)
+	}
+	if flags&helloLease != 0 {
+		if ask.got, err = takeSessionLease(c, t); err != nil {
+			return tr, err
+		}
 	}
 	f, err = recvControl(c, "welcome")
 	if err != nil {

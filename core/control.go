@@ -25,6 +25,8 @@ func recvControl(c *conn, want string) (frame, error) {
 		return f, remoteError(f.Body, beforeChunks)
 	case f.Type == msgBusy:
 		return f, errBusy
+	case f.Type == msgLeaseGone:
+		return f, errLeaseGone
 	case msgName(f.Type) != want:
 		return f, Errorf(EINVAL, "protocol: expected %s, got %s", want, msgName(f.Type))
 	}
@@ -78,6 +80,8 @@ func pendingError(c *conn, fallback error, phase peerPhase) error {
 		return remoteError(f.Body, phase)
 	case msgBusy:
 		return errBusy
+	case msgLeaseGone:
+		return errLeaseGone
 	}
 	return fallback
 }

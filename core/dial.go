@@ -10,7 +10,8 @@ import (
 )
 
 // Dialing: how every connection of a receiver to an exporter begins (a
-// stream's, a confirmation's, a holder session's: connect.go; status
+// stream's, a confirmation's (held or not): connect.go; a release's:
+// clientlease.go; status
 // queries': status.go), once liveness.go has found the exporter reachable
 // and alive. Connect to the ticket's address, retrying while the listen
 // backlog is full; check with SO_PEERCRED who holds the socket; and, when

@@ -63,9 +63,9 @@ func (t *transcript) proof(secret Secret, role byte) [proofSize]byte {
 	return out
 }
 
-// forUse is the transcript a use of registration id (whose ticket digest is
-// digest) is proved with on a holder session whose handshake was t
-// (wire_holds.go): receiver and server both build it here, so that they
+// forUse is the transcript a further use of registration id (whose ticket
+// digest is digest) is proved with on a session whose handshake was t
+// (wire_uses.go): receiver and server both build it here, so that they
 // cannot drift apart.
 func (t transcript) forUse(id uint64, digest [32]byte) transcript {
 	t.RegID, t.Flags, t.TicketDigest = id, useProofFlag, digest

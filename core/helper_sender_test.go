@@ -25,11 +25,14 @@ import (
 // on stdin until it closes:
 //
 //	register <chunks> <chunk size> <uses> <block at> <seed>
+//	register <chunks> <chunk size> <uses> <block at> <seed> hold
+//	    → the same, registered with Hold
 //	    → "ticket <hex>"; a memfd of pattern(seed) registered with
 //	      HostFile, whose descriptor the helper closes at once (the library
 //	      keeps its own). With <block at> >= 0 the exporter says
 //	      "blocked <id> <index>" and blocks forever at that chunk.
 //	live → "live <n>"
+//	holds → "holds <n>", the uses its receivers hold
 //	goroutines → "goroutines <n>"
 //	fds → "fds <n>", its open descriptors once they settle
 //	close → closes the server (removing its files), "closed"
@@ -60,6 +63,13 @@ func helperSender(t *testing.T, out *lineWriter) error {
 			return err
 		}
 	}
+	if v := os.Getenv(envLeasesPerPid); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil {
+			return err
+		}
+		maxLeasesPerPid = n
+	}
 	s, err := NewServer(os.Getenv(SocketDirEnv))
 	if err != nil {
 		return err
@@ -70,8 +80,9 @@ func helperSender(t *testing.T, out *lineWriter) error {
 	for in.Scan() {
 		f := strings.Fields(in.Text())
 		switch {
-		case len(f) == 6 && f[0] == "register":
+		case (len(f) == 6 || len(f) == 7 && f[6] == "hold") && f[0] == "register":
 			var v [5]int64
+			hold := len(f) == 7
 			for i := range v {
 				if v[i], err = strconv.ParseInt(f[i+1], 10, 64); err != nil {
 					return err
@@ -93,7 +104,7 @@ func helperSender(t *testing.T, out *lineWriter) error {
 			})
 			unix.Close(fd) // the library holds its own duplicate
 			idMu.Lock()
-			tk, err := s.Register(spec, RegisterOptions{Uses: uint32(uses)})
+			tk, err := s.Register(spec, RegisterOptions{Uses: uint32(uses), Hold: hold})
 			if err != nil {
 				idMu.Unlock()
 				return err
@@ -103,6 +114,8 @@ func helperSender(t *testing.T, out *lineWriter) error {
 			out.printf("ticket %s", ticketHex(t, tk))
 		case len(f) == 1 && f[0] == "live":
 			out.printf("live %d", s.Live())
+		case len(f) == 1 && f[0] == "holds":
+			out.printf("holds %d", s.Holds())
 		case len(f) == 1 && f[0] == "goroutines":
 			out.printf("goroutines %d", runtime.NumGoroutine())
 		case len(f) == 1 && f[0] == "fds":

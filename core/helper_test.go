@@ -35,21 +35,25 @@ const (
 	partPidNS       = "pidns"       // runs the pid-reuse attack inside a new pid namespace
 	partRelayRecord = "relayrecord" // imports through a recording proxy (TestSecretNeverCrossesTheSocket)
 	partImporter    = "importer"    // imports a ticket once, verifies it, reports leaks
+	partHoldMany    = "holdmany"    // holds a use of each of many tickets at a low RLIMIT_NOFILE
+	partHoldFork    = "holdfork"    // holds a use, then forks a child that shuts every socket down
+	partLeaseHog    = "leasehog"    // asks an exporter for leases and sessions in a loop
 )
 
 // Environment of the helpers.
 const (
-	envTicket     = "VMMIPC_TEST_TICKET"       // hex ticket for receivers and openers
-	envStopAt     = "VMMIPC_TEST_STOP_AT"      // receiver: chunks to pull before waiting to be killed
-	envAddr       = "VMMIPC_TEST_ADDR"         // impostor: the address to bind
-	envListenFD   = "VMMIPC_TEST_LISTEN_FD"    // impostor: an inherited listening descriptor instead
-	envListenMode = "VMMIPC_TEST_LISTEN_MODE"  // impostor: how to answer (see helperImpostor)
-	envReplay     = "VMMIPC_TEST_REPLAY"       // impostor "replay": the hex message to answer with
-	envNoFile     = "VMMIPC_TEST_NOFILE"       // sender: its soft RLIMIT_NOFILE
-	envSeed       = "VMMIPC_TEST_SEED"         // importer: the pattern the bytes must follow
-	envImports    = "VMMIPC_TEST_IMPORTS"      // importer: how many times to import
-	envTake       = "VMMIPC_TEST_TAKE"         // impostor at a socket path: "swap", "lock" (see impostorListen)
-	envNoSockDiag = "VMMIPC_TEST_NO_SOCK_DIAG" // any part: act as if sock_diag were refused (nodiag_test.go)
+	envTicket       = "VMMIPC_TEST_TICKET"         // hex ticket for receivers and openers
+	envStopAt       = "VMMIPC_TEST_STOP_AT"        // receiver: chunks to pull before waiting to be killed
+	envAddr         = "VMMIPC_TEST_ADDR"           // impostor: the address to bind
+	envListenFD     = "VMMIPC_TEST_LISTEN_FD"      // impostor: an inherited listening descriptor instead
+	envListenMode   = "VMMIPC_TEST_LISTEN_MODE"    // impostor: how to answer (see helperImpostor)
+	envReplay       = "VMMIPC_TEST_REPLAY"         // impostor "replay": the hex message to answer with
+	envNoFile       = "VMMIPC_TEST_NOFILE"         // sender: its soft RLIMIT_NOFILE
+	envLeasesPerPid = "VMMIPC_TEST_LEASES_PER_PID" // sender: maxLeasesPerPid (tests that emulate many receivers in one process)
+	envSeed         = "VMMIPC_TEST_SEED"           // importer: the pattern the bytes must follow
+	envImports      = "VMMIPC_TEST_IMPORTS"        // importer: how many times to import
+	envTake         = "VMMIPC_TEST_TAKE"           // impostor at a socket path: "swap", "lock" (see impostorListen)
+	envNoSockDiag   = "VMMIPC_TEST_NO_SOCK_DIAG"   // any part: act as if sock_diag were refused (nodiag_test.go)
 )
 
 func TestHelperProcess(t *testing.T) {
@@ -81,6 +85,12 @@ func TestHelperProcess(t *testing.T) {
 		err = helperRelayRecord(t, out)
 	case partImporter:
 		err = helperImporter(t, out)
+	case partHoldMany:
+		err = helperHoldMany(t, out)
+	case partHoldFork:
+		err = helperHoldFork(out)
+	case partLeaseHog:
+		err = helperLeaseHog(out)
 	default:
 		err = fmt.Errorf("unknown part %q", part)
 	}

@@ -48,7 +48,7 @@ func Import(t *Ticket, device int32, opts ImportOptions, gpu GPU) (Ref, error) {
 
 // Confirm spends one use of t without receiving anything, for a receiver
 // that has the memory mapped already (through another ticket of the same
-// buffer): at once (with opts.Hold, held on a holder session: holder.go),
+// buffer): at once (with opts.Hold, held on this process's lease: holder.go),
 // or queued with opts.ConfirmLater. It reports what the exporter said
 // (queued: nil).
 func Confirm(t *Ticket, opts ImportOptions) error {

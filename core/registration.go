@@ -288,8 +288,8 @@ func (g *registration) release() {
 }
 
 // hold records a receiver's hold on a use it spent (holds.go), unless the
-// registration has ended: its release may have run already (a use on a
-// holder session is not cut by the end, so it can come after it).
+// registration has ended: its release may have run already (a spent use's
+// session is not cut by the end, so its hold can come after it).
 func (g *registration) hold() bool {
 	g.mu.Lock()
 	if g.ended != "" {

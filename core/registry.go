@@ -25,7 +25,7 @@ type Registry struct {
 	order     []uint64                 // ended ids, oldest first, to bound the map
 	buffers   map[uint64]*buffer       // buffers with live registrations
 	byKey     map[string]*buffer
-	holders   map[holderToken]*holderSession
+	leases    *leaseTable // receivers' leases, on which their holds live (holds.go)
 
 	holds atomic.Int64 // receivers' holds on spent uses (holds.go): counted off mu
 }
@@ -37,7 +37,7 @@ func newRegistry(addr string, pid uint32, start uint64, ns Namespaces) *Registry
 		addr: addr, pid: pid, start: start, ns: ns, nextReg: 1, nextBuf: 1,
 		live: map[uint64]*registration{}, releasing: map[uint64]*registration{},
 		ended: map[uint64]string{}, buffers: map[uint64]*buffer{}, byKey: map[string]*buffer{},
-		holders: map[holderToken]*holderSession{},
+		leases: newLeaseTable(),
 	}
 }
 
@@ -110,7 +110,7 @@ func (r *Registry) newRegistration(b *buffer, opts RegisterOptions) (*registrati
 	g.ticket = &Ticket{
 		Kind: b.kind, Address: r.addr, Pid: r.pid, StartTime: r.start, NS: r.ns, RegID: g.id,
 		BufferID: b.id, Secret: secret, Count: uint64(len(b.sizes)), Total: b.total,
-		DeviceUUID: b.uuid,
+		DeviceUUID: b.uuid, Holds: opts.Hold,
 	}
 	if g.digest, err = g.ticket.Digest(); err != nil {
 		return nil, err
@@ -236,54 +236,7 @@ func (r *Registry) Live() int {
 	return len(r.live)
 }
 
-// The registry's holder sessions (holds.go), by token, and the count of the
-// holds on its registrations.
-
-// newHolder makes a holder session with a fresh token and publishes it;
-// hangUp closes its connection.
-func (r *Registry) newHolder(hangUp func()) (*holderSession, error) {
-	h, err := newHolderSession(hangUp)
-	if err != nil {
-		return nil, err
-	}
-	r.mu.Lock()
-	r.holders[h.token] = h
-	r.mu.Unlock()
-	return h, nil
-}
-
-// holder is the live holder session named by token.
-func (r *Registry) holder(token holderToken) (*holderSession, error) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if h := r.holders[token]; h != nil {
-		return h, nil
-	}
-	return nil, Errorf(ENOENT, "hold-for: no holder session with that token lives here: it has closed (its connection ended); open a new one")
-}
-
-// closeHolder lets go of every hold of h and forgets it.
-func (r *Registry) closeHolder(h *holderSession) {
-	r.mu.Lock()
-	delete(r.holders, h.token)
-	r.mu.Unlock()
-	h.close()
-}
-
-// hangUpHolders closes every holder session's connection, as the
-// exporter's exit would: each session then lets go of what it holds, and
-// its receiver closes its end.
-func (r *Registry) hangUpHolders() {
-	r.mu.Lock()
-	hs := make([]*holderSession, 0, len(r.holders))
-	for _, h := range r.holders {
-		hs = append(hs, h)
-	}
-	r.mu.Unlock()
-	for _, h := range hs {
-		h.hangUp()
-	}
-}
+// The count of the holds on the registry's registrations (holds.go).
 
 func (r *Registry) holdsChanged(d int64) { r.holds.Add(d) }
 

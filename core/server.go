@@ -188,7 +188,7 @@ func (s *Server) DirFiles() (dirfd int, names []string) {
 func (s *Server) Close() error {
 	s.adm.close()
 	err := s.ln.Close()
-	s.reg.hangUpHolders()
+	s.reg.leases.close()
 	if s.files != nil {
 		s.files.release()
 	}

@@ -6,19 +6,15 @@ import "time"
 const maxStatusQueries = 4096
 
 // One receiver's session on the server (accept.go starts it): status
-// queries, or hold-for and hello, the server's half of the handshake
-// (handshake.go), one use (its chunks: session_chunks.go), the done-ack,
-// and then, if the receiver asked, its holder session (session_holds.go).
+// queries, or a release (session_holds.go), or hold-on and hello, the
+// server's half of the handshake (handshake.go), a lease if asked
+// (session_holds.go), one use (its chunks: session_chunks.go) and the
+// done-ack. Every session ends there: no connection outlives its use.
 
-// serve runs one connection: status queries, or a handshake and then the
-// chunks of one use (and, if the receiver asked, its holder session).
+// serve runs one connection.
 func serve(reg *Registry, adm *admission, p *pendingConn) {
 	ss := &session{reg: reg, adm: adm, p: p}
-	defer func() {
-		if !ss.holding {
-			adm.done(p)
-		}
-	}()
+	defer adm.done(p)
 	c, err := newConn(p.uc, 0, "server")
 	if err != nil {
 		_ = p.uc.Close()
@@ -43,25 +39,28 @@ func (ss *session) run() {
 	if !ok {
 		return
 	}
-	var holdFor *holderSession // hold-for: hold this use on that session
+	var l *lease // the lease this use is held on (hold-on, or granted below)
+	defer func() {
+		if l != nil {
+			ss.reg.leases.done(l)
+		}
+	}()
 	switch f.Type {
 	case msgStatus:
 		ss.answerStatus(f)
 		return
-	case msgHoldFor:
-		m, err := parseToken(msgHoldFor, f.Body)
-		if err == nil {
-			holdFor, err = ss.reg.holder(m.Token)
-		}
-		if err != nil {
-			ss.refuse(err)
+	case msgRelease:
+		ss.serveRelease(f)
+		return
+	case msgHoldOn:
+		if l, ok = ss.holdOn(f); !ok {
 			return
 		}
 		if f, ok = ss.recv(); !ok {
 			return
 		}
 		if f.Type != msgHello {
-			ss.refuse(Errorf(EINVAL, "protocol: expected hello after hold-for, got %s", msgName(f.Type)))
+			ss.refuse(Errorf(EINVAL, "protocol: expected hello after hold-on, got %s", msgName(f.Type)))
 			return
 		}
 	case msgHello:
@@ -74,8 +73,8 @@ func (ss *session) run() {
 		ss.refuse(err)
 		return
 	}
-	if holdFor != nil && hello.Flags&helloHolder != 0 {
-		ss.refuse(Errorf(EINVAL, "protocol: a hello after hold-for cannot ask to become a holder session too"))
+	if l != nil && hello.Flags&helloLease != 0 {
+		ss.refuse(Errorf(EINVAL, "protocol: a hello after hold-on cannot ask for a lease too"))
 		return
 	}
 	g, err := ss.reg.lookup(hello.RegID)
@@ -86,35 +85,21 @@ func (ss *session) run() {
 	if !ss.authenticate(g, hello) {
 		return
 	}
-	holder := holdFor
-	if hello.Flags&helloHolder != 0 {
-		if holder, err = ss.reg.newHolder(func() { _ = ss.c.Close() }); err != nil {
-			ss.refuse(err)
+	if hello.Flags&helloLease != 0 {
+		if l, ok = ss.grantLease(); !ok {
 			return
 		}
 	}
-	if !ss.serveUse(g, hello, holder) || hello.Flags&helloHolder == 0 {
-		if hello.Flags&helloHolder != 0 {
-			ss.reg.closeHolder(holder)
-		}
-		return
+	if ss.serveUse(g, hello, l) && hello.Flags&helloMore != 0 {
+		ss.serveMoreUses(l)
 	}
-	if ss.c.send(tokenMsg{Token: holder.token}.encode(msgHolding), -1) != nil {
-		ss.reg.closeHolder(holder)
-		return
-	}
-	// From here on the connection is the receiver's, for as long as it
-	// holds: admission neither counts nor evicts it (holds.go).
-	ss.holding = true
-	ss.adm.done(ss.p)
-	ss.holdLoop(holder)
 }
 
 // serveUse serves the use the hello asked for: the chunks, or a
 // confirmation of a cached mapping, then the done-ack. A holdable
-// registration's use is held on holder (if any) from right before it is
-// spent. It reports whether the done-ack went out.
-func (ss *session) serveUse(g *registration, hello helloMsg, holder *holderSession) bool {
+// registration's use is held on l (if any) from right before it is spent.
+// It reports whether the done-ack went out.
+func (ss *session) serveUse(g *registration, hello helloMsg, l *lease) bool {
 	cl, err := g.claim(func() { _ = ss.c.Close() })
 	if err != nil {
 		ss.refuse(err)
@@ -141,12 +126,12 @@ func (ss *session) serveUse(g *registration, hello helloMsg, holder *holderSessi
 	spend := func(spendIt bool) {
 		switch {
 		case spendIt && !spent:
-			held = holder != nil && holder.take(g)
+			held = l != nil && ss.reg.leases.take(l, g)
 			spent, usedUp = true, g.spend(cl)
 		case !spendIt && spent:
 			g.unspend(cl)
 			if held {
-				holder.letGo(g.id)
+				ss.reg.leases.letGo(l, []uint64{g.id}, false)
 			}
 			spent, usedUp, held = false, false, false
 		}
@@ -158,11 +143,11 @@ func (ss *session) serveUse(g *registration, hello helloMsg, holder *holderSessi
 	}()
 	acked := false
 	defer func() {
-		// Only the done-ack tells the receiver that its use is held: without
-		// it the receiver never lets go, so neither may the session named by
-		// hold-for keep it (the receiver's own session closes with it).
+		// Only the done-ack tells the receiver that its use is held:
+		// without it the receiver never lets go, so neither may its lease
+		// keep it.
 		if held && !acked {
-			holder.letGo(g.id)
+			ss.reg.leases.letGo(l, []uint64{g.id}, false)
 		}
 	}()
 	if hello.Flags&helloConfirm != 0 {

@@ -2,21 +2,21 @@ package core
 
 import "time"
 
-// session is one receiver's connection, from its hello to its done-ack,
-// and on after it while it is the receiver's holder session (holds.go).
+// session is one receiver's connection, from its hello (or release) to its
+// answer.
 //
 // This file has what every part of a session uses: reading the receiver's
 // messages (recv) and refusing it (refuse). session.go runs a session,
-// session_chunks.go serves its chunks, session_holds.go a holder session.
+// session_chunks.go serves its chunks, session_holds.go its lease and
+// releases.
 type session struct {
 	reg     *Registry
 	adm     *admission
 	c       *conn
 	p       *pendingConn
-	tr      transcript // the handshake's, which uses on a holder session are bound to
+	tr      transcript // the handshake's, which further uses are proved against
 	authed  bool       // the peer proved the secret
 	refused bool       // the peer was told why it gets nothing
-	holding bool       // a holder session now: no longer counted by admission
 }
 
 // recv reads one message from the receiver; on failure it says why when
@@ -55,4 +55,18 @@ func refusalCode(err error) Code {
 		return code
 	}
 	return EINTERNAL
+}
+
+// ackFlags are the done-ack flags of a use of g.
+func (ss *session) ackFlags(g *registration, usedUp, held bool) uint64 {
+	var flags uint64
+	// Another receiver may have spent the last use meanwhile: ask whether
+	// the registration still lives, not only whether we used it up.
+	if (!usedUp && g.live()) || ss.reg.bufferHasOthers(g) {
+		flags |= ackBufferLives
+	}
+	if held {
+		flags |= ackHeld
+	}
+	return flags
 }

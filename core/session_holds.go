@@ -1,93 +1,92 @@
 package core
 
-import "time"
+// A session's part in holds (holds.go has the why, leases.go the table):
+// the lease a held use names (hold-on) or is granted, and a release
+// connection. The receiver's side is holder.go.
 
-// A holder session on the server (holds.go has the why, and the holds):
-// after its first use's done-ack the connection stays open, and serves the
-// receiver's uses (each proved, answered with a use-ack) and releases until
-// it ends. The receiver's side is holder.go.
-
-// holdLoop serves a holder session until its receiver hangs up (or breaks
-// the protocol), then lets go of everything held on it.
-func (ss *session) holdLoop(h *holderSession) {
-	defer ss.reg.closeHolder(h)
-	ss.c.deadline, ss.c.timeout = time.Time{}, 0 // a holder may be quiet for hours
-	for {
-		f, ok := ss.recv()
-		if !ok {
-			return
-		}
-		switch f.Type {
-		case msgUse:
-			m, err := parseUse(f.Body)
-			if err != nil {
-				ss.refuse(err)
-				return
-			}
-			if !ss.sendUseAck(ss.useOnHolder(h, m)) {
-				return
-			}
-		case msgRelease:
-			m, err := parseRelease(f.Body)
-			if err != nil {
-				ss.refuse(err)
-				return
-			}
-			for _, id := range m.RegIDs {
-				h.letGo(id) // ids this session does not hold are ignored
-			}
-		default:
-			ss.refuse(Errorf(EINVAL, "protocol: unexpected %s message on a holder session", msgName(f.Type)))
-			return
-		}
-	}
-}
-
-func (ss *session) sendUseAck(m useAckMsg) bool {
-	ss.c.timeout = idleTimeout // never block for ever on a receiver that does not read
-	defer func() { ss.c.timeout = 0 }()
-	return ss.c.send(m.encode(), -1) == nil
-}
-
-// useOnHolder spends one use of m's registration for h's receiver, holding
-// it on h if the registration holds.
-func (ss *session) useOnHolder(h *holderSession, m useMsg) useAckMsg {
-	ack := useAckMsg{RegID: m.RegID}
-	refuse := func(err error) useAckMsg {
-		ack.Code, ack.Text = refusalCode(err), err.Error()
-		return ack
-	}
-	g, err := ss.reg.lookup(m.RegID)
+// holdOn finds the lease a hold-on names; a lease this exporter does not
+// know (any more) is answered lease-gone, so that the receiver asks for a
+// new one.
+func (ss *session) holdOn(f frame) (*lease, bool) {
+	m, err := parseLeaseRef(msgHoldOn, f.Body)
 	if err != nil {
-		return refuse(err)
+		ss.refuse(err)
+		return nil, false
 	}
-	if tr := ss.tr.forUse(g.id, g.digest); !tr.verify(g.secret, roleReceiver, m.Proof) {
-		return refuse(Errorf(EAUTH, "use of registration %d: the proof does not check out: the ticket is corrupted or forged", g.id))
+	l, err := ss.reg.leases.use(m, ss.peerPid(), true)
+	if err == errLeaseGone {
+		ss.leaseGone()
+		return nil, false
 	}
-	cl, err := g.claim(func() {})
 	if err != nil {
-		return refuse(err)
+		ss.refuse(err)
+		return nil, false
 	}
-	held := h.take(g)
-	usedUp := g.spend(cl)
-	g.drop(cl)
-	if usedUp {
-		defer g.end(usedUpWhy(g)) // after the ack is built; its release may take a while
-	}
-	ack.Flags = ss.ackFlags(g, usedUp, held)
-	return ack
+	return l, true
 }
 
-// ackFlags are the done-ack flags of a use of g.
-func (ss *session) ackFlags(g *registration, usedUp, held bool) uint64 {
-	var flags uint64
-	// Another receiver may have spent the last use meanwhile: ask whether
-	// the registration still lives, not only whether we used it up.
-	if (!usedUp && g.live()) || ss.reg.bufferHasOthers(g) {
-		flags |= ackBufferLives
+// grantLease makes a lease for the authenticated receiver, sends it with a
+// descriptor of the lease file, and believes it once the receiver says it
+// locked its slot and the lock is there.
+func (ss *session) grantLease() (*lease, bool) {
+	l, fd, err := ss.reg.leases.grant(ss.peerPid())
+	if err != nil {
+		ss.refuse(err)
+		return nil, false
 	}
-	if held {
-		flags |= ackHeld
+	err = ss.c.send(leaseRefMsg{Slot: l.slot, Token: l.token}.encode(msgLease), fd)
+	closeFD(&fd)
+	if err != nil {
+		return l, false
 	}
-	return flags
+	f, ok := ss.recv()
+	if !ok {
+		return l, false
+	}
+	if f.Type != msgLeased {
+		ss.refuse(Errorf(EINVAL, "protocol: expected leased, got %s", msgName(f.Type)))
+		return l, false
+	}
+	if err := ss.reg.leases.verify(l); err != nil {
+		ss.refuse(err)
+		return l, false
+	}
+	return l, true
+}
+
+// serveRelease answers a release connection: the holds it names are let
+// go on its lease (and, at the receiver's word, the lease ends).
+func (ss *session) serveRelease(f frame) {
+	m, err := parseRelease(f.Body)
+	if err != nil {
+		ss.refuse(err)
+		return
+	}
+	l, err := ss.reg.leases.use(leaseRefMsg{Slot: m.Slot, Token: m.Token}, ss.peerPid(), false)
+	if err == errLeaseGone {
+		ss.leaseGone()
+		return
+	}
+	if err != nil {
+		ss.refuse(err)
+		return
+	}
+	n := ss.reg.leases.letGo(l, m.RegIDs, m.Flags&releaseEnd != 0)
+	ss.reg.leases.done(l)
+	_ = ss.c.send(releaseAckMsg{LetGo: uint64(n)}.encode(), -1)
+}
+
+func (ss *session) leaseGone() {
+	ss.refused = true
+	_ = ss.c.send(encodeMsg(msgLeaseGone, nil), -1)
+}
+
+// peerPid is the receiver's pid in our PID namespace (0: it is in another
+// one, or SO_PEERCRED failed): a lease is bound to it.
+func (ss *session) peerPid() int32 {
+	cred, err := peerCred(ss.p.uc)
+	if err != nil {
+		return 0
+	}
+	return cred.Pid
 }

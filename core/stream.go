@@ -26,11 +26,9 @@ type Stream struct {
 	perChunk    bool // NextRun: the exporter sends one chunk per descriptor
 	ackFollows  bool // a run completed the stream: the done-ack comes unasked
 	closed      bool
-	closing     atomic.Bool // set once by Close, before it takes mu
-	tr          transcript  // the handshake's (a holder session's uses are bound to it)
-	hold        uint64      // helloHolder: the connection becomes a holder session after done-ack
-	heldBy      *holder     // hold-for: the holder session the use is held on
-	adopted     atomic.Bool // it did: c belongs to holders now
+	closing     atomic.Bool  // set once by Close, before it takes mu
+	lease       *clientLease // the lease the use is held on, until its answer settles it
+	sentDone    bool         // done went out: the exporter may have held the use
 }
 
 // Open checks that the ticket's exporter is alive, connects to it, proves
@@ -39,34 +37,26 @@ func Open(t *Ticket, opts OpenOptions) (*Stream, error) {
 	return open(t, opts, false)
 }
 
-// open is Open; with hold, the use is held (holder.go): on this process's
-// holder session to the exporter (named first with hold-for), or, with
-// none, this connection becomes that session after its done-ack.
+// open is Open; with hold, a use of a registration that holds
+// (Ticket.Holds) is held on this process's lease to the exporter
+// (holder.go).
 func open(t *Ticket, opts OpenOptions, hold bool) (*Stream, error) {
 	if err := opts.Validate(); err != nil {
 		return nil, err
 	}
 	opts = opts.withDefaults()
-	var pre []byte
-	var flags uint64
-	var heldBy *holder
-	if hold {
-		if heldBy = holderFor(t); heldBy != nil {
-			pre = tokenMsg{Token: heldBy.token}.encode(msgHoldFor)
-		} else {
-			flags = helloHolder
-		}
-	}
-	c, tr, err := connect(t, opts.Timeout, flags, pre)
-	if err != nil && pre != nil && CodeOf(err) == ENOENT {
-		// The session named has just ended: be the holder session instead.
-		flags, heldBy = helloHolder, nil
-		c, tr, err = connect(t, opts.Timeout, flags, nil)
+	var c *conn
+	var l *clientLease
+	var err error
+	if hold && t.Holds {
+		c, _, l, err = connectHeld(t, opts.Timeout, 0)
+	} else {
+		c, _, err = connect(t, opts.Timeout, 0, nil)
 	}
 	if err != nil {
 		return nil, err
 	}
-	return &Stream{c: c, t: t, window: uint64(opts.Window), tr: tr, hold: flags, heldBy: heldBy}, nil
+	return &Stream{c: c, t: t, window: uint64(opts.Window), lease: l}, nil
 }
 
 // Ticket returns the ticket the stream was opened with.
@@ -83,6 +73,7 @@ func (s *Stream) finish() error {
 		return Errorf(EINVAL, "protocol: chunks cover %d bytes, the ticket says %d", s.offset, s.t.Total)
 	}
 	if !s.ackFollows {
+		s.sentDone = true
 		if err := s.c.send(encodeMsg(msgDone, nil), -1); err != nil {
 			return err
 		}
@@ -91,14 +82,9 @@ func (s *Stream) finish() error {
 	if err != nil {
 		return err
 	}
-	switch {
-	case s.hold != 0:
-		if _, err := adoptHolder(s.t, s.c, s.tr, ack&ackHeld != 0); err != nil {
-			return err
-		}
-		s.adopted.Store(true)
-	case s.heldBy != nil && ack&ackHeld != 0:
-		s.heldBy.took(s.t.RegID)
+	if s.lease != nil {
+		s.lease.useDone(s.t.RegID, ack&ackHeld != 0)
+		s.lease = nil
 	}
 	s.done, s.bufferLives = true, ack&ackBufferLives != 0
 	return errEnd
@@ -113,37 +99,48 @@ func (s *Stream) Close() error {
 	if !s.closing.CompareAndSwap(false, true) {
 		return Errorf(EBADF, "stream is already closed")
 	}
-	s.letGoUnread()
-	var err error
-	if !s.adopted.Load() { // else the connection is this process's holder session now
-		err = s.c.Close()
+	if s.mu.TryLock() { // else a Next in progress reads it, or fails once the socket closes
+		s.settleUnread()
+		s.mu.Unlock()
 	}
+	err := s.c.Close()
 	s.mu.Lock()
 	s.closed = true
+	if l := s.lease; l != nil {
+		// No answer came. Chunk by chunk, the exporter holds the use only
+		// once it sends the done-ack, which waits for done; the last run
+		// brings it unasked.
+		s.lease = nil
+		if s.sentDone || s.ackFollows {
+			l.useLost()
+		} else {
+			l.useDone(0, false)
+		}
+	}
 	s.mu.Unlock()
 	return err
 }
 
-// letGoUnread lets go of a use held on another session (hold-for) whose
-// done-ack came unasked after the stream's last run and was never read:
-// the exporter spent and held the use when it sent the ack, but the
-// receiver failed before reading it (mapping the run), so nothing here
-// knows of the hold, which would last as long as this process. (A use held
-// on this connection itself ends with it; one whose ack is asked for with
-// done is never held without it: session.go serveUse.)
-func (s *Stream) letGoUnread() {
-	if !s.mu.TryLock() {
-		return // a Next in progress reads it, or fails once Close closes the socket
-	}
-	defer s.mu.Unlock()
-	if s.heldBy == nil || !s.ackFollows || s.done || s.err != nil || s.closed {
+// settleUnread reads the done-ack that came unasked after the stream's
+// last run but was never read (the receiver failed mapping the run, say):
+// the exporter spent and held the use when it sent it, so the hold is let
+// go at once rather than kept until the lease ends. It was sent right
+// after the run: a short wait is enough. Called with s.mu held.
+func (s *Stream) settleUnread() {
+	l := s.lease
+	if l == nil || !s.ackFollows || s.done || s.err != nil || s.closed {
 		return
 	}
-	// It was sent right after the run: a short wait is enough.
 	s.c.deadline = time.Now().Add(time.Second)
 	flags, err := readDoneAckFlags(s.c)
 	s.err = Errorf(EBADF, "stream is closed")
-	if err == nil && flags&ackHeld != 0 {
-		s.heldBy.letGo(s.t.RegID)
+	if err != nil {
+		return // Close counts it lost
+	}
+	s.lease = nil
+	held := flags&ackHeld != 0
+	l.useDone(s.t.RegID, held)
+	if held {
+		_ = Release(s.t)
 	}
 }

@@ -15,8 +15,16 @@ const TicketSize = 256
 // Version 2 added the exporter's start time and the buffer id; the whole
 // ticket is bound into the handshake (see handshake.go). Version 3 added
 // the exporter's namespaces (namespaces.go), and its handshake binds the
-// connection's sockets instead of pids (sockends.go).
-const TicketFormat = 3
+// connection's sockets instead of pids (sockends.go). Version 4 added the
+// flags byte: whether the registration holds (RegisterOptions.Hold), so
+// that a receiver asks for a lease (holds.go) only where a hold can be.
+const TicketFormat = 4
+
+// Ticket flags.
+const (
+	ticketHolds      uint8 = 1 << 0 // registered with RegisterOptions.Hold
+	ticketFlagsKnown       = ticketHolds
+)
 
 const (
 	addrAbstract uint8 = 1   // Linux abstract socket namespace
@@ -42,7 +50,8 @@ var ticketMagic = [8]byte{'V', 'M', 'M', 'I', 'P', 'C', 'T', 'K'}
 //	88  [16] device UUID (CUDA) or zeros
 //	104 u16  address length
 //	106 [107] address bytes (abstract names without the leading NUL)
-//	213 [3]  reserved, must be zero
+//	213 u8   flags (bit 0: the registration holds)
+//	214 [2]  reserved, must be zero
 //	216 u64  namespace device (st_dev of /proc/self/ns/*; 0 = unknown)
 //	224 u64  exporter's PID namespace (inode; 0 = unknown)
 //	232 u64  exporter's network namespace (inode; 0 = unknown)
@@ -63,7 +72,8 @@ const (
 	offUUID      = 88
 	offAddrLen   = 104
 	offAddr      = 106
-	offReserved  = offAddr + maxAddrLen
+	offFlags     = offAddr + maxAddrLen
+	offReserved  = offFlags + 1
 	offNSDev     = 216
 	offPidNS     = 224
 	offNetNS     = 232
@@ -102,6 +112,7 @@ type Ticket struct {
 	Total      uint64
 	DeviceUUID [16]byte
 	NS         Namespaces // the exporter's; what its pid and address mean
+	Holds      bool       // the registration holds its receivers' uses (holds.go)
 }
 
 // orDamaged is what a receiver's every "the ticket's exporter is not
@@ -140,6 +151,9 @@ func (t *Ticket) Marshal() ([TicketSize]byte, error) {
 	binary.LittleEndian.PutUint64(b[offPidNS:], t.NS.PID)
 	binary.LittleEndian.PutUint64(b[offNetNS:], t.NS.Net)
 	binary.LittleEndian.PutUint64(b[offTimeNS:], t.NS.Time)
+	if t.Holds {
+		b[offFlags] = ticketHolds
+	}
 	return b, nil
 }
 
@@ -215,13 +229,17 @@ func DecodeTicket(b []byte) (*Ticket, error) {
 			Time: binary.LittleEndian.Uint64(b[offTimeNS:]),
 		},
 	}
+	if b[offFlags]&^ticketFlagsKnown != 0 {
+		return nil, Errorf(EINVAL, "ticket: flags %#x not understood (corrupted ticket?)", b[offFlags])
+	}
+	t.Holds = b[offFlags]&ticketHolds != 0
 	copy(t.Secret[:], b[offSecret:])
 	copy(t.DeviceUUID[:], b[offUUID:])
 	n := int(binary.LittleEndian.Uint16(b[offAddrLen:]))
 	if n == 0 || n > maxAddrLen {
 		return nil, Errorf(EINVAL, "ticket: socket address length %d out of range 1..%d", n, maxAddrLen)
 	}
-	for i := offAddr + n; i < offReserved; i++ {
+	for i := offAddr + n; i < offFlags; i++ {
 		if b[i] != 0 {
 			return nil, Errorf(EINVAL, "ticket: bytes after the socket address are not zero (corrupted ticket?)")
 		}

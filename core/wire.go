@@ -50,7 +50,7 @@ import (
 // they reveal nothing but whether a buffer id is live.
 const (
 	wireMagic       uint32 = 0x50494d56 // "VMIP"
-	ProtocolVersion uint8  = 2
+	ProtocolVersion uint8  = 3
 	headerSize             = 16
 	maxErrorText           = 1024
 )
@@ -79,19 +79,23 @@ const (
 	msgPullRun   uint8 = 13 // receiver: first index, most chunks wanted in one run
 	msgRun       uint8 = 14 // server: index, count, offset, size, file offset (+ 1 fd)
 	// Holds (wire_holds.go, holds.go).
-	msgHoldFor uint8 = 15 // receiver, before hello: hold this use on the session with this token
-	msgHolding uint8 = 16 // server, after done-ack: this connection is a holder session; its token
-	msgUse     uint8 = 17 // receiver, on a holder session: spend (and hold) a use of a registration
-	msgUseAck  uint8 = 18 // server: registration id, status, done-ack flags, text
-	msgRelease uint8 = 19 // receiver, on a holder session: let go of holds
+	msgHoldOn     uint8 = 15 // receiver, before hello: hold this use on the lease (slot, token)
+	msgLease      uint8 = 16 // server, after the proof: a new lease (slot, token) + 1 descriptor
+	msgLeased     uint8 = 17 // receiver: its slot is locked
+	msgReleaseAck uint8 = 18 // server: holds let go
+	msgRelease    uint8 = 19 // receiver, first on its connection: let go of holds on its lease
+	msgLeaseGone  uint8 = 20 // server: the lease named is not (or no longer) one of this exporter's
+	msgUse        uint8 = 21 // receiver, after a done-ack (helloMore): spend a use of another registration
+	msgUseAck     uint8 = 22 // server: registration id, status, done-ack flags, text
 )
 
 // Hello flags.
 const (
 	helloConfirm  uint64 = 1 << 0 // the receiver has the buffer; spend a use, send nothing
 	helloPidBound uint64 = 1 << 1 // bind the receiver's pid, not the socket (sockends.go)
-	helloHolder   uint64 = 1 << 2 // after the use, this connection is my holder session (holds.go)
-	helloKnown           = helloConfirm | helloPidBound | helloHolder
+	helloLease    uint64 = 1 << 2 // give me a lease and hold this use on it (holds.go)
+	helloMore     uint64 = 1 << 3 // uses of other registrations follow the done-ack (confirm_many.go)
+	helloKnown           = helloConfirm | helloPidBound | helloLease | helloMore
 )
 
 // Done-ack flags.
@@ -115,14 +119,16 @@ const (
 	statusSize    = 8
 	statusAckSize = 16
 	errorHead     = 8
-	// The hold messages (wire_holds.go): a use-ack has useAckHead bytes
-	// then up to maxErrorText bytes of text, a release releaseHead bytes
+	// The hold messages (wire_holds.go): a release has releaseHead bytes
 	// then 8 for each registration id.
-	tokenSize       = 16
+	tokenSize       = 32
+	leaseRefSize    = 8 + tokenSize
+	releaseHead     = 8 + tokenSize + 8 + 8
+	releaseAckSize  = 8
+	maxReleaseBatch = 512 // registration ids in one release message
 	useSize         = 8 + 8 + proofSize
 	useAckHead      = 8 + 8 + 8
-	releaseHead     = 8
-	maxReleaseBatch = 512 // registration ids in one release message
+	maxMoreUses     = 512 // uses that may follow a session's first (helloMore)
 )
 
 var bodySizes = map[uint8]int{
@@ -131,7 +137,8 @@ var bodySizes = map[uint8]int{
 	msgChallenge: challengeSize, msgProof: proofMsgSize, msgBusy: 0,
 	msgStatus: statusSize, msgStatusAck: statusAckSize,
 	msgPullRun: pullSize, msgRun: runMsgSize,
-	msgHoldFor: tokenSize, msgHolding: tokenSize, msgUse: useSize, msgUseAck: -1, msgRelease: -1,
+	msgHoldOn: leaseRefSize, msgLease: leaseRefSize, msgLeased: 0, msgReleaseAck: releaseAckSize,
+	msgRelease: -1, msgLeaseGone: 0, msgUse: useSize, msgUseAck: -1,
 }
 
 var msgNames = map[uint8]string{
@@ -139,8 +146,8 @@ var msgNames = map[uint8]string{
 	msgDone: "done", msgError: "error", msgDoneAck: "done-ack", msgChallenge: "challenge",
 	msgProof: "proof", msgBusy: "busy", msgStatus: "status", msgStatusAck: "status-ack",
 	msgPullRun: "pull-run", msgRun: "run",
-	msgHoldFor: "hold-for", msgHolding: "holding", msgUse: "use", msgUseAck: "use-ack",
-	msgRelease: "release",
+	msgHoldOn: "hold-on", msgLease: "lease", msgLeased: "leased", msgReleaseAck: "release-ack",
+	msgRelease: "release", msgLeaseGone: "lease-gone", msgUse: "use", msgUseAck: "use-ack",
 }
 
 func msgName(t uint8) string {
@@ -199,10 +206,10 @@ func variableBody(typ uint8) (lo, hi uint32) {
 	switch typ {
 	case msgError:
 		return errorHead, errorHead + maxErrorText
+	case msgRelease:
+		return releaseHead, releaseHead + 8*maxReleaseBatch
 	case msgUseAck:
 		return useAckHead, useAckHead + maxErrorText
-	case msgRelease:
-		return releaseHead + 8, releaseHead + 8*maxReleaseBatch
 	}
 	return 1, 0 // none fits
 }

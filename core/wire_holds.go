@@ -2,111 +2,81 @@ package core
 
 import (
 	"encoding/binary"
-	"unicode/utf8"
 )
 
-// The messages of holds (holds.go has the rules, wire.go the framing):
+// The messages of holds (holds.go has the rules, wire.go the framing). A
+// held use is an ordinary session whose hello asks for a lease, or which
+// names one first; releases go on a short connection of their own:
 //
 //	receiver                               server
-//	hold-for(token)                  →     (before hello, instead of helloHolder:
-//	                                       hold this stream's use on that session)
-//	...a stream or confirmation with helloHolder, then:
-//	                                 ←     done-ack(flags, held)
-//	                                 ←     holding(token)
-//	use(reg id, flags, proof)        →
-//	                                 ←     use-ack(reg id, status, flags, text)
-//	release(n, reg ids...)           →     (no answer)
+//	hold-on(slot, token)             →     (before hello: hold this use on
+//	                                       that lease; or lease-gone)
+//	hello(flags: lease) ... proof    →     (a receiver without a lease)
+//	                                 ←     lease(slot, token) + 1 descriptor
+//	leased                           →     (the slot is locked: believe it)
+//	                                 ←     welcome ... done-ack(flags, held)
 //
-// A use's proof is a transcript proof (handshake.go) of the used
-// registration's secret, bound to this session's handshake: its nonces and
-// socket, and the used registration's id and ticket digest.
+//	release(slot, token, flags,      →     (the first message on its own
+//	        n, reg ids...)                 connection)
+//	                                 ←     release-ack(n let go), or lease-gone
+//
+// A lease names itself by its slot and a random token that only the
+// exporter and the receiver it was sent to know (on an authenticated
+// session).
 
-// useProofFlag is the flags of a use's transcript: it sets a use's proof
-// apart from every handshake's (whose hello flags never have this bit).
-const useProofFlag = 1 << 63
+// maxLeaseSlot bounds a slot number on the wire (the exporter hands out far
+// fewer: maxLeases).
+const maxLeaseSlot = 1 << 20
 
-type holderToken [tokenSize]byte
+type leaseToken [tokenSize]byte
+
+// errLeaseGone is the receiver's view of lease-gone: the lease it named has
+// ended (it was idle, its receiver unmapped it, or the exporter closed):
+// what it held there was let go.
+var errLeaseGone = Errorf(ENOENT, "the exporter no longer knows this process's lease (it ended: idle, or let go of)")
+
+// Release flags.
+const (
+	releaseEnd   uint64 = 1 << 0 // the receiver holds nothing more: end the lease
+	releaseKnown        = releaseEnd
+)
 
 type (
-	tokenMsg struct {
-		Token holderToken
-	}
-	useMsg struct {
-		RegID uint64
-		Flags uint64 // zero: none defined yet
-		Proof [proofSize]byte
-	}
-	useAckMsg struct {
-		RegID uint64
-		Code  Code   // OK, or why the use was refused
-		Flags uint64 // done-ack flags
-		Text  string // why, when refused
+	// leaseRefMsg names a lease: hold-on (receiver) and lease (server).
+	leaseRefMsg struct {
+		Slot  uint64
+		Token leaseToken
 	}
 	releaseMsg struct {
+		Slot   uint64
+		Token  leaseToken
+		Flags  uint64
 		RegIDs []uint64
+	}
+	releaseAckMsg struct {
+		LetGo uint64 // holds let go (ids the lease did not hold are ignored)
 	}
 )
 
-func (m tokenMsg) encode(typ uint8) []byte { return fields{}.raw(m.Token[:]).msg(typ) }
+func (m leaseRefMsg) encode(typ uint8) []byte {
+	return fields{}.u64(m.Slot).raw(m.Token[:]).msg(typ)
+}
 
-func parseToken(typ uint8, body []byte) (m tokenMsg, err error) {
+func parseLeaseRef(typ uint8, body []byte) (m leaseRefMsg, err error) {
 	r, err := readBody(typ, body)
-	if err == nil {
-		r.raw(m.Token[:])
-	}
-	return m, err
-}
-
-func (m useMsg) encode() []byte {
-	return fields{}.u64(m.RegID).u64(m.Flags).raw(m.Proof[:]).msg(msgUse)
-}
-
-func parseUse(body []byte) (m useMsg, err error) {
-	r, err := readBody(msgUse, body)
 	if err != nil {
 		return m, err
 	}
-	m.RegID, m.Flags = r.u64(), r.u64()
-	r.raw(m.Proof[:])
-	if m.Flags != 0 {
-		return m, Errorf(EINVAL, "protocol: use flags %#x not understood", m.Flags)
-	}
-	return m, nil
-}
-
-func (m useAckMsg) encode() []byte {
-	text := m.Text
-	if len(text) > maxErrorText {
-		text = text[:maxErrorText]
-	}
-	return fields{}.u64(m.RegID).u64(uint64(uint32(m.Code))).u64(m.Flags).raw([]byte(text)).msg(msgUseAck)
-}
-
-func parseUseAck(body []byte) (m useAckMsg, err error) {
-	if len(body) < useAckHead || len(body) > useAckHead+maxErrorText {
-		return m, Errorf(EINVAL, "protocol: use-ack of %d bytes", len(body))
-	}
-	r := &reader{body}
-	var code uint64
-	m.RegID, code, m.Flags = r.u64(), r.u64(), r.u64()
-	if code > 0xffffffff {
-		return m, Errorf(EINVAL, "protocol: use-ack status %#x out of range", code)
-	}
-	m.Code = Code(int32(uint32(code)))
-	if m.Code != OK && !m.Code.IsError() {
-		return m, Errorf(EINVAL, "protocol: use-ack status %d is neither OK nor an error", int32(m.Code))
-	}
-	if m.Flags&^ackKnown != 0 {
-		return m, Errorf(EINVAL, "protocol: use-ack flags %#x not understood", m.Flags)
-	}
-	if m.Text = string(r.b); !utf8.ValidString(m.Text) {
-		m.Text = "(peer sent a message that is not UTF-8)"
+	m.Slot = r.u64()
+	r.raw(m.Token[:])
+	if m.Slot > maxLeaseSlot {
+		return m, Errorf(EINVAL, "protocol: lease slot %d out of range", m.Slot)
 	}
 	return m, nil
 }
 
 func (m releaseMsg) encode() []byte {
-	f := fields{}.u64(uint64(len(m.RegIDs)))
+	f := fields{}.u64(m.Slot).raw(m.Token[:]).u64(m.Flags).u64(uint64(len(m.RegIDs)))
 	for _, id := range m.RegIDs {
 		f = f.u64(id)
 	}
@@ -114,17 +84,37 @@ func (m releaseMsg) encode() []byte {
 }
 
 func parseRelease(body []byte) (m releaseMsg, err error) {
-	if len(body) < releaseHead+8 || (len(body)-releaseHead)%8 != 0 {
+	if len(body) < releaseHead || (len(body)-releaseHead)%8 != 0 {
 		return m, Errorf(EINVAL, "protocol: release of %d bytes", len(body))
 	}
-	n := binary.LittleEndian.Uint64(body)
-	if n == 0 || n > maxReleaseBatch || n != uint64(len(body)-releaseHead)/8 {
-		return m, Errorf(EINVAL, "protocol: release counts %d registrations in %d bytes (1 to %d)", n, len(body), maxReleaseBatch)
+	r := &reader{body}
+	m.Slot = r.u64()
+	r.raw(m.Token[:])
+	m.Flags = r.u64()
+	n := r.u64()
+	switch {
+	case m.Slot > maxLeaseSlot:
+		return m, Errorf(EINVAL, "protocol: lease slot %d out of range", m.Slot)
+	case m.Flags&^releaseKnown != 0:
+		return m, Errorf(EINVAL, "protocol: release flags %#x not understood", m.Flags)
+	case n > maxReleaseBatch || n != uint64(len(body)-releaseHead)/8:
+		return m, Errorf(EINVAL, "protocol: release counts %d registrations in %d bytes (0 to %d)", n, len(body), maxReleaseBatch)
+	case n == 0 && m.Flags&releaseEnd == 0:
+		return m, Errorf(EINVAL, "protocol: a release of nothing that does not end the lease")
 	}
-	r := &reader{body[releaseHead:]}
 	m.RegIDs = make([]uint64, n)
 	for i := range m.RegIDs {
-		m.RegIDs[i] = r.u64()
+		m.RegIDs[i] = binary.LittleEndian.Uint64(body[releaseHead+8*i:])
 	}
 	return m, nil
+}
+
+func (m releaseAckMsg) encode() []byte { return fields{}.u64(m.LetGo).msg(msgReleaseAck) }
+
+func parseReleaseAck(body []byte) (m releaseAckMsg, err error) {
+	r, err := readBody(msgReleaseAck, body)
+	if err == nil {
+		m.LetGo = r.u64()
+	}
+	return m, err
 }

@@ -304,6 +304,13 @@ int vmmipc_confirm(const vmmipc_ticket *ticket, const vmmipc_options *opts) {
   return vmmipcgo_confirm((vmmipc_ticket *)ticket, (vmmipc_options *)opts);
 }
 
+int vmmipc_confirm_many(const vmmipc_ticket *tickets, size_t count,
+                        const vmmipc_options *opts, int *status_out) {
+  FORK_GUARD("vmmipc_confirm_many");
+  return vmmipcgo_confirm_many((vmmipc_ticket *)tickets, count, (vmmipc_options *)opts,
+                               status_out);
+}
+
 int vmmipc_release(const vmmipc_ticket *ticket) {
   FORK_GUARD("vmmipc_release");
   return vmmipcgo_release((vmmipc_ticket *)ticket);

@@ -451,6 +451,62 @@ func vmmipcgo_confirm(ticket *C.vmmipc_ticket, opts *C.vmmipc_options) C.int {
 	})
 }
 
+// maxConfirmMany bounds the tickets of one vmmipc_confirm_many.
+const maxConfirmMany = 1 << 20
+
+//export vmmipcgo_confirm_many
+func vmmipcgo_confirm_many(tickets *C.vmmipc_ticket, count C.size_t, opts *C.vmmipc_options, statusOut *C.int) C.int {
+	const fn = "vmmipc_confirm_many"
+	return call(fn, func() error {
+		switch {
+		case tickets == nil && count > 0:
+			return core.Errorf(core.EINVAL, "%s: tickets is NULL", fn)
+		case count > maxConfirmMany:
+			return core.Errorf(core.EINVAL, "%s: %d tickets, more than the %d of one call: split them", fn, count, maxConfirmMany)
+		}
+		o, err := readOptions(opts)
+		if err != nil {
+			return err
+		}
+		io, err := o.importOptions()
+		if err != nil {
+			return err
+		}
+		if io.ConfirmLater {
+			return core.Errorf(core.EINVAL, "%s: VMMIPC_IMPORT_CONFIRM_LATER is for one ticket at a time (vmmipc_confirm)", fn)
+		}
+		n := int(count)
+		errs := make([]error, n)
+		var ts []*core.Ticket
+		var at []int
+		for i, ct := range unsafe.Slice(tickets, n) {
+			t, err := readTicket(fn, &ct)
+			if err != nil {
+				errs[i] = err
+				continue
+			}
+			ts, at = append(ts, t), append(at, i)
+		}
+		for j, err := range core.ConfirmMany(ts, io) {
+			errs[at[j]] = err
+		}
+		var status []C.int
+		if statusOut != nil {
+			status = unsafe.Slice(statusOut, n)
+		}
+		var first error
+		for i, err := range errs {
+			if status != nil {
+				status[i] = C.int(core.CodeOf(err))
+			}
+			if err != nil && first == nil {
+				first = core.WrapErr(core.CodeOf(err), err, "%s: ticket %d of %d", fn, i, n)
+			}
+		}
+		return first
+	})
+}
+
 //export vmmipcgo_release
 func vmmipcgo_release(ticket *C.vmmipc_ticket) C.int {
 	return call("vmmipc_release", func() error {

@@ -27,8 +27,8 @@ from ._ticket import Ticket, TicketInfo, wait
 from ._register import (holds, live_registrations, register, register_again, register_cuda,
                         register_cuda_handles, register_host_file, share, strerror, unregister,
                         version)
-from ._mapping import (CacheInfo, Mapping, cache_info, confirm, import_stream, release,
-                       set_cache_limit)
+from ._mapping import (CacheInfo, Mapping, cache_info, confirm, confirm_many, import_stream,
+                       release, set_cache_limit)
 from ._host import DEFAULT_CHUNK_SIZE, HostBuffer
 from . import _reductions
 
@@ -75,6 +75,7 @@ __all__ = [
     "MEMORY_CUDA", "MEMORY_HOST", "Mapping", "NotFoundError", "OK", "OutOfDescriptorsError",
     "Stream", "TICKET_SIZE", "Ticket", "TicketInfo", "VmmipcError", "VmmipcForkError",
     "VmmipcIOError", "VmmipcMemoryError", "VmmipcTimeoutError", "cache_info", "confirm",
+    "confirm_many",
     "cuda_query_range", "error_for", "export_chunks", "export_fds",
     # not "open": `from vmmipc import *` must not shadow the builtin
     "holds", "import_stream", "live_registrations", "register", "register_again", "register_cuda",

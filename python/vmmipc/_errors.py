@@ -57,6 +57,7 @@ PYTHON_NAMES = {
     "vmmipc_close": "Stream.close",
     "vmmipc_import_stream": "vmmipc.import_stream",
     "vmmipc_confirm": "vmmipc.confirm",
+    "vmmipc_confirm_many": "vmmipc.confirm_many",
     "vmmipc_release": "vmmipc.release",
     "vmmipc_holds": "vmmipc.holds",
     "vmmipc_torch_pool": "vmmipc.torch.sharing_pool",

@@ -190,6 +190,7 @@ SIGNATURES = {
     "vmmipc_close": (c_int, [_STREAM]),
     "vmmipc_import_stream": (c_int, [_T, c_int, _O, POINTER(vmmipc_mapping)]),
     "vmmipc_confirm": (c_int, [_T, _O]),
+    "vmmipc_confirm_many": (c_int, [_T, ctypes.c_size_t, _O, POINTER(c_int)]),
     "vmmipc_release": (c_int, [_T]),
     "vmmipc_holds": (c_int, [POINTER(c_uint64)]),
     "vmmipc_unmap": (c_int, [POINTER(vmmipc_mapping)]),

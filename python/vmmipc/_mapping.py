@@ -260,14 +260,49 @@ def confirm(ticket, *, later: bool = False, hold: bool = False,
     through another ticket of the same buffer, so that the sender's
     registration ends. later=True returns at once and a library thread
     confirms (VMMIPC_IMPORT_CONFIRM_LATER; cache_info counts it).
-    hold=True holds the use, as import_stream(hold=True) does: one message
-    on this process's kept connection to the exporter, its answer not
-    waited for (a refusal is counted in cache_info().confirms_failed)."""
+    hold=True holds the use, as import_stream(hold=True) does (if the sender
+    registered with hold=True): one short session, held on this process's
+    lease at the exporter and answered before this returns (a grant that
+    ended raises NotFoundError)."""
     fn = "vmmipc_confirm"
     t = as_ticket(ticket, fn)
     flags = (IMPORT_CONFIRM_LATER if later else 0) | (IMPORT_HOLD if hold else 0)
     opts = _lib.options(fn, timeout=timeout, import_flags=flags)
     _lib.call(fn, ctypes.byref(t._c()), ctypes.byref(opts))
+
+
+def confirm_many(tickets, *, hold: bool = False,
+                 timeout: float | None = None) -> list:
+    """Spend one use of each ticket, as confirm() does each, with one
+    connection and one round trip per exporter (vmmipc_confirm_many): for
+    a receiver that has the memory of many tickets mapped already.
+    hold=True holds each use, as confirm(hold=True) does. Returns one entry
+    per ticket: None where its use was spent, else the exception confirm()
+    would have raised for it (the first one carries the library's detail).
+    Raises only for bad arguments."""
+    fn = "vmmipc_confirm_many"
+    ts = [as_ticket(t, fn) for t in tickets]
+    n = len(ts)
+    arr = (_lib.vmmipc_ticket * n)()
+    for i, t in enumerate(ts):
+        arr[i] = t._c()
+    status = (ctypes.c_int * n)()
+    opts = _lib.options(fn, timeout=timeout, import_flags=IMPORT_HOLD if hold else 0)
+    rc = _lib.lib(fn).vmmipc_confirm_many(arr, n, ctypes.byref(opts), status)
+    if rc >= 0:
+        return [None] * n
+    detail = _errors.python_message(_lib.last_error())
+    if all(s == 0 for s in status):  # an argument error: nothing was confirmed
+        raise _errors.error_for(rc, detail, fn)
+    out, first = [], True
+    for i, s in enumerate(status):
+        if s >= 0:
+            out.append(None)
+            continue
+        out.append(_errors.error_for(s, detail if first else f"ticket {i}: "
+                                     + _errors.STATUS_NAMES.get(s, f"status {s}"), fn))
+        first = False
+    return out
 
 
 def release(ticket) -> None:
@@ -291,7 +326,7 @@ class CacheInfo(NamedTuple):
     confirms_pending: int    # confirm_later confirmations queued or in flight
     confirms_failed: int     # ...that failed
     holds: int               # uses this process holds (hold=True), not yet released
-    holder_sessions: int     # connections kept to exporters for them
+    holder_sessions: int     # live leases at exporters (a page mapped each, no descriptor)
 
 
 def set_cache_limit(nbytes: int) -> None:

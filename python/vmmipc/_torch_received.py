@@ -10,8 +10,8 @@ __cuda_array_interface__). Each ticket (one grant per anchor per pickle)
 spends its use once, and holds it: the first storage of a run not mapped
 here imports the run with it (vmmipc.import_stream(hold=True): streamed on
 a miss, from the import cache on a hit); a ticket whose run is mapped here
-already is confirmed (vmmipc.confirm(hold=True): one message, not waited
-for, on this process's kept connection to the sender, no handshake, no
+already is confirmed (vmmipc.confirm(hold=True): one short session, held
+on this process's lease at the sender and answered before it returns, no
 driver call). `spent` remembers which tickets have been.
 
 The lifetime rule (torch.multiprocessing's): the sender keeps every storage
@@ -353,8 +353,8 @@ def map_run(torch, ticket, anchor_id, target) -> tuple[MappedRun, bool]:
         return run, False
     device = _lib.DEVICE_SAME if target is None else target
     # A miss streams the run with this ticket; a hit (the import cache kept
-    # the run mapped) spends it with one message on the kept connection.
-    # Either way the use is held.
+    # the run mapped) spends it in one short session. Either way the use is
+    # held, on this process's lease at the sender.
     mapping = import_stream(ticket, device, hold=True)
     made = MappedRun(mapping)
     run = mapped_runs.add(key, made)

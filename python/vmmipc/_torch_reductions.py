@@ -210,8 +210,11 @@ def tensor_meta(torch, tensor) -> tuple:
         raise ValueError("cannot send a tensor with a lazy conjugate or negative bit through "
                          "vmmipc: call tensor.resolve_conj() or tensor.resolve_neg() first")
     # torch's own checks and words (named tensors: RuntimeError, "NYI: ..."):
-    # names would be lost on the way.
-    torch._namedtensor_internals.check_serializing_named_tensor(tensor)
+    # names would be lost on the way. torch 2.15 has no named tensors, nor
+    # this module.
+    named = getattr(torch, "_namedtensor_internals", None)
+    if named is not None:
+        named.check_serializing_named_tensor(tensor)
     torch.utils.hooks.warn_if_has_hooks(tensor)
     return (type(tensor), tensor.storage_offset(), tuple(tensor.size()), tuple(tensor.stride()),
             tensor.dtype, tensor.requires_grad)

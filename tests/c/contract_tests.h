@@ -599,6 +599,9 @@ static int test_argument_messages(void) {
   CHECK_SAYS(vmmipc_open(NULL, NULL, &st), VMMIPC_EINVAL, "vmmipc_open: ticket is NULL", NULL);
   CHECK_SAYS(vmmipc_ticket_decode(NULL, &info), VMMIPC_EINVAL, "vmmipc_ticket_decode: ticket is NULL", NULL);
   CHECK_SAYS(vmmipc_confirm(NULL, NULL), VMMIPC_EINVAL, "vmmipc_confirm: ticket is NULL", NULL);
+  CHECK_SAYS(vmmipc_confirm_many(NULL, 1, NULL, NULL), VMMIPC_EINVAL,
+             "vmmipc_confirm_many: tickets is NULL", NULL);
+  CHECK_RC(vmmipc_confirm_many(NULL, 0, NULL, NULL), VMMIPC_OK);
   CHECK_SAYS(vmmipc_wait(NULL, 0), VMMIPC_EINVAL, "vmmipc_wait: ticket is NULL", NULL);
   CHECK_RC(vmmipc_live_registrations(&live1), VMMIPC_OK);
   CHECK(live1 == live0, "live registrations %llu -> %llu", (unsigned long long)live0, (unsigned long long)live1);

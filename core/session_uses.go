@@ -1,0 +1,69 @@
+package core
+
+// A session's further uses (wire_uses.go; confirm_many.go has the
+// receiver's side): after its first use's done-ack, a session whose hello
+// said helloMore spends up to maxMoreUses uses of other registrations of
+// this exporter, each proved with its own registration's secret bound to
+// this session's handshake, each held on the session's lease if any, and
+// answered with a use-ack as it is read, until the receiver says done.
+
+// serveMoreUses serves the further uses of a session.
+func (ss *session) serveMoreUses(l *lease) {
+	for n := 0; ; n++ {
+		f, ok := ss.recv()
+		if !ok {
+			return
+		}
+		switch {
+		case f.Type == msgDone:
+			return
+		case f.Type != msgUse:
+			ss.refuse(Errorf(EINVAL, "protocol: expected use or done, got %s", msgName(f.Type)))
+			return
+		case n == maxMoreUses:
+			ss.refuse(Errorf(EINVAL, "protocol: more than %d uses after a session's first", maxMoreUses))
+			return
+		}
+		m, err := parseUse(f.Body)
+		if err != nil {
+			ss.refuse(err)
+			return
+		}
+		ack, g, held := ss.useMore(m, l)
+		if ss.c.send(ack.encode(), -1) != nil {
+			if held { // the receiver never learns of it: nor may the lease keep it
+				ss.reg.leases.letGo(l, []uint64{g.id}, false)
+			}
+			return
+		}
+	}
+}
+
+// useMore spends one use of m's registration, held on l (if any) if the
+// registration holds.
+func (ss *session) useMore(m useMsg, l *lease) (ack useAckMsg, g *registration, held bool) {
+	ack.RegID = m.RegID
+	refuse := func(err error) (useAckMsg, *registration, bool) {
+		ack.Code, ack.Text = refusalCode(err), err.Error()
+		return ack, nil, false
+	}
+	g, err := ss.reg.lookup(m.RegID)
+	if err != nil {
+		return refuse(err)
+	}
+	if tr := ss.tr.forUse(g.id, g.digest); !tr.verify(g.secret, roleReceiver, m.Proof) {
+		return refuse(Errorf(EAUTH, "use of registration %d: the proof does not check out: the ticket is corrupted or forged", g.id))
+	}
+	cl, err := g.claim(func() {})
+	if err != nil {
+		return refuse(err)
+	}
+	held = l != nil && ss.reg.leases.take(l, g)
+	usedUp := g.spend(cl)
+	g.drop(cl)
+	if usedUp {
+		defer g.end(usedUpWhy(g)) // after the ack is built; its release may take a while
+	}
+	ack.Flags = ss.ackFlags(g, usedUp, held)
+	return ack, g, held
+}
