@@ -110,7 +110,7 @@ print(got, before, fcntl.fcntl(fd, fcntl.F_GET_SEALS))
 
 
 @pytest.mark.parametrize("case, env, error", [
-    ("no socket directory", {"VMMIPC_SOCKET_DIR": "/nonexistent/vmmipc-sockets"}, "VmmipcIOError"),
+    ("no socket directory", {"VMMIPC_SOCKET_DIR": "/nonexistent/vmmipc-sockets"}, "ConfigError"),
     ("full", {}, "OutOfDescriptorsError"),
 ])
 def test_a_failed_registration_leaves_the_seals(case, env, error):
