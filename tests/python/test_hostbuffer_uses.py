@@ -101,8 +101,8 @@ def test_a_hit_refuses_every_changed_byte():
     has the buffer mapped: every one is refused, none maps."""
     hb = marked_buffer(4 << 20)
     first = _reductions.rebuild_host_buffer(hb.grant(), hb.chunk_size)
+    t = bytes(hb.grant(uses=0))  # unlimited: ended below, or the buffer would live on
     try:
-        t = bytes(hb.grant(uses=0))
         accepted = []
         for i in range(len(t)):
             for flip in (0x01, 0x80):
@@ -116,6 +116,7 @@ def test_a_hit_refuses_every_changed_byte():
                 accepted.append((i, flip))
         assert accepted == [], f"changed tickets accepted: {accepted[:10]} ({len(accepted)})"
     finally:
+        vmmipc.unregister(t)
         first.close()
         hb.close()
 
