@@ -339,7 +339,7 @@ typedef struct vmmipc_options {
  *   VMMIPC_IMPORT_HOLD: each such use is then a *hold*, and release_fn runs
  *   only once the registration has ended AND every receiver that holds one
  *   of its uses has let go, by vmmipc_release or by ending (exit, crash,
- *   SIGKILL: the kernel closes its connection). Uses are counted as ever:
+ *   SIGKILL: the kernel drops its lease's lock). Uses are counted as ever:
  *   a registration with uses = 1 still serves one receiver.
  *   - Holds live on *leases*, not connections. A receiver's first held use
  *     of an exporter gets a lease on its authenticated session: a slot of
@@ -347,8 +347,9 @@ typedef struct vmmipc_options {
  *     descriptor that the receiver locks (an OFD lock on its slot), maps
  *     (one page, MADV_DONTFORK) and closes at once. The kernel drops the
  *     lock when the receiver ends (exit, crash, SIGKILL) and the exporter,
- *     which checks the locks every 20 ms while leases live, then lets go of
- *     every hold on the lease. Later held uses name the lease; each is an
+ *     which checks the locks of leases that hold something every 20 ms
+ *     (or ten times as long as a pass took, with thousands), then lets go
+ *     of every hold on the lease. Later held uses name the lease; each is an
  *     ordinary short session that returns only once the exporter answered
  *     (a hit on a registration that has ended gives VMMIPC_ENOENT, as a
  *     miss does); vmmipc_confirm_many spends many in one round trip per
