@@ -69,9 +69,12 @@ functions raise ImportError saying what is missing.
 
 from __future__ import annotations
 
+import os
+
 import vmmipc as _vmmipc
 
-from . import _args, _reductions, _torch_batch, _torch_received, _torch_reductions
+from . import _args, _reductions, _torch_arena, _torch_batch, _torch_received, _torch_reductions
+from ._arena import Arena
 from ._torch_batch import EVENT_KEEP_SECONDS, MAX_PENDING_PICKLES, batch
 from ._torch_blob import open_tensors, share_tensors
 from ._torch_env import POSIX_FD_HANDLE, handle_type_names
@@ -113,6 +116,44 @@ def set_ordering(mode: str) -> None:
     _torch_batch.set_ordering(mode)
 
 
+_default_arena: list = []  # [(pid, Arena)]
+
+
+def default_arena() -> Arena:
+    """This process's arena for DataLoaders (made on first use: an unnamed
+    memfd of 32 regions of 4 GiB of address space, memory only as
+    touched), shared by every loader_options() call without arena=."""
+    if not _default_arena or _default_arena[0][0] != os.getpid():
+        _default_arena[:] = [(os.getpid(), Arena())]
+    return _default_arena[0][1]
+
+
+def loader_options(collate_fn=None, *, arena: Arena | None = None) -> dict:
+    """The one line for a DataLoader whose CPU batches cross through an
+    arena this (main) process owns, with no descriptor per batch:
+
+        loader = DataLoader(ds, batch_size=64, num_workers=4,
+                            **vmmipc.torch.loader_options())
+
+    Returns {"collate_fn": ...}: collate_fn (None: torch's default_collate,
+    stacking each tensor batch straight into an arena block) run in the
+    workers, every CPU tensor of its result sent as an arena block. Call it
+    in the main process, before the loader's workers start (the arena is
+    made here). With fork (torch's default), spawn and forkserver;
+    pin_memory and persistent_workers as they are. docs/dataloader.md has
+    the design and the limits."""
+    return {"collate_fn": _torch_arena.Collate(arena if arena is not None else default_arena(),
+                                               collate_fn)}
+
+
+def arena_info(arena: Arena | None = None) -> dict:
+    """The counters of arena (default_arena()): blocks being written, sent,
+    held by this process and free, live and carved bytes, regions owned
+    (vmmipc.h, vmmipc_arena_info), after giving back the regions of workers
+    that died."""
+    return (arena if arena is not None else default_arena()).info()
+
+
 def install() -> None:
     """Register reduce_tensor for torch.Tensor and torch.nn.Parameter and
     reduce_storage for the UntypedStorage classes torch registers, after
@@ -126,7 +167,7 @@ try:
 except ImportError:
     pass  # no torch: the functions above raise a clear ImportError when used
 
-__all__ = ["EVENT_KEEP_SECONDS", "MAX_PENDING_PICKLES", "POSIX_FD_HANDLE", "PoolInfo", "SharingPool",
+__all__ = ["Arena", "arena_info", "default_arena", "loader_options", "EVENT_KEEP_SECONDS", "MAX_PENDING_PICKLES", "POSIX_FD_HANDLE", "PoolInfo", "SharingPool",
            "batch", "handle_type_names", "install", "is_vmm_tensor", "open_tensors",
            "reduce_storage", "reduce_tensor", "release_sharing_pool", "set_ordering",
            "set_pickle_ttl", "set_receive_device", "share_tensors", "sharing_pool",
