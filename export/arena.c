@@ -57,12 +57,10 @@ typedef struct {
 
 static uint64_t round_up(uint64_t n, uint64_t to) { return (n + to - 1) / to * to; }
 
+/* The error's text names no function: the caller's error names it. */
 static int fail(int status, const char *fn, const char *msg) {
-  char buf[512];
-  int n = snprintf(buf, sizeof buf, "%s: %s", fn, msg);
-  if (n < 0) n = 0;
-  if ((size_t)n >= sizeof buf) n = sizeof buf - 1;
-  vmmipc_abi_set_error(buf, (size_t)n);
+  (void)fn;
+  vmmipc_abi_set_error(msg, strlen(msg));
   return status;
 }
 
@@ -256,9 +254,13 @@ int vmmipc_arena_alloc(void *base, uint64_t size, uint32_t region, uint64_t nbyt
   const arena_header *h = arena(base, size, fn);
   if (!h) return VMMIPC_EINVAL;
   if (!region_ok(h, region, fn)) return VMMIPC_EINVAL;
-  if (!block_out || nbytes == 0 || nbytes > h->region_bytes)
-    return fail(VMMIPC_EINVAL, fn, nbytes > h->region_bytes ? "nbytes larger than a region"
-                                                            : "NULL block_out or nbytes 0");
+  if (!block_out || nbytes == 0) return fail(VMMIPC_EINVAL, fn, "NULL block_out or nbytes 0");
+  if (nbytes > h->region_bytes) {
+    char msg[160];
+    snprintf(msg, sizeof msg, "%llu bytes are more than a region holds (%llu bytes)",
+             (unsigned long long)nbytes, (unsigned long long)h->region_bytes);
+    return fail(VMMIPC_ENOMEM, fn, msg);
+  }
   region_header *rh = region_of(h, region);
   slot *s = slots_of(h, region);
   trim(h, rh, s);
@@ -343,10 +345,12 @@ static int move(void *base, uint64_t size, const vmmipc_arena_block *b, unsigned
   }
   char msg[256];
   static const char *names[] = {"free", "being written", "sent", "held"};
-  snprintf(msg, sizeof msg, "block %u/%u generation %llu is %s (generation %llu is %s): %s",
-           b->region, b->slot, (unsigned long long)b->generation,
-           GEN(w) == b->generation ? names[STATE(w) & 3] : "gone",
-           (unsigned long long)GEN(w), names[STATE(w) & 3], why);
+  if (GEN(w) == b->generation)
+    snprintf(msg, sizeof msg, "block %u/%u generation %llu is %s: %s", b->region, b->slot,
+             (unsigned long long)b->generation, names[STATE(w) & 3], why);
+  else
+    snprintf(msg, sizeof msg, "block %u/%u generation %llu is gone (the slot is at generation %llu): %s",
+             b->region, b->slot, (unsigned long long)b->generation, (unsigned long long)GEN(w), why);
   return fail(VMMIPC_ENOENT, fn, msg);
 }
 

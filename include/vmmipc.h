@@ -1205,9 +1205,10 @@ int vmmipc_arena_reap(void *base, uint64_t size, uint32_t pid, uint32_t *reaped_
  * Returns:
  *   VMMIPC_OK
  *   VMMIPC_EINVAL  NULL, not an arena, region out of range, nbytes 0
- *   VMMIPC_ENOMEM  no free block fits and no room or slot is left (the
- *                  message says how much is live): the caller falls back
- *                  to other memory, or frees blocks first */
+ *   VMMIPC_ENOMEM  nbytes more than a region holds, or no free block fits
+ *                  and no room or slot is left (the message says how much
+ *                  is live): the caller falls back to other memory, or
+ *                  frees blocks first */
 int vmmipc_arena_alloc(void *base, uint64_t size, uint32_t region, uint64_t nbytes,
                        vmmipc_arena_block *block_out);
 

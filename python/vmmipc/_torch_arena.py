@@ -197,26 +197,11 @@ def _collate_tensor(batch, *, collate_fn_map=None):
     return torch.stack(batch, 0, out=out.view(len(batch), *elem.size()))
 
 
-class Collate:
-    """A DataLoader collate_fn: in a worker, collate_fn (None: torch's
-    default_collate, with each tensor batch stacked straight into an arena
-    block) and every CPU tensor of the result sent as an arena block; in
-    the main process (num_workers=0), collate_fn or default_collate as
-    they are. Picklable to spawn and forkserver workers (the arena's
-    descriptor goes once per worker)."""
-
-    def __init__(self, arena: Arena, collate_fn=None):
-        self.arena = arena
-        self.collate_fn = collate_fn
-
-    def __call__(self, batch):
-        torch = torch_module()
-        from torch.utils.data._utils import collate
-        if torch.utils.data.get_worker_info() is None:
-            return (self.collate_fn or collate.default_collate)(batch)
-        start_writing(self.arena)
-        if self.collate_fn is not None:
-            return self.collate_fn(batch)
-        fn_map = dict(collate.default_collate_fn_map)
-        fn_map[torch.Tensor] = _collate_tensor
-        return collate.collate(batch, collate_fn_map=fn_map)
+def collate_in_worker(batch):
+    """default_collate in a worker, each tensor batch stacked into an arena
+    block (_collate_tensor)."""
+    torch = torch_module()
+    from torch.utils.data._utils import collate
+    fn_map = dict(collate.default_collate_fn_map)
+    fn_map[torch.Tensor] = _collate_tensor
+    return collate.collate(batch, collate_fn_map=fn_map)
