@@ -227,9 +227,11 @@ int vmmipc_arena_reap(void *base, uint64_t size, uint32_t pid, uint32_t *reaped_
   uint32_t reaped = 0;
   for (uint32_t r = 0; r < h->regions; r++) {
     uint64_t owner = load(&region_of(h, r)->owner);
-    if (owner != 0 && owner != pid && !alive(owner) && take_over(h, r, owner, pid)) {
+    /* An unowned region too: its writer left, and what it sent after that
+     * (its queue's feeder thread, at exit) nobody receives. */
+    if (owner != pid && (owner == 0 || !alive(owner)) && take_over(h, r, owner, pid)) {
       store(&region_of(h, r)->owner, 0);
-      reaped++;
+      if (owner != 0) reaped++;
     }
   }
   if (reaped_out) *reaped_out = reaped;
@@ -262,6 +264,9 @@ int vmmipc_arena_alloc(void *base, uint64_t size, uint32_t region, uint64_t nbyt
     return fail(VMMIPC_ENOMEM, fn, msg);
   }
   region_header *rh = region_of(h, region);
+  if (load(&rh->owner) != (uint64_t)getpid())
+    return fail(VMMIPC_ENOENT, fn, "this process does not own the region (it left, or is a "
+                                   "child of its owner)");
   slot *s = slots_of(h, region);
   trim(h, rh, s);
   uint64_t used = rh->used, best = UINT64_MAX, best_cap = UINT64_MAX;
@@ -355,6 +360,11 @@ static int move(void *base, uint64_t size, const vmmipc_arena_block *b, unsigned
 }
 
 int vmmipc_arena_send(void *base, uint64_t size, const vmmipc_arena_block *block) {
+  const arena_header *h;
+  if (!slot_of(base, size, block, "vmmipc_arena_send", &h)) return VMMIPC_EINVAL;
+  if (load(&region_of(h, block->region)->owner) != (uint64_t)getpid())
+    return fail(VMMIPC_ENOENT, "vmmipc_arena_send",
+                "this process does not own the block's region (it left: nobody will receive it)");
   return move(base, size, block, WRITING, WRITING, SENT, "vmmipc_arena_send",
               "only a block being written can be sent, once");
 }

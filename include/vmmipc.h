@@ -1191,20 +1191,24 @@ int vmmipc_arena_claim(void *base, uint64_t size, uint32_t pid, uint32_t *region
  * range), VMMIPC_ENOENT (pid does not own the region) */
 int vmmipc_arena_leave(void *base, uint64_t size, uint32_t region, uint32_t pid);
 
-/* vmmipc_arena_reap takes over every region whose owner has died, as
- * pid (the caller; the arena's owner), and gives it back: their WRITING
- * and SENT blocks become FREE. *reaped_out (may be NULL) counts them.
+/* vmmipc_arena_reap takes over every region whose owner has died, and
+ * every region nobody owns, as pid (the caller; the arena's owner), and
+ * gives it back: their WRITING and SENT blocks become FREE (a writer that
+ * left may have sent blocks after it left, while it exited: nobody
+ * receives those). *reaped_out (may be NULL) counts the regions of dead
+ * owners.
  * Returns: VMMIPC_OK, VMMIPC_EINVAL (NULL base, not an arena, pid 0) */
 int vmmipc_arena_reap(void *base, uint64_t size, uint32_t pid, uint32_t *reaped_out);
 
-/* vmmipc_arena_alloc allocates nbytes (>= 1) in region (the caller owns
- * it): a free block of the region, the smallest that fits unless it is
+/* vmmipc_arena_alloc allocates nbytes (>= 1) in region (the calling
+ * process owns it): a free block of the region, the smallest that fits unless it is
  * more than twice nbytes and fresh room is left, else fresh room after the
  * last block. The block is WRITING; *block_out says where. Its memory
  * holds what was there before (not zeroed).
  * Returns:
  *   VMMIPC_OK
  *   VMMIPC_EINVAL  NULL, not an arena, region out of range, nbytes 0
+ *   VMMIPC_ENOENT  the calling process does not own the region
  *   VMMIPC_ENOMEM  nbytes more than a region holds, or no free block fits
  *                  and no room or slot is left (the message says how much
  *                  is live): the caller falls back to other memory, or
@@ -1216,7 +1220,8 @@ int vmmipc_arena_alloc(void *base, uint64_t size, uint32_t region, uint64_t nbyt
  * written to it before is seen by whoever receives it). Hand the block to
  * the receiver after this call.
  * Returns: VMMIPC_OK, VMMIPC_EINVAL (NULL, not an arena, out of range),
- * VMMIPC_ENOENT (not that block, or not WRITING: sent already or freed) */
+ * VMMIPC_ENOENT (not that block, or not WRITING: sent already or freed; or
+ * the calling process no longer owns the region) */
 int vmmipc_arena_send(void *base, uint64_t size, const vmmipc_arena_block *block);
 
 /* vmmipc_arena_receive marks a SENT block HELD (acquire: its writer's data

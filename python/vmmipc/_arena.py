@@ -115,8 +115,19 @@ class Arena:
                 return None
             self._region = r.value
             from multiprocessing import util
-            util.Finalize(None, _leave, (self.base, self.size, r.value, pid), exitpriority=0)
+            util.Finalize(None, self._leave, exitpriority=0)
         return self._region
+
+    def _leave(self) -> None:
+        """Gives this process's region back (at a clean exit)."""
+        with self._lock:
+            region, self._region = self._region, None
+            if region is not None and self._region_pid == os.getpid():
+                try:
+                    _lib.call_fork_safe("vmmipc_arena_leave", self.base, self.size, region,
+                                        os.getpid())
+                except _errors.VmmipcError:
+                    pass  # taken over already
 
     def alloc(self, nbytes: int) -> tuple | None:
         """A WRITING block of nbytes in this process's region, or None if
@@ -129,14 +140,19 @@ class Arena:
             try:
                 _lib.call_fork_safe("vmmipc_arena_alloc", self.base, self.size, region, nbytes,
                                     ctypes.byref(b))
-            except _errors.VmmipcMemoryError:
-                return None
+            except (_errors.VmmipcMemoryError, _errors.NotFoundError):
+                return None  # no room, or the region is no longer ours (exiting)
         return _tuple(b)
 
-    def send(self, block: tuple) -> None:
+    def send(self, block: tuple) -> bool:
+        """WRITING -> SENT; False if this process no longer owns the
+        region (it left: exiting)."""
         with self._lock:
+            if self._region_pid != os.getpid() or self._region is None:
+                return False
             _lib.call_fork_safe("vmmipc_arena_send", self.base, self.size,
                                 ctypes.byref(_block(block)))
+        return True
 
     def drop(self, block: tuple) -> bool:
         """Frees a block this writer never sent; False if it was sent."""
@@ -176,14 +192,6 @@ class Arena:
         _lib.call_fork_safe("vmmipc_arena_get_info", self.base, self.size, ctypes.byref(i),
                             ctypes.sizeof(i))
         return {name: getattr(i, name) for name, _ in i._fields_}
-
-
-def _leave(base: int, size: int, region: int, pid: int) -> None:
-    if os.getpid() == pid:
-        try:
-            _lib.call_fork_safe("vmmipc_arena_leave", base, size, region, pid)
-        except _errors.VmmipcError:
-            pass  # taken over already
 
 
 def _attach(arena_id: str, owner_pid: int, dupfd, size: int) -> Arena:

@@ -139,7 +139,8 @@ def storage_args(storage) -> tuple | None:
             return None
         keep.copy_(torch.empty((0,), dtype=torch.uint8).set_(storage))
         local = _here().by_ptr[keep.untyped_storage().data_ptr()]
-    arena.send(local.block)
+    if not arena.send(local.block):
+        return None  # this worker is exiting: its region is given back
     local.sent = True
     region, slot, generation, _, _ = local.block
     del keep  # its storage dies here: sent, so the block stays
