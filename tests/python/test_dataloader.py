@@ -74,6 +74,21 @@ def settle(vt, want_owned=0, timeout=10.0) -> dict:
         time.sleep(0.1)
 
 
+def regions(vt, count=4) -> str:
+    """The first regions' owners and slot states (generation, state), read
+    from the arena's header (export/arena.c's layout): for failure messages."""
+    import struct
+    a = vt.default_arena()
+    slots, tables = struct.unpack_from("<I", a.view, 12)[0], struct.unpack_from("<Q", a.view, 24)[0]
+    out = []
+    for r in range(count):
+        owner, used = struct.unpack_from("<QQ", a.view, 48 + r * 64)
+        words = [struct.unpack_from("<Q", a.view, tables + (r * slots + i) * 32)[0]
+                 for i in range(min(used, 16))]
+        out.append(f"region {r} owner {owner} used {used} {[(w >> 8, w & 0xff) for w in words]}")
+    return "; ".join(out)
+
+
 # ------------------------------------------------ 1. the failure case
 
 FAILURE = textwrap.dedent(r"""
@@ -231,11 +246,14 @@ def test_a_worker_killed_mid_epoch_gets_torchs_error_and_leaves_nothing(vt):
         for b in it:
             kept.append(b)
     assert time.monotonic() - t0 < 30
-    assert vt.arena_info()["blocks_held"] == len(kept)
+    # torch may hold a batch it received out of order (its reorder buffer)
+    assert vt.arena_info()["blocks_held"] >= len(kept)
+    pids = [w.pid for w in it._workers]
     del kept, it, loader
     info = settle(vt)
-    assert info["blocks_writing"] == info["blocks_sent"] == info["blocks_held"] == 0, info
-    assert info["live_bytes"] == 0 and info["regions_owned"] == 0, info
+    why = f"{info}; workers {pids}; {regions(vt)}"
+    assert info["blocks_writing"] == info["blocks_sent"] == info["blocks_held"] == 0, why
+    assert info["live_bytes"] == 0 and info["regions_owned"] == 0, why
 
 
 MAIN = textwrap.dedent(r"""
