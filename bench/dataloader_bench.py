@@ -63,9 +63,10 @@ class ShmNew:
     """collate_fn: a new segment per batch; the main unlinks it."""
 
     def __call__(self, batch):
-        from multiprocessing import shared_memory
+        from multiprocessing import resource_tracker, shared_memory
         t = torch.stack(batch)
         shm = shared_memory.SharedMemory(create=True, size=t.numel() * 4)
+        resource_tracker.unregister(shm._name, "shared_memory")  # the main unlinks it
         torch.frombuffer(shm.buf, dtype=torch.float32).copy_(t.view(-1))
         name, shape = shm.name, tuple(t.shape)
         shm.close()
