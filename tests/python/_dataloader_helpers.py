@@ -83,3 +83,14 @@ def fill_views(q, done):
     x.fill_(1)
     col.fill_(2)
     done.set()
+
+
+def doubled(t):
+    """A Pool task: a CPU tensor in, a new one out (each pickled by torch)."""
+    import vmmipc.torch  # noqa: F401 - installed in every process
+    return t * 2
+
+
+def fill_inherited(t, value):
+    """torch's inherit_tensor: the child fills the tensor it inherited."""
+    t.fill_(value)

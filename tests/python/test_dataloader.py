@@ -345,6 +345,29 @@ def test_cpu_tensors_outside_a_dataloader_keep_torchs_sharing(strategy):
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
 
 
+POOL = textwrap.dedent(r"""
+    import torch, torch.multiprocessing as mp, vmmipc.torch
+    from _dataloader_helpers import doubled, fill_inherited
+    if __name__ == "__main__":
+        with mp.get_context("spawn").Pool(2) as pool:  # torch's pool cases
+            got = pool.map(doubled, [torch.full((3,), float(i)) for i in range(6)])
+        assert [t.tolist() for t in got] == [[2.0 * i] * 3 for i in range(6)], got
+        t = torch.zeros(5, 5).share_memory_()  # torch's inherit_tensor, fork
+        p = mp.get_context("fork").Process(target=fill_inherited, args=(t, 7.0))
+        p.start(); p.join(60)
+        assert p.exitcode == 0 and t.eq(7).all(), t
+        print("ok")
+""")
+
+
+def test_pools_and_inherited_tensors_keep_torchs_way():
+    """torch's pool cases and inherit_tensor, with vmmipc.torch installed in
+    every process: CPU tensors outside a DataLoader's workers are torch's."""
+    r = subprocess.run([sys.executable, "-c", POOL], capture_output=True, text=True,
+                       timeout=120, env=child_env())
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
+
+
 @pytest.fixture
 def writer(vt):
     """This process as a writer of a small arena, for the reducers, undone
