@@ -51,8 +51,10 @@
  *     and fail cleanly with VMMIPC_ENOMEM; keep a few hundred MiB of
  *     headroom above what you map.
  *   - After fork(), every function returns VMMIPC_EFORK in the child (the Go
- *     runtime inside does not survive fork). Start helpers with exec or
- *     posix_spawn, or with Python's "spawn"/"forkserver" start methods.
+ *     runtime inside does not survive fork), except the arena calls, which
+ *     are plain C made for forked children ("Arenas"), and
+ *     vmmipc_last_error. Start helpers with exec or posix_spawn, or with
+ *     Python's "spawn"/"forkserver" start methods.
  *
  * Trust
  *   Tickets hold a 256-bit secret: whoever holds a ticket can map the memory,
