@@ -55,8 +55,10 @@
  *     so an import that just fits may be refused the next time: keep a few
  *     hundred MiB of headroom above what you map.
  *   - After fork(), every function returns VMMIPC_EFORK in the child (the Go
- *     runtime inside does not survive fork). Start helpers with exec or
- *     posix_spawn, or with Python's "spawn"/"forkserver" start methods.
+ *     runtime inside does not survive fork), except the arena calls, which
+ *     are plain C made for forked children ("Arenas"), and
+ *     vmmipc_last_error. Start helpers with exec or posix_spawn, or with
+ *     Python's "spawn"/"forkserver" start methods.
  *
  * Trust
  *   Tickets hold a 256-bit secret: whoever holds a ticket can map the memory,
@@ -1165,6 +1167,174 @@ void *vmmipc_torch_alloc(size_t size, int device, void *stream);
  * stream are unused. A failure (ptr not from the pool, a driver call)
  * leaves vmmipc_last_error() saying why; there is nothing to return. */
 void vmmipc_torch_free(void *ptr, size_t size, int device, void *stream);
+
+/* ------------------------------------------------------------------ */
+/* Arenas: host memory made for sharing with processes one forks      */
+/* ------------------------------------------------------------------ */
+
+/* An arena is host memory that one process (the owner: a DataLoader's main
+ * process) maps MAP_SHARED before it starts its workers, formatted with
+ * vmmipc_arena_format: a header, then `regions` regions, each with a table
+ * of `slots` block slots and region_bytes of data. A worker claims one
+ * region and is its only writer: it allocates blocks there, fills them and
+ * marks them sent; the owner receives a block (it is then held), reads or
+ * writes it in place through its own mapping, and frees it when done; the
+ * worker allocates the freed block again, its pages already in memory. What
+ * crosses between the processes per block is plain data (a
+ * vmmipc_arena_block): no descriptor, no socket.
+ *
+ * Why these calls are not Go: a child made by fork() has no Go runtime.
+ * Every vmmipc_arena_* function is plain C over the memory it is given (C11
+ * atomics on the block states: a release store publishes what was written
+ * before it, an acquire load or compare-and-swap sees it), makes no
+ * allocation, opens nothing, takes no lock, and is callable in a forked
+ * child, unlike every other function of this header (no VMMIPC_EFORK here).
+ * They never call into the Go runtime, so they also work before or without
+ * any other vmmipc call.
+ *
+ * The memory: any mapping of `size` bytes, page-aligned, shared by the
+ * processes (a memfd, MAP_SHARED, the owner creating it before fork() or
+ * handing its descriptor to a spawned child once). A fresh memfd reads as
+ * zeros; untouched pages cost nothing, so size it for the largest use and
+ * let it stay sparse. The caller owns the memory and its descriptor: these
+ * functions keep no pointer to it between calls. Every call checks the
+ * header (the magic, the layout against `size`) and every index and
+ * generation it is given against the table: a damaged or stale block is
+ * VMMIPC_EINVAL or VMMIPC_ENOENT, never a write out of bounds.
+ *
+ * A block's life: FREE -> (alloc, by the region's owner) WRITING -> (send,
+ * the owner) SENT -> (receive, the arena's owner) HELD -> (free) FREE. A
+ * block never sent is dropped by its writer (WRITING -> FREE). Each alloc
+ * gives the slot a new generation, which every later call must name: a
+ * block freed and allocated again is a new block. A region whose owner has
+ * died (its pid gone, or a zombie) or left is taken over by the next claim
+ * or vmmipc_arena_reap: its WRITING and SENT blocks become FREE (nobody will
+ * receive them), its HELD blocks stay until the arena's owner frees them.
+ * Pids are those of the caller's PID namespace.
+ *
+ * Threads: any number of processes and threads may call at once, with one
+ * rule: vmmipc_arena_alloc, vmmipc_arena_send and vmmipc_arena_drop are
+ * called by one thread at a time per region (the region's single writer; a
+ * process serializes its own threads). */
+
+#define VMMIPC_ARENA_ALIGN 64 /* every block's offset is a multiple of this;
+                                 blocks of 64 KiB and more start on a page */
+
+typedef struct vmmipc_arena_block {
+  uint32_t region;     /* the region the block is in */
+  uint32_t slot;       /* its slot in that region's table */
+  uint64_t generation; /* which allocation of that slot this block is */
+  uint64_t offset;     /* from the start of the arena's memory */
+  uint64_t nbytes;     /* as asked of vmmipc_arena_alloc */
+} vmmipc_arena_block;
+
+typedef struct vmmipc_arena_info {
+  uint32_t regions;        /* as formatted */
+  uint32_t regions_owned;  /* claimed by a process now */
+  uint64_t slots;          /* per region, as formatted */
+  uint64_t region_bytes;   /* data bytes per region, as formatted */
+  uint64_t blocks_writing; /* allocated, not sent yet */
+  uint64_t blocks_sent;    /* sent, not received yet */
+  uint64_t blocks_held;    /* received, not freed yet */
+  uint64_t blocks_free;    /* carved out and free: allocated again first */
+  uint64_t live_bytes;     /* nbytes of the blocks not free */
+  uint64_t carved_bytes;   /* data bytes ever carved into blocks and not
+                              given back: the memory the arena has touched */
+  uint64_t takeovers;      /* regions taken over from a dead or gone owner */
+} vmmipc_arena_info;
+
+/* vmmipc_arena_size gives the bytes an arena of this shape needs
+ * (page-aligned: header, region tables, data). regions 1..4096, slots
+ * 1..1<<20, region_bytes a multiple of 4096, at least 4096, the total at
+ * most 1<<46.
+ * Returns: VMMIPC_OK, VMMIPC_EINVAL (NULL size_out, a bound broken) */
+int vmmipc_arena_size(uint32_t regions, uint32_t slots, uint64_t region_bytes,
+                      uint64_t *size_out);
+
+/* vmmipc_arena_format writes the header of an arena of this shape at base,
+ * which must be `size` bytes (vmmipc_arena_size's), zero-filled (a fresh
+ * memfd), page-aligned and not in use by anyone yet.
+ * Returns: VMMIPC_OK, VMMIPC_EINVAL (NULL or unaligned base, size not the
+ * shape's, a bound broken, memory not zero-filled: formatted already) */
+int vmmipc_arena_format(void *base, uint64_t size, uint32_t regions, uint32_t slots,
+                        uint64_t region_bytes);
+
+/* vmmipc_arena_claim makes process `pid` (the caller) the owner of a
+ * region: one nobody owns, else one whose owner has died (taken over: its
+ * unreceived blocks freed). *region_out is its index.
+ * Returns:
+ *   VMMIPC_OK
+ *   VMMIPC_EINVAL  NULL, not an arena of this size, pid 0
+ *   VMMIPC_ENOMEM  every region has a live owner (more workers than
+ *                  regions: format with more) */
+int vmmipc_arena_claim(void *base, uint64_t size, uint32_t pid, uint32_t *region_out);
+
+/* vmmipc_arena_leave gives region back (pid its owner, leaving: at exit):
+ * its WRITING and SENT blocks become FREE, its HELD ones stay.
+ * Returns: VMMIPC_OK, VMMIPC_EINVAL (NULL, not an arena, region out of
+ * range), VMMIPC_ENOENT (pid does not own the region) */
+int vmmipc_arena_leave(void *base, uint64_t size, uint32_t region, uint32_t pid);
+
+/* vmmipc_arena_reap takes over every region whose owner has died, and
+ * every region nobody owns, as pid (the caller; the arena's owner), and
+ * gives it back: their WRITING and SENT blocks become FREE (a writer that
+ * left may have sent blocks after it left, while it exited: nobody
+ * receives those). *reaped_out (may be NULL) counts the regions of dead
+ * owners.
+ * Returns: VMMIPC_OK, VMMIPC_EINVAL (NULL base, not an arena, pid 0) */
+int vmmipc_arena_reap(void *base, uint64_t size, uint32_t pid, uint32_t *reaped_out);
+
+/* vmmipc_arena_alloc allocates nbytes (>= 1) in region (the calling
+ * process owns it): a free block of the region, the smallest that fits unless it is
+ * more than twice nbytes and fresh room is left, else fresh room after the
+ * last block. The block is WRITING; *block_out says where. Its memory
+ * holds what was there before (not zeroed).
+ * Returns:
+ *   VMMIPC_OK
+ *   VMMIPC_EINVAL  NULL, not an arena, region out of range, nbytes 0
+ *   VMMIPC_ENOENT  the calling process does not own the region
+ *   VMMIPC_ENOMEM  nbytes more than a region holds, or no free block fits
+ *                  and no room or slot is left (the message says how much
+ *                  is live): the caller falls back to other memory, or
+ *                  frees blocks first */
+int vmmipc_arena_alloc(void *base, uint64_t size, uint32_t region, uint64_t nbytes,
+                       vmmipc_arena_block *block_out);
+
+/* vmmipc_arena_send marks a WRITING block SENT (a release store: what was
+ * written to it before is seen by whoever receives it). Hand the block to
+ * the receiver after this call.
+ * Returns: VMMIPC_OK, VMMIPC_EINVAL (NULL, not an arena, out of range),
+ * VMMIPC_ENOENT (not that block, or not WRITING: sent already or freed; or
+ * the calling process no longer owns the region) */
+int vmmipc_arena_send(void *base, uint64_t size, const vmmipc_arena_block *block);
+
+/* vmmipc_arena_receive marks a SENT block HELD (acquire: its writer's data
+ * is seen) and fills block->offset and block->nbytes from the table (the
+ * receiver names region, slot and generation; a damaged offset cannot
+ * mislead it).
+ * Returns: VMMIPC_OK, VMMIPC_EINVAL (NULL, not an arena, out of range),
+ * VMMIPC_ENOENT (not SENT in that generation: received already, or its
+ * region was taken over after its writer died or left) */
+int vmmipc_arena_receive(void *base, uint64_t size, vmmipc_arena_block *block);
+
+/* vmmipc_arena_free frees a HELD block (its receiver, done with it) with a
+ * release store: the next writer of the block sees every access before.
+ * Free a block once.
+ * Returns: VMMIPC_OK, VMMIPC_EINVAL (NULL, not an arena, out of range),
+ * VMMIPC_ENOENT (not that block, or not HELD) */
+int vmmipc_arena_free(void *base, uint64_t size, const vmmipc_arena_block *block);
+
+/* vmmipc_arena_drop frees a WRITING block: its writer's, never sent.
+ * Returns: VMMIPC_OK, VMMIPC_EINVAL (NULL, not an arena, out of range),
+ * VMMIPC_ENOENT (not that block, or not WRITING: sent, or dropped already) */
+int vmmipc_arena_drop(void *base, uint64_t size, const vmmipc_arena_block *block);
+
+/* vmmipc_arena_get_info fills the first info_size bytes of *info_out (pass
+ * sizeof *info_out) with the arena's counters, read without stopping
+ * anyone (each count is exact when nobody allocates or frees meanwhile).
+ * Returns: VMMIPC_OK, VMMIPC_EINVAL (NULL, not an arena) */
+int vmmipc_arena_get_info(const void *base, uint64_t size, vmmipc_arena_info *info_out,
+                          size_t info_size);
 
 /* ------------------------------------------------------------------ */
 /* Errors and version                                                 */

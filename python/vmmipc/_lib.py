@@ -157,6 +157,32 @@ class vmmipc_pool_info(Structure):
     ]
 
 
+class vmmipc_arena_block(Structure):
+    _fields_ = [
+        ("region", c_uint32),
+        ("slot", c_uint32),
+        ("generation", c_uint64),
+        ("offset", c_uint64),
+        ("nbytes", c_uint64),
+    ]
+
+
+class vmmipc_arena_info(Structure):
+    _fields_ = [
+        ("regions", c_uint32),
+        ("regions_owned", c_uint32),
+        ("slots", c_uint64),
+        ("region_bytes", c_uint64),
+        ("blocks_writing", c_uint64),
+        ("blocks_sent", c_uint64),
+        ("blocks_held", c_uint64),
+        ("blocks_free", c_uint64),
+        ("live_bytes", c_uint64),
+        ("carved_bytes", c_uint64),
+        ("takeovers", c_uint64),
+    ]
+
+
 # typedef int (*vmmipc_export_fn)(void *user, uint64_t index, int *fd_out);
 EXPORT_FN = CFUNCTYPE(c_int, c_void_p, c_uint64, POINTER(c_int))
 # typedef void (*vmmipc_release_fn)(void *user);
@@ -196,6 +222,19 @@ SIGNATURES = {
     "vmmipc_unmap": (c_int, [POINTER(vmmipc_mapping)]),
     "vmmipc_cache_set_limit": (c_int, [c_uint64]),
     "vmmipc_cache_get_info": (c_int, [POINTER(vmmipc_cache_info), ctypes.c_size_t]),
+    "vmmipc_arena_size": (c_int, [c_uint32, c_uint32, c_uint64, POINTER(c_uint64)]),
+    "vmmipc_arena_format": (c_int, [c_void_p, c_uint64, c_uint32, c_uint32, c_uint64]),
+    "vmmipc_arena_claim": (c_int, [c_void_p, c_uint64, c_uint32, POINTER(c_uint32)]),
+    "vmmipc_arena_leave": (c_int, [c_void_p, c_uint64, c_uint32, c_uint32]),
+    "vmmipc_arena_reap": (c_int, [c_void_p, c_uint64, c_uint32, POINTER(c_uint32)]),
+    "vmmipc_arena_alloc": (c_int, [c_void_p, c_uint64, c_uint32, c_uint64,
+                                   POINTER(vmmipc_arena_block)]),
+    "vmmipc_arena_send": (c_int, [c_void_p, c_uint64, POINTER(vmmipc_arena_block)]),
+    "vmmipc_arena_receive": (c_int, [c_void_p, c_uint64, POINTER(vmmipc_arena_block)]),
+    "vmmipc_arena_free": (c_int, [c_void_p, c_uint64, POINTER(vmmipc_arena_block)]),
+    "vmmipc_arena_drop": (c_int, [c_void_p, c_uint64, POINTER(vmmipc_arena_block)]),
+    "vmmipc_arena_get_info": (c_int, [c_void_p, c_uint64, POINTER(vmmipc_arena_info),
+                                      ctypes.c_size_t]),
     "vmmipc_pool_create": (c_int, [c_int, c_uint64, c_uint64, POINTER(_POOL)]),
     "vmmipc_pool_alloc": (c_int, [_POOL, c_uint64, POINTER(c_uint64)]),
     "vmmipc_pool_free": (c_int, [_POOL, c_uint64]),
@@ -452,6 +491,25 @@ def lib(function: str = "") -> ctypes.CDLL:
 def loaded() -> bool:
     """Whether this process has loaded the library (without loading it)."""
     return _lib is not None and _load_pid == os.getpid()
+
+
+# The calls that never enter Go (vmmipc.h, "Arenas"), and vmmipc_last_error:
+# callable in a child made by fork() after the parent loaded the library.
+FORK_SAFE = frozenset(name for name in SIGNATURES if name.startswith("vmmipc_arena_"))
+
+
+def call_fork_safe(function: str, *args) -> int:
+    """Call one of FORK_SAFE, also in a forked child of the process that
+    loaded the library (the parent's handle; the call never enters Go), and
+    raise on a negative status."""
+    if function not in FORK_SAFE:
+        raise ValueError(f"{function} is not callable after fork()")
+    handle = _lib if _lib is not None else lib(function)
+    status = getattr(handle, function)(*args)
+    if status >= 0:
+        return status
+    msg = handle.vmmipc_last_error()  # plain C (abi.c): no Go either
+    raise _errors.error_for(status, msg.decode("utf-8", "replace") if msg else "", function)
 
 
 def last_error() -> str:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 
-from . import _errors, _mp, _reductions
+from . import _errors, _mp, _reductions, _torch_arena
 from ._mapping import confirm
 from ._torch_batch import (Batch, anchor_pending, current_batch, dump_in_batch, find_run,
                            run_anchor_of)
@@ -99,6 +99,9 @@ def reduce_storage(storage):
     (which refuses CUDA storages). Typed storages need no reducer of ours:
     torch's reduces them to their UntypedStorage."""
     own = torch_mp_reductions().reduce_storage
+    arena_args = _torch_arena.storage_args(storage)
+    if arena_args is not None:  # a DataLoader worker's CPU storage: an arena block
+        return (_torch_arena.rebuild_storage, arena_args)
     return _reduce_through("CUDA storage", storage, lambda: own(storage),
                            lambda run, b: _storage_reduction(storage, run, b))
 
@@ -179,11 +182,27 @@ def reduce_tensor(tensor):
     torch's: a receiver calls rebuild(*args)."""
     torch = torch_module()
     own = torch_mp_reductions().reduce_tensor
+    if _arena_cpu(torch, tensor):
+        # The storage is pickled on its own (the pickler's memo sends it
+        # once for all its views), and reduce_storage sends its block.
+        return (tensor_over, (tensor.untyped_storage(),) + tensor_meta(torch, tensor))
     if not plain_cuda(torch, tensor):
         return own(tensor)
     storage = tensor.untyped_storage()
     return _reduce_through("CUDA tensor", storage, lambda: own(tensor),
                            lambda run, b: _tensor_reduction(torch, tensor, storage, run, b))
+
+
+def _arena_cpu(torch, tensor) -> bool:
+    """Whether tensor crosses as an arena block: a plain CPU tensor pickled
+    by a DataLoader worker writing into an arena. A non-leaf tensor that
+    requires grad, or one with a lazy conjugate or negative bit, goes to
+    torch's reducer, which refuses or resolves it in torch's words."""
+    return (_torch_arena.writing_arena() is not None and tensor.device.type == "cpu"
+            and tensor.layout == torch.strided and not tensor.is_nested
+            and not tensor.is_quantized and not (tensor.requires_grad and not tensor.is_leaf)
+            and not tensor.is_conj() and not tensor.is_neg()
+            and tensor.untyped_storage().nbytes() > 0)
 
 
 def _tensor_reduction(torch, tensor, storage, run: RunAnchor, b: Batch):
@@ -210,9 +229,8 @@ def tensor_meta(torch, tensor) -> tuple:
         raise ValueError("cannot send a tensor with a lazy conjugate or negative bit through "
                          "vmmipc: call tensor.resolve_conj() or tensor.resolve_neg() first")
     # torch's own checks and words (named tensors: RuntimeError, "NYI: ..."):
-    # names would be lost on the way. torch 2.15 has no named tensors, nor
-    # this module.
-    named = getattr(torch, "_namedtensor_internals", None)
+    # names would be lost on the way.
+    named = getattr(torch, "_namedtensor_internals", None)  # torch 2.15 has no named tensors
     if named is not None:
         named.check_serializing_named_tensor(tensor)
     torch.utils.hooks.warn_if_has_hooks(tensor)

@@ -69,9 +69,13 @@ functions raise ImportError saying what is missing.
 
 from __future__ import annotations
 
+import os
+
 import vmmipc as _vmmipc
 
-from . import _args, _reductions, _torch_batch, _torch_received, _torch_reductions
+from . import (_args, _reductions, _torch_arena, _torch_batch, _torch_env, _torch_received,
+               _torch_reductions)
+from ._arena import Arena
 from ._torch_batch import EVENT_KEEP_SECONDS, MAX_PENDING_PICKLES, batch
 from ._torch_blob import open_tensors, share_tensors
 from ._torch_env import POSIX_FD_HANDLE, handle_type_names
@@ -113,6 +117,67 @@ def set_ordering(mode: str) -> None:
     _torch_batch.set_ordering(mode)
 
 
+class Collate:
+    """A DataLoader collate_fn (what loader_options() gives): in a worker,
+    collate_fn (None: torch's default_collate, with each tensor batch
+    stacked straight into an arena block) and every CPU tensor of the
+    result sent as an arena block; in the main process (num_workers=0),
+    collate_fn or default_collate as they are. Picklable to spawn and
+    forkserver workers (the arena's descriptor goes once per worker), where
+    unpickling it imports vmmipc.torch, which installs the reducers."""
+
+    def __init__(self, arena: Arena, collate_fn=None):
+        self.arena = arena
+        self.collate_fn = collate_fn
+
+    def __call__(self, batch):
+        torch = _torch_env.torch_module()
+        if torch.utils.data.get_worker_info() is None:
+            from torch.utils.data._utils.collate import default_collate
+            return (self.collate_fn or default_collate)(batch)
+        _torch_arena.start_writing(self.arena)
+        if self.collate_fn is not None:
+            return self.collate_fn(batch)
+        return _torch_arena.collate_in_worker(batch)
+
+
+_default_arena: list = []  # [(pid, Arena)]
+
+
+def default_arena() -> Arena:
+    """This process's arena for DataLoaders (made on first use: an unnamed
+    memfd of 32 regions of 4 GiB of address space, memory only as
+    touched), shared by every loader_options() call without arena=."""
+    if not _default_arena or _default_arena[0][0] != os.getpid():
+        _default_arena[:] = [(os.getpid(), Arena())]
+    return _default_arena[0][1]
+
+
+def loader_options(collate_fn=None, *, arena: Arena | None = None) -> dict:
+    """The one line for a DataLoader whose CPU batches cross through an
+    arena this (main) process owns, with no descriptor per batch:
+
+        loader = DataLoader(ds, batch_size=64, num_workers=4,
+                            **vmmipc.torch.loader_options())
+
+    Returns {"collate_fn": ...}: collate_fn (None: torch's default_collate,
+    stacking each tensor batch straight into an arena block) run in the
+    workers, every CPU tensor of its result sent as an arena block. Call it
+    in the main process, before the loader's workers start (the arena is
+    made here). With fork (torch's default), spawn and forkserver;
+    pin_memory and persistent_workers as they are. docs/dataloader.md has
+    the design and the limits."""
+    return {"collate_fn": Collate(arena if arena is not None else default_arena(), collate_fn)}
+
+
+def arena_info(arena: Arena | None = None) -> dict:
+    """The counters of arena (default_arena()): blocks being written, sent,
+    held by this process and free, live and carved bytes, regions owned
+    (vmmipc.h, vmmipc_arena_info), after giving back the regions of workers
+    that died."""
+    return (arena if arena is not None else default_arena()).info()
+
+
 def install() -> None:
     """Register reduce_tensor for torch.Tensor and torch.nn.Parameter and
     reduce_storage for the UntypedStorage classes torch registers, after
@@ -126,7 +191,7 @@ try:
 except ImportError:
     pass  # no torch: the functions above raise a clear ImportError when used
 
-__all__ = ["EVENT_KEEP_SECONDS", "MAX_PENDING_PICKLES", "POSIX_FD_HANDLE", "PoolInfo", "SharingPool",
+__all__ = ["Arena", "Collate", "arena_info", "default_arena", "loader_options", "EVENT_KEEP_SECONDS", "MAX_PENDING_PICKLES", "POSIX_FD_HANDLE", "PoolInfo", "SharingPool",
            "batch", "handle_type_names", "install", "is_vmm_tensor", "open_tensors",
            "reduce_storage", "reduce_tensor", "release_sharing_pool", "set_ordering",
            "set_pickle_ttl", "set_receive_device", "share_tensors", "sharing_pool",

@@ -12,6 +12,7 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 
+#include "arena_tests.h"
 #include "cache_tests.h"
 #include "contract_tests.h"
 #include "load_tests.h"
@@ -568,6 +569,7 @@ static const struct {
     {"handles_and_early_close", test_handles_and_early_close},
     {"peer_vanishes_sigpipe_default", test_peer_vanishes_sigpipe_default},
     {"fork_child_gets_efork", test_fork_child_gets_efork},
+    {"arena_across_fork", test_arena_across_fork},
     {"cuda_without_driver", test_cuda_without_driver},
     {"sender_inflight_limit", test_sender_inflight_limit},
     {"register_again", test_register_again},

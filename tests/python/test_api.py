@@ -99,6 +99,10 @@ def test_struct_layout_matches_header(tmp_path):
                               "unreferenced_bytes", "hits", "misses", "evictions",
                               "invalidations", "confirms_pending", "confirms_failed", "holds",
                               "holder_sessions"],
+        "vmmipc_arena_block": ["region", "slot", "generation", "offset", "nbytes"],
+        "vmmipc_arena_info": ["regions", "regions_owned", "slots", "region_bytes",
+                              "blocks_writing", "blocks_sent", "blocks_held", "blocks_free",
+                              "live_bytes", "carved_bytes", "takeovers"],
     }
     lines = []
     for struct, names in fields.items():
