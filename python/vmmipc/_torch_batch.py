@@ -157,6 +157,11 @@ class Batch:
         self._not_vmm: set[int] = set()  # ids of storages planned and found not VMM
         self._found: dict[int, tuple] = {}  # id(storage) -> (storage, its run anchor)
         self.args: dict[int, tuple] = {}  # id(storage) -> (storage, rebuild_storage's args)
+        self.found_vmm = False  # plan found VMM storages in the object
+        # Set when the pickle ends with the receiver's finish (dump_in_batch's
+        # wrap): every storage names it, so that the receiver's hits wait for
+        # that finish and are confirmed together.
+        self.mark = None
 
     def run_of(self, storage) -> RunAnchor | None:
         """storage's anchor as found in this batch (storages do not move
@@ -207,6 +212,7 @@ class Batch:
             run = run_anchors.attached(storage)
             if run is not None:
                 self.remember(storage, run)
+                self.found_vmm = True
                 continue
             try:
                 p = run_anchors.pending(storage)
@@ -216,6 +222,7 @@ class Batch:
                 self._not_vmm.add(id(storage))
             else:
                 pending.append(p)
+                self.found_vmm = True
         if pending:
             try:
                 run_anchors.plan(pending)
@@ -329,11 +336,16 @@ def run_anchor_of(storage, b: Batch | None) -> RunAnchor | None:
 # ---------------------------------------------------- one pickle, one batch
 
 
-def dump_in_batch(pickler_dump):
+def dump_in_batch(pickler_dump, wrap=None):
     """Wrap ForkingPickler.dump so that each pickle is one batch, planned
-    from the object being pickled (vmmipc.torch's Reductions.dump)."""
+    from the object being pickled (vmmipc.torch's Reductions.dump). A
+    pickle whose plan found VMM storages dumps wrap(obj, batch) instead
+    (the receiver's hits then wait for its end and are confirmed
+    together); the others are pickled as they are."""
     def dump(self, obj):
-        with batch(obj):
+        with batch(obj) as b:
+            if wrap is not None and b.found_vmm:
+                obj = wrap(obj, b)
             return pickler_dump(self, obj)
     dump.__wrapped__ = pickler_dump
     dump.__doc__ = pickler_dump.__doc__

@@ -2,9 +2,11 @@
 ZMQ, Ray): share_tensors and open_tensors side by side.
 
 A blob is BLOB_MAGIC, then a pickle of (kind, names, tensors) whose tensors
-are reduced by reduce_tensor (_torch_reductions), as one batch. Opening one
-admits nothing but calls of the two rebuild functions, Ticket, torch's
-tensor classes and dtypes, so a blob from the network runs no other code.
+are reduced by reduce_tensor (_torch_reductions), as one batch, ending with
+finish_load (the receiver's hits confirmed together). Opening one admits
+nothing but calls of the two rebuild functions, LoadUses and finish_load,
+Ticket, torch's tensor classes and dtypes, so a blob from the network runs
+no other code.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from . import _errors
 from ._ticket import Ticket
 from ._torch_batch import batch, run_anchor_of
 from ._torch_env import plain_cuda, torch_module
-from ._torch_received import receiving_on
-from ._torch_reductions import rebuild_storage, rebuild_tensor, reduce_storage, reduce_tensor
+from ._torch_received import LoadUses, finish_load, receiving_on
+from ._torch_reductions import (finished, rebuild_storage, rebuild_tensor, reduce_storage,
+                                reduce_tensor)
 
 BLOB_MAGIC = b"vmmipc.torch/1\n"  # then a pickle _BlobUnpickler reads
 
@@ -71,18 +74,19 @@ def share_tensors(named_tensors) -> bytes:
         buf = io.BytesIO()
         buf.write(BLOB_MAGIC)
         _PlainPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(
-            (kind, [name for name, _ in items], tensors))
+            finished((kind, [name for name, _ in items], tensors), b))
         return buf.getvalue()
 
 
 class _BlobUnpickler(pickle.Unpickler):
     """share_tensors' blob holds plain data and calls of our two rebuild
-    functions only: anything else is refused, so opening a blob from the
+    functions, LoadUses and finish_load only: anything else is refused, so opening a blob from the
     network runs no other code."""
 
     _CLASSES = {("torch", "Tensor"), ("torch._tensor", "Tensor"),
                 ("torch.nn.parameter", "Parameter")}
-    _REBUILDERS = {(f.__module__, f.__name__): f for f in (rebuild_storage, rebuild_tensor)}
+    _REBUILDERS = {(f.__module__, f.__name__): f
+                   for f in (rebuild_storage, rebuild_tensor, finish_load, LoadUses)}
 
     def find_class(self, module, name):
         rebuild = self._REBUILDERS.get((module, name))
