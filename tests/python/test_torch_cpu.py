@@ -1285,3 +1285,43 @@ def test_a_pickle_without_vmm_storages_is_not_wrapped():
     assert b"finish_load" not in data and b"LoadUses" not in data
     got = ForkingPickler.loads(data)
     assert torch.equal(got["t"], sent["t"]) and got["x"] == [1, "two"]
+
+
+def test_a_loads_hits_are_one_confirm_many_of_the_library(monkeypatch):
+    """LoadUses.finish against libvmmipc itself (host memory, this process
+    its own receiver): 3 held grants of one anchor spent together and held
+    until their storages die; with one grant ended, finish raises the
+    library's NotFoundError and holds none of the load's uses."""
+    import fcntl
+    for name in ("spent", "holds", "confirming"):
+        monkeypatch.setattr(_torch_received, name, type(getattr(_torch_received, name))())
+    fd = os.memfd_create("test-load-uses", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, 1 << 20)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    anchor = vmmipc.register_host_file(fd, 1 << 20, 1 << 20, uses=0)
+    os.close(fd)
+    try:
+        for refused in (None, 1):
+            ended = [threading.Event() for _ in range(3)]
+            grants = [vmmipc.register_again(anchor, uses=1, hold=True, release=e.set)
+                      for e in ended]
+            if refused is not None:
+                vmmipc.unregister(grants[refused])
+            before = vmmipc.cache_info().holds
+            load = _torch_received.LoadUses()
+            storages = [Storage(i, 64, Device("cuda", None)) for i in range(6)]
+            for i, storage in enumerate(storages):
+                assert load.defer(grants[i % 3], storage, 0, None, None)
+            if refused is None:
+                _torch_received.finish_load(storages, load)
+                assert vmmipc.cache_info().holds == before + 3
+                assert not any(e.wait(0.3) for e in ended), "released while held"
+            else:
+                with pytest.raises(vmmipc.NotFoundError, match="unregistered"):
+                    _torch_received.finish_load(storages, load)
+            del storages, storage
+            gc.collect()
+            assert all(e.wait(10) for e in ended), "a use was still held"
+            assert _torch_received.holds.held() == 0
+    finally:
+        vmmipc.unregister(anchor)
