@@ -9,8 +9,9 @@ so does each share_tensors call; `with batch():` makes one around code that
 calls reduce_tensor itself. A batch
 
   - plans anchors first, for every CUDA tensor and storage it can find in
-    the object (dicts, lists and tuples, nested): storages sent together are
-    registered together, one anchor per run of chunks (_torch_runs);
+    the object (dicts, lists, tuples and modules, nested): storages sent
+    together are registered together, one anchor per run of chunks
+    (_torch_runs);
   - makes ONE grant per anchor it uses (vmmipc.register_again, uses=1,
     hold=True), which keeps every storage of that anchor in this batch
     alive, out of torch's allocator's reach, until the receiver has let go
@@ -249,8 +250,8 @@ def current_batch() -> Batch | None:
 def batch(obj=None):
     """Share everything reduced inside as one pickle: one grant per anchor,
     one event per device. obj (optional): what will be reduced, so that its
-    storages are anchored together up front (dicts, lists and tuples of
-    tensors are searched). If the block raises, its pickle is taken as
+    storages are anchored together up front (dicts, lists, tuples and
+    modules are searched). If the block raises, its pickle is taken as
     lost: the grants it made end."""
     b = Batch()
     if obj is not None and b.where is None:  # never register for a forked child
@@ -271,8 +272,8 @@ _MAX_VISIT = 1 << 16  # objects one plan looks at, at most
 
 def _storages_in(obj):
     """The untyped storages of plain CUDA tensors and storages in obj,
-    searched through dicts, lists and tuples (a state dict, a list of
-    (name, tensor) pairs), each once."""
+    searched through dicts, lists, tuples and modules (a state dict, a list
+    of (name, tensor) pairs, a model), each once."""
     torch = torch_module()
     seen: set[int] = set()
     todo = [obj]
@@ -294,6 +295,10 @@ def _storages_in(obj):
             todo.extend(o.values())
         elif isinstance(o, (list, tuple)):
             todo.extend(o)
+        elif isinstance(o, torch.nn.Module):  # q.put(model): its parameters and buffers
+            todo.extend(o.parameters(recurse=False))
+            todo.extend(o.buffers(recurse=False))
+            todo.extend(o.children())
 
 
 # ------------------------------------------------------------ anchor lookup

@@ -1325,3 +1325,16 @@ def test_a_loads_hits_are_one_confirm_many_of_the_library(monkeypatch):
             assert _torch_received.holds.held() == 0
     finally:
         vmmipc.unregister(anchor)
+
+
+@needs_torch
+def test_a_batch_plans_the_storages_of_a_module(monkeypatch):
+    """q.put(model): a batch's plan finds a module's parameters and buffers,
+    its submodules' included (so they are anchored together and the pickle
+    ends with finish_load)."""
+    import torch
+    monkeypatch.setattr(_torch_batch, "plain_cuda", lambda torch, t: True)  # CPU stands in
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3))
+    found = {id(s) for s in _torch_batch._storages_in({"model": model})}
+    want = {id(t.untyped_storage()) for t in list(model.parameters()) + list(model.buffers())}
+    assert found == want and len(want) == 7
