@@ -86,9 +86,20 @@ class _BlobUnpickler(pickle.Unpickler):
     _CLASSES = {("torch", "Tensor"), ("torch._tensor", "Tensor"),
                 ("torch.nn.parameter", "Parameter")}
     _REBUILDERS = {(f.__module__, f.__name__): f
-                   for f in (rebuild_storage, rebuild_tensor, finish_load, LoadUses)}
+                   for f in (rebuild_storage, rebuild_tensor, finish_load)}
+
+    def __init__(self, file):
+        super().__init__(file)
+        self.loads: list = []  # the LoadUses made: each must be finished by the blob's end
+
+    def _load_uses(self):
+        load = LoadUses()
+        self.loads.append(load)
+        return load
 
     def find_class(self, module, name):
+        if (module, name) == (LoadUses.__module__, LoadUses.__name__):
+            return self._load_uses
         rebuild = self._REBUILDERS.get((module, name))
         if rebuild is not None:
             return rebuild
@@ -115,6 +126,14 @@ def open_tensors(blob: bytes, device: int | None = None):
         raise ValueError("not a vmmipc.torch blob (share_tensors makes them; this one has "
                          f"another header: {blob[:16]!r})")
     with receiving_on(device, "vmmipc.torch.open_tensors"):
-        kind, names, tensors = _BlobUnpickler(io.BytesIO(blob[len(BLOB_MAGIC):])).load()
+        unpickler = _BlobUnpickler(io.BytesIO(blob[len(BLOB_MAGIC):]))
+        kind, names, tensors = unpickler.load()
+    if not all(load.finished for load in unpickler.loads):
+        # Its hits were never confirmed: nothing checked their tickets or
+        # holds their memory (the storages go with this error).
+        raise _errors.InvalidError(
+            "open_tensors: the blob does not end with the finish its storages name, so they "
+            "were never confirmed with their sender: the blob is damaged or not from "
+            "share_tensors", _errors.EINVAL, "vmmipc.torch.open_tensors")
     pairs = list(zip(names, tensors))
     return dict(pairs) if kind == "dict" else pairs

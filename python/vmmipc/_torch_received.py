@@ -443,6 +443,10 @@ class LoadUses:
         self._hits: dict = {}  # ticket -> [exporter device, event, target, [(storage, device)]]
         self._finished = False
 
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
     def defer(self, ticket, storage, exporter_device, event_handle, target) -> bool:
         """Keep storage for finish (True), or False once finished (a
         storage unpickled after finish_load ran: it is confirmed alone)."""

@@ -1028,7 +1028,9 @@ class _BatchPickler:
     def __init__(self, anchors, event=None):
         self.anchors, self.event = anchors, event
 
-    def dumps(self, obj, wrap=True) -> bytes:
+    def dumps(self, obj, wrap=True, finish=True) -> bytes:
+        """finish=False: the storages name the batch's load, but the
+        pickle does not end with finish_load (a damaged blob)."""
         import io
         import pickle
         anchors, event = self.anchors, self.event
@@ -1043,8 +1045,8 @@ class _BatchPickler:
         with _torch_batch.batch() as b:
             b._events[0] = event
             buf = io.BytesIO()
-            Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(
-                _torch_reductions.finished(obj, b) if wrap else obj)
+            wrapped = _torch_reductions.finished(obj, b) if wrap else obj
+            Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(wrapped if finish else obj)
             return buf.getvalue()
 
 
@@ -1338,3 +1340,18 @@ def test_a_batch_plans_the_storages_of_a_module(monkeypatch):
     found = {id(s) for s in _torch_batch._storages_in({"model": model})}
     want = {id(t.untyped_storage()) for t in list(model.parameters()) + list(model.buffers())}
     assert found == want and len(want) == 7
+
+
+def test_a_blob_whose_hits_are_never_finished_is_refused(fake, monkeypatch):
+    """A blob whose storages name a load but which does not end with
+    finish_load (damaged, or made to skip the check): its hits were never
+    confirmed with the sender, so open_tensors refuses it, holding nothing."""
+    anchors, storages = three_runs(fake, per_run=1)
+    r = FakeReceiver(monkeypatch, imported=False)
+    blob = _torch_blob.BLOB_MAGIC + _BatchPickler(anchors).dumps(
+        ("list", ["a", "b", "c"], storages), finish=False)
+    assert b"LoadUses" in blob and b"finish_load" not in blob
+    with pytest.raises(vmmipc.InvalidError, match="does not end with the finish"):
+        vt.open_tensors(blob)
+    gc.collect()
+    assert r.many == [] and r.confirmed == [] and _torch_reductions.holds.held() == 0
