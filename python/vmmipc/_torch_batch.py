@@ -9,8 +9,9 @@ so does each share_tensors call; `with batch():` makes one around code that
 calls reduce_tensor itself. A batch
 
   - plans anchors first, for every CUDA tensor and storage it can find in
-    the object (dicts, lists and tuples, nested): storages sent together are
-    registered together, one anchor per run of chunks (_torch_runs);
+    the object (dicts, lists, tuples and modules, nested): storages sent
+    together are registered together, one anchor per run of chunks
+    (_torch_runs);
   - makes ONE grant per anchor it uses (vmmipc.register_again, uses=1,
     hold=True), which keeps every storage of that anchor in this batch
     alive, out of torch's allocator's reach, until the receiver has let go
@@ -157,6 +158,11 @@ class Batch:
         self._not_vmm: set[int] = set()  # ids of storages planned and found not VMM
         self._found: dict[int, tuple] = {}  # id(storage) -> (storage, its run anchor)
         self.args: dict[int, tuple] = {}  # id(storage) -> (storage, rebuild_storage's args)
+        self.found_vmm = False  # plan found VMM storages in the object
+        # Set when the pickle ends with the receiver's finish (dump_in_batch's
+        # wrap): every storage names it, so that the receiver's hits wait for
+        # that finish and are confirmed together.
+        self.mark = None
 
     def run_of(self, storage) -> RunAnchor | None:
         """storage's anchor as found in this batch (storages do not move
@@ -207,6 +213,7 @@ class Batch:
             run = run_anchors.attached(storage)
             if run is not None:
                 self.remember(storage, run)
+                self.found_vmm = True
                 continue
             try:
                 p = run_anchors.pending(storage)
@@ -216,6 +223,7 @@ class Batch:
                 self._not_vmm.add(id(storage))
             else:
                 pending.append(p)
+                self.found_vmm = True
         if pending:
             try:
                 run_anchors.plan(pending)
@@ -242,8 +250,8 @@ def current_batch() -> Batch | None:
 def batch(obj=None):
     """Share everything reduced inside as one pickle: one grant per anchor,
     one event per device. obj (optional): what will be reduced, so that its
-    storages are anchored together up front (dicts, lists and tuples of
-    tensors are searched). If the block raises, its pickle is taken as
+    storages are anchored together up front (dicts, lists, tuples and
+    modules are searched). If the block raises, its pickle is taken as
     lost: the grants it made end."""
     b = Batch()
     if obj is not None and b.where is None:  # never register for a forked child
@@ -264,8 +272,8 @@ _MAX_VISIT = 1 << 16  # objects one plan looks at, at most
 
 def _storages_in(obj):
     """The untyped storages of plain CUDA tensors and storages in obj,
-    searched through dicts, lists and tuples (a state dict, a list of
-    (name, tensor) pairs), each once."""
+    searched through dicts, lists, tuples and modules (a state dict, a list
+    of (name, tensor) pairs, a model), each once."""
     torch = torch_module()
     seen: set[int] = set()
     todo = [obj]
@@ -287,6 +295,10 @@ def _storages_in(obj):
             todo.extend(o.values())
         elif isinstance(o, (list, tuple)):
             todo.extend(o)
+        elif isinstance(o, torch.nn.Module):  # q.put(model): its parameters and buffers
+            todo.extend(o.parameters(recurse=False))
+            todo.extend(o.buffers(recurse=False))
+            todo.extend(o.children())
 
 
 # ------------------------------------------------------------ anchor lookup
@@ -329,11 +341,16 @@ def run_anchor_of(storage, b: Batch | None) -> RunAnchor | None:
 # ---------------------------------------------------- one pickle, one batch
 
 
-def dump_in_batch(pickler_dump):
+def dump_in_batch(pickler_dump, wrap=None):
     """Wrap ForkingPickler.dump so that each pickle is one batch, planned
-    from the object being pickled (vmmipc.torch's Reductions.dump)."""
+    from the object being pickled (vmmipc.torch's Reductions.dump). A
+    pickle whose plan found VMM storages dumps wrap(obj, batch) instead
+    (the receiver's hits then wait for its end and are confirmed
+    together); the others are pickled as they are."""
     def dump(self, obj):
-        with batch(obj):
+        with batch(obj) as b:
+            if wrap is not None and b.found_vmm:
+                obj = wrap(obj, b)
             return pickler_dump(self, obj)
     dump.__wrapped__ = pickler_dump
     dump.__doc__ = pickler_dump.__doc__

@@ -2,9 +2,11 @@
 ZMQ, Ray): share_tensors and open_tensors side by side.
 
 A blob is BLOB_MAGIC, then a pickle of (kind, names, tensors) whose tensors
-are reduced by reduce_tensor (_torch_reductions), as one batch. Opening one
-admits nothing but calls of the two rebuild functions, Ticket, torch's
-tensor classes and dtypes, so a blob from the network runs no other code.
+are reduced by reduce_tensor (_torch_reductions), as one batch, ending with
+finish_load (the receiver's hits confirmed together). Opening one admits
+nothing but calls of the two rebuild functions, LoadUses and finish_load,
+Ticket, torch's tensor classes and dtypes, so a blob from the network runs
+no other code.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from . import _errors
 from ._ticket import Ticket
 from ._torch_batch import batch, run_anchor_of
 from ._torch_env import plain_cuda, torch_module
-from ._torch_received import receiving_on
-from ._torch_reductions import rebuild_storage, rebuild_tensor, reduce_storage, reduce_tensor
+from ._torch_received import LoadUses, finish_load, receiving_on
+from ._torch_reductions import (finished, rebuild_storage, rebuild_tensor, reduce_storage,
+                                reduce_tensor)
 
 BLOB_MAGIC = b"vmmipc.torch/1\n"  # then a pickle _BlobUnpickler reads
 
@@ -71,20 +74,32 @@ def share_tensors(named_tensors) -> bytes:
         buf = io.BytesIO()
         buf.write(BLOB_MAGIC)
         _PlainPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(
-            (kind, [name for name, _ in items], tensors))
+            finished((kind, [name for name, _ in items], tensors), b))
         return buf.getvalue()
 
 
 class _BlobUnpickler(pickle.Unpickler):
     """share_tensors' blob holds plain data and calls of our two rebuild
-    functions only: anything else is refused, so opening a blob from the
+    functions, LoadUses and finish_load only: anything else is refused, so opening a blob from the
     network runs no other code."""
 
     _CLASSES = {("torch", "Tensor"), ("torch._tensor", "Tensor"),
                 ("torch.nn.parameter", "Parameter")}
-    _REBUILDERS = {(f.__module__, f.__name__): f for f in (rebuild_storage, rebuild_tensor)}
+    _REBUILDERS = {(f.__module__, f.__name__): f
+                   for f in (rebuild_storage, rebuild_tensor, finish_load)}
+
+    def __init__(self, file):
+        super().__init__(file)
+        self.loads: list = []  # the LoadUses made: each must be finished by the blob's end
+
+    def _load_uses(self):
+        load = LoadUses()
+        self.loads.append(load)
+        return load
 
     def find_class(self, module, name):
+        if (module, name) == (LoadUses.__module__, LoadUses.__name__):
+            return self._load_uses
         rebuild = self._REBUILDERS.get((module, name))
         if rebuild is not None:
             return rebuild
@@ -111,6 +126,14 @@ def open_tensors(blob: bytes, device: int | None = None):
         raise ValueError("not a vmmipc.torch blob (share_tensors makes them; this one has "
                          f"another header: {blob[:16]!r})")
     with receiving_on(device, "vmmipc.torch.open_tensors"):
-        kind, names, tensors = _BlobUnpickler(io.BytesIO(blob[len(BLOB_MAGIC):])).load()
+        unpickler = _BlobUnpickler(io.BytesIO(blob[len(BLOB_MAGIC):]))
+        kind, names, tensors = unpickler.load()
+    if not all(load.finished for load in unpickler.loads):
+        # Its hits were never confirmed: nothing checked their tickets or
+        # holds their memory (the storages go with this error).
+        raise _errors.InvalidError(
+            "open_tensors: the blob does not end with the finish its storages name, so they "
+            "were never confirmed with their sender: the blob is damaged or not from "
+            "share_tensors", _errors.EINVAL, "vmmipc.torch.open_tensors")
     pairs = list(zip(names, tensors))
     return dict(pairs) if kind == "dict" else pairs

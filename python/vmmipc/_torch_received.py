@@ -10,9 +10,14 @@ __cuda_array_interface__). Each ticket (one grant per anchor per pickle)
 spends its use once, and holds it: the first storage of a run not mapped
 here imports the run with it (vmmipc.import_stream(hold=True): streamed on
 a miss, from the import cache on a hit); a ticket whose run is mapped here
-already is confirmed (vmmipc.confirm(hold=True): one short session, held
-on this process's lease at the sender and answered before it returns, no
-driver call). `spent` remembers which tickets have been.
+already is a *hit*: its use is spent without receiving anything. A pickle
+of a batch ends with finish_load, and its hits wait for it (LoadUses): all
+of them are confirmed together, vmmipc.confirm_many(hold=True) (one short
+session per exporter, held on this process's lease at the sender and
+answered before it returns, no driver call), before the object reaches
+its user. A storage reduced outside a batch is confirmed alone
+(vmmipc.confirm(hold=True)). `spent` remembers which tickets have been,
+and `confirming` which are being confirmed by another thread's load.
 
 The lifetime rule (torch.multiprocessing's): the sender keeps every storage
 of a grant alive, out of its allocator's reach, while this process holds
@@ -42,7 +47,7 @@ import weakref
 
 from . import _args, _errors, _lib
 from ._anchor import after_fork, reaper
-from ._mapping import import_stream, release
+from ._mapping import confirm_many, import_stream, release
 from ._ticket import Ticket
 from ._torch_env import torch_module
 
@@ -284,16 +289,57 @@ def _release_quietly(ticket) -> None:
         pass  # not held (an old sender's grant), or its sender has gone: nothing held
 
 
+class Confirming:
+    """Tickets a load is confirming now, and what came of it: a ticket is
+    spent by one load (the first to mark it in `spent`); another thread's
+    load of the same pickle waits here for that load's answer instead of
+    believing a hold not granted yet. A load publishes its answers before
+    it waits on anybody else's, so two loads never wait on each other."""
+
+    def __init__(self):  # also after fork, in place
+        self._lock = threading.Lock()
+        self._flight: dict = {}  # ticket -> [threading.Event, the error or None]
+
+    def claim(self, tickets, spent_tickets: SpentTickets) -> list:
+        """The tickets whose use was not spent here before, marked spent
+        and in flight (in one step, so that a load that finds one spent
+        finds it in flight too until its answer came)."""
+        with self._lock:
+            owned = [t for t in tickets if spent_tickets.add(t)]
+            for t in owned:
+                self._flight[t] = [threading.Event(), None]
+            return owned
+
+    def done(self, tickets, errors) -> None:
+        with self._lock:
+            entries = [self._flight.pop(t, None) for t in tickets]
+        for entry, error in zip(entries, errors):
+            if entry is not None:
+                entry[1] = error
+                entry[0].set()
+
+    def wait(self, ticket):
+        """None once ticket's use is held here (or was never in flight),
+        else the error its load got."""
+        with self._lock:
+            entry = self._flight.get(ticket)
+        if entry is None:
+            return None
+        entry[0].wait()
+        return entry[1]
+
+
 mapped_runs = WeakTable()  # (anchor id, target) -> MappedRun
 received = WeakTable()     # (anchor id, offset, nbytes, target) -> torch storage
 spent = SpentTickets()
 holds = Holds()
+confirming = Confirming()
 
 
 def _reset_after_fork() -> None:
     # Other modules hold these objects under their own names: each starts
     # afresh in place.
-    for table in (mapped_runs, received, spent, holds):
+    for table in (mapped_runs, received, spent, holds, confirming):
         table.__init__()
 
 
@@ -377,3 +423,94 @@ def wait_event(storage, ticket, exporter_device, event_handle, target) -> None:
             "container). Have the sender call vmmipc.torch.set_ordering('sync') (the default "
             "when VMMIPC_SOCKET_DIR is set), or share /dev/shm (--ipc=host, one pod)") from e
     torch.cuda.current_stream(storage.device).wait_event(event)
+
+
+# ------------------------------------------------ one load's hits, together
+
+
+class LoadUses:
+    """The hits of one load of a batch's pickle: tickets whose run is mapped
+    here already, with their storages, waiting for finish_load to spend
+    them together. The sender's pickle names one mark that unpickles to
+    this class, and the unpickler's memo makes one object of it per load:
+    two threads loading one pickle, or one pickle loaded twice, never share
+    one. A load that fails before finish_load spent nothing and holds
+    nothing (its storages die with it)."""
+
+    __slots__ = ("_hits", "_finished")
+
+    def __init__(self):
+        self._hits: dict = {}  # ticket -> [exporter device, event, target, [(storage, device)]]
+        self._finished = False
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    def defer(self, ticket, storage, exporter_device, event_handle, target) -> bool:
+        """Keep storage for finish (True), or False once finished (a
+        storage unpickled after finish_load ran: it is confirmed alone)."""
+        if self._finished:
+            return False
+        entry = self._hits.get(ticket)
+        if entry is None:
+            entry = self._hits[ticket] = [exporter_device, event_handle, target, []]
+        entry[3].append((storage, storage.device.index))
+        return True
+
+    def finish(self) -> None:
+        """Spend this load's hits with one confirm_many (one session per
+        exporter), wait on their events, and attach the storages to their
+        held tickets. On a refusal let go of every use this load held and
+        raise the error confirm would have raised: nothing stays held or
+        pending."""
+        hits, self._hits, self._finished = self._hits, {}, True
+        if not hits:
+            return
+        owned = confirming.claim(hits, spent)  # the others: spent before, or in flight
+        errors: list = [None] * len(owned)
+        try:
+            if owned:
+                errors = confirm_many(owned, hold=True)
+        except BaseException as e:  # raised only for bad arguments: nothing was spent
+            errors = [e] * len(owned)
+        finally:
+            for t, error in zip(owned, errors):
+                if error is not None:
+                    spent.forget(t)
+            confirming.done(owned, errors)
+        held = {t for t, error in zip(owned, errors) if error is None}
+        try:
+            for error in errors:
+                if error is not None:
+                    raise error
+            for t in held:
+                exporter_device, event_handle, target, storages = hits[t]
+                if event_handle is not None:  # None: the sender synchronized instead
+                    wait_event(storages[0][0], t, exporter_device, event_handle, target)
+            for t in hits:
+                if t not in held:
+                    error = confirming.wait(t)
+                    if error is not None:
+                        raise error
+                    for storage, device in hits[t][3]:  # NotFoundError: let go of before
+                        holds.attach(storage, t, device)
+        except BaseException:
+            for t in held:  # spent and held, and no storage will let go of it
+                holds.let_go(t)
+            raise
+        for t in held:
+            for storage, device in hits[t][3]:
+                holds.attach(storage, t, device)
+
+
+def finish_load(obj, load):
+    """The last call of a batch's pickle, after every storage was rebuilt:
+    spend the load's hits together (LoadUses.finish) and return obj."""
+    if not isinstance(load, LoadUses):
+        raise _errors.InvalidError(
+            f"vmmipc.torch: a pickle's finish names a {type(load).__name__}, not the load it "
+            "began: the pickle is damaged or not from vmmipc.torch", _errors.EINVAL,
+            "vmmipc.torch")
+    load.finish()
+    return obj

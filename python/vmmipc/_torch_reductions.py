@@ -27,8 +27,8 @@ from ._mapping import confirm
 from ._torch_batch import (Batch, anchor_pending, current_batch, dump_in_batch, find_run,
                            run_anchor_of)
 from ._torch_env import plain_cuda, torch_module, torch_mp_reductions
-from ._torch_received import (holds, map_run, receive_device, received, spent, storage_over,
-                              wait_event)
+from ._torch_received import (LoadUses, finish_load, holds, map_run, receive_device, received,
+                              spent, storage_over, wait_event)
 from ._torch_runs import RunAnchor, run_anchors
 
 
@@ -43,7 +43,40 @@ def reductions() -> _reductions.Reductions:
     pairs = [(torch.Tensor, reduce_tensor), (torch.nn.Parameter, reduce_tensor)]
     pairs += [(cls, reduce_storage) for cls in torch._storage_classes
               if cls.__name__ == "UntypedStorage"]
-    return _reductions.Reductions(forking=tuple(pairs), dump=dump_in_batch)
+    return _reductions.Reductions(forking=tuple(pairs), dump=_dump_in_batch)
+
+
+def _dump_in_batch(pickler_dump):
+    return dump_in_batch(pickler_dump, finished)
+
+
+class _LoadMark:
+    """A batch's mark, named by each storage it sends and by its pickle's
+    last call: it unpickles to one LoadUses per load (the memo)."""
+    __slots__ = ()
+
+    def __reduce__(self):
+        return (LoadUses, ())
+
+
+class _Finished:
+    """What a batch's pickle is made of: obj, then finish_load(obj, mark),
+    which runs after every storage in obj was rebuilt and spends the load's
+    hits together."""
+    __slots__ = ("obj", "mark")
+
+    def __init__(self, obj, mark):
+        self.obj, self.mark = obj, mark
+
+    def __reduce__(self):
+        return (finish_load, (self.obj, self.mark))
+
+
+def finished(obj, b: Batch):
+    """obj, to be pickled as batch b, wrapped so that its receiver spends
+    its hits together once it is rebuilt (b's storages name b's mark)."""
+    b.mark = _LoadMark()
+    return _Finished(obj, b.mark)
 
 
 # ---------------------------------------------------------- route by memory
@@ -129,16 +162,25 @@ def _storage_args(storage, run: RunAnchor, b: Batch) -> tuple:
     device = storage.device.index
     args = (ticket, run.id, storage.data_ptr() - run.base, storage.nbytes(), device,
             b.event(device))
+    if b.mark is not None:  # the pickle ends with finish_load: its hits wait for it
+        args += (b.mark,)
     b.args[id(storage)] = (storage, args)
     return args
 
 
-def rebuild_storage(ticket, anchor_id, offset, nbytes, exporter_device, event_handle):
+def rebuild_storage(ticket, anchor_id, offset, nbytes, exporter_device, event_handle,
+                    load=None):
     """Unpickling side of a VMM storage: the storage received here already
     at that place while it lives, else a view of the run mapped here (the
     run imported with ticket when it is not). A ticket's use is spent once:
-    by the import, or else confirmed; its event waited on once; and held
-    while a storage whose newest ticket it is lives (_torch_received)."""
+    by the import, or else confirmed (with the load's other hits, by
+    finish_load, when the pickle names a load); its event waited on once;
+    and held while a storage whose newest ticket it is lives
+    (_torch_received)."""
+    if load is not None and not isinstance(load, LoadUses):
+        raise _errors.InvalidError(
+            f"vmmipc.torch: a received storage names a {type(load).__name__} as its load: the "
+            "pickle is damaged or not from vmmipc.torch", _errors.EINVAL, "vmmipc.torch")
     target = receive_device()
     key = (anchor_id, offset, nbytes, target)
     storage = received.get(key)
@@ -153,6 +195,9 @@ def rebuild_storage(ticket, anchor_id, offset, nbytes, exporter_device, event_ha
             if imported:  # the import held the use, and no storage will
                 holds.let_go(ticket)
             raise
+    if (not imported and load is not None
+            and load.defer(ticket, storage, exporter_device, event_handle, target)):
+        return storage  # a hit: finish_load spends it with the load's others
     if spent.add(ticket):  # the first storage of this ticket here
         held = imported
         try:

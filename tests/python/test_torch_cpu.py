@@ -831,16 +831,29 @@ class FakeReceiver:
     (events: both, in order)."""
 
     def __init__(self, monkeypatch, imported=True, event_fails=False):
+        """imported: True (every map_run imports the run), False (every run
+        is mapped here already), or "first" (a run is imported the first
+        time, then found mapped)."""
         self.confirmed, self.released, self.events = [], [], []
+        self.many = []         # the tickets of each confirm_many call
+        self.imports = []      # the tickets map_run imported a run with
+        self.refuse = set()    # tickets confirm_many refuses (NotFoundError)
+        self.waited = []       # tickets whose event was waited on
+        self.mapped = set()    # anchor ids of runs mapped here (imported="first")
         self.imported, self.event_fails = imported, event_fails
-        for name, value in (("received", _torch_received.WeakTable()),
-                            ("spent", _torch_received.SpentTickets()),
-                            ("holds", _torch_received.Holds()),
-                            ("receive_device", lambda: None),
-                            ("torch_module", lambda: self),
-                            ("map_run", self.map_run), ("storage_over", self.storage_over),
-                            ("confirm", self.confirm), ("wait_event", self.wait_event)):
+        tables = (("received", _torch_received.WeakTable()),
+                  ("spent", _torch_received.SpentTickets()),
+                  ("holds", _torch_received.Holds()))
+        for name, value in tables + (("receive_device", lambda: None),
+                                     ("torch_module", lambda: self),
+                                     ("map_run", self.map_run),
+                                     ("storage_over", self.storage_over),
+                                     ("confirm", self.confirm), ("wait_event", self.wait_event)):
             monkeypatch.setattr(_torch_reductions, name, value)
+        for name, value in tables + (("confirming", _torch_received.Confirming()),
+                                     ("confirm_many", self.confirm_many),
+                                     ("wait_event", self.wait_event)):
+            monkeypatch.setattr(_torch_received, name, value)
         monkeypatch.setattr(_torch_received, "release", self.release)
         monkeypatch.setattr(_torch_received, "torch_module", lambda: self)
         self.cuda = self
@@ -856,7 +869,13 @@ class FakeReceiver:
         pass
 
     def map_run(self, torch, ticket, anchor_id, target):
-        return "run", self.imported
+        imported = self.imported
+        if imported == "first":
+            imported = anchor_id not in self.mapped
+            self.mapped.add(anchor_id)
+        if imported:
+            self.imports.append(ticket)
+        return "run", imported
 
     def storage_over(self, torch, run, offset, nbytes):
         return Storage(BASE + offset, nbytes)
@@ -865,7 +884,14 @@ class FakeReceiver:
         assert hold
         self.confirmed.append(ticket)
 
+    def confirm_many(self, tickets, hold=False):
+        assert hold
+        self.many.append(list(tickets))
+        return [vmmipc.NotFoundError("it ended", vmmipc.ENOENT, "vmmipc_confirm_many")
+                if t in self.refuse else None for t in tickets]
+
     def wait_event(self, storage, ticket, exporter_device, event_handle, target):
+        self.waited.append(ticket)
         if self.event_fails:
             raise RuntimeError("cannot open the sender's CUDA event")
 
@@ -989,3 +1015,343 @@ def test_a_storage_refused_after_its_run_was_imported_lets_go_of_the_hold(monkey
     with pytest.raises(vmmipc.InvalidError, match="outside its run"):
         _torch_reductions.rebuild_storage("g1", ("sender", 1), 1 << 40, 64, 0, None)
     assert r.released == ["g1"]
+
+
+# ------------------------------------------- one pickle's hits, together
+
+
+class _BatchPickler:
+    """Pickles as a batch's ForkingPickler.dump does, without torch: Storage
+    stand-ins through _storage_args (rebuild_storage's arguments), the
+    object wrapped by finished() unless wrap is False."""
+
+    def __init__(self, anchors, event=None):
+        self.anchors, self.event = anchors, event
+
+    def dumps(self, obj, wrap=True, finish=True) -> bytes:
+        """finish=False: the storages name the batch's load, but the
+        pickle does not end with finish_load (a damaged blob)."""
+        import io
+        import pickle
+        anchors, event = self.anchors, self.event
+
+        class Pickler(pickle.Pickler):
+            def reducer_override(self, o):
+                if isinstance(o, Storage):
+                    return (_torch_reductions.rebuild_storage,
+                            _torch_reductions._storage_args(o, anchors.attached(o), b))
+                return NotImplemented
+
+        with _torch_batch.batch() as b:
+            b._events[0] = event
+            buf = io.BytesIO()
+            wrapped = _torch_reductions.finished(obj, b) if wrap else obj
+            Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(wrapped if finish else obj)
+            return buf.getvalue()
+
+
+RUN_BASES = (BASE + (600 << 20), BASE + (700 << 20), BASE + (800 << 20))
+
+
+def three_runs(fake, per_run=4):
+    """per_run storages in each of 3 runs (chunks far apart), planned."""
+    anchors = _torch_runs.run_anchors
+    storages = [Storage(base + i * (1 << 20), 1 << 20) for base in RUN_BASES
+                for i in range(per_run)]
+    plan(anchors, *storages)
+    assert len({id(anchors.attached(s)) for s in storages}) == 3
+    return anchors, storages
+
+
+def test_a_resent_pickle_spends_its_hits_with_one_confirm_many(fake, monkeypatch):
+    """The first load imports each of the 3 runs (a miss streams, one
+    import per run) and confirms nothing; the same 12 storages sent again
+    are all hits, spent by ONE confirm_many of the pickle's 3 tickets (not
+    one confirm per run), before loads returns; the new tickets take over
+    the storages and the first load's are let go of."""
+    import pickle
+    anchors, storages = three_runs(fake)
+    r = FakeReceiver(monkeypatch, imported="first")
+    sender = _BatchPickler(anchors, event=b"event")
+    first = pickle.loads(sender.dumps({"w": storages[:6], "b": tuple(storages[6:])}))
+    granted = [t for t, *_ in fake.again]
+    assert len(granted) == 3
+    old = {f"pickle-{i}" for i in (1, 2, 3)}
+    assert sorted(r.imports) == sorted(old), "one import per run, with its ticket"
+    assert r.many == [] and r.confirmed == [], "the first load's storages are all in its runs"
+    assert sorted(r.waited) == sorted(old), "each ticket's event waited on once"
+    assert _torch_reductions.holds.held() == 3 and r.released == []
+
+    again = pickle.loads(sender.dumps({"w": storages[:6], "b": tuple(storages[6:])}))
+    new = {f"pickle-{i}" for i in (4, 5, 6)}
+    assert len(r.many) == 1 and sorted(r.many[0]) == sorted(new), r.many
+    assert r.confirmed == [] and len(r.imports) == 3, "no confirm alone, no import"
+    assert all(x is y for x, y in zip(first["w"] + list(first["b"]),
+                                       again["w"] + list(again["b"])))
+    assert sorted(r.released) == sorted(old), "the new tickets took over every storage"
+    assert _torch_reductions.holds.held() == 3
+    del first, again
+    gc.collect()
+    assert sorted(r.released) == sorted(old | new) and _torch_reductions.holds.held() == 0
+
+
+def test_a_refusal_among_the_hits_raises_and_holds_nothing(fake, monkeypatch):
+    """One of the pickle's 3 grants has ended (the sender's ttl): the load
+    raises NotFoundError, as confirm would have, lets go of the 2 uses it
+    did hold, forgets the refused one, and keeps nothing of its own: the
+    first load's tickets still keep the storages."""
+    import pickle
+    anchors, storages = three_runs(fake)
+    r = FakeReceiver(monkeypatch, imported="first")
+    sender = _BatchPickler(anchors)
+    first = pickle.loads(sender.dumps(storages))
+    blob = sender.dumps(storages)
+    r.refuse.add("pickle-5")
+    with pytest.raises(vmmipc.NotFoundError, match="it ended"):
+        pickle.loads(blob)
+    gc.collect()
+    assert len(r.many) == 1 and sorted(r.released) == ["pickle-4", "pickle-6"]
+    assert "pickle-5" not in _torch_reductions.spent, "a refused use is not spent"
+    assert _torch_reductions.holds.held() == 3, "the first load's tickets keep its storages"
+    r.refuse.clear()  # its grant answers now, but the others were let go of
+    with pytest.raises(vmmipc.NotFoundError, match="received here before"):
+        pickle.loads(blob)  # its held uses were let go of: loaded again it covers nothing
+    assert r.many[1] == ["pickle-5"] and sorted(r.released) == ["pickle-4", "pickle-5",
+                                                                "pickle-6"]
+    assert _torch_reductions.holds.held() == 3
+    del first
+    gc.collect()
+    assert _torch_reductions.holds.held() == 0
+
+
+def test_a_pickle_loaded_twice(fake, monkeypatch):
+    """While its storages live, a pickle loaded again gives the same
+    storages and spends nothing more; once they died and its tickets were
+    let go of, loading it again raises NotFoundError."""
+    import pickle
+    anchors, storages = three_runs(fake, per_run=2)
+    r = FakeReceiver(monkeypatch, imported=False)  # every run is mapped here already
+    blob = _BatchPickler(anchors).dumps(storages)
+    a = pickle.loads(blob)
+    b = pickle.loads(blob)
+    assert all(x is y for x, y in zip(a, b)) and len(r.many) == 1 and r.confirmed == []
+    del a, b
+    gc.collect()
+    assert len(r.released) == 3 and _torch_reductions.holds.held() == 0
+    with pytest.raises(vmmipc.NotFoundError, match="received here before"):
+        pickle.loads(blob)
+    assert len(r.many) == 1, "nothing new was confirmed"
+
+
+class _LoadsInside:
+    """An object whose unpickling loads another pickle (a nested load)."""
+
+    def __init__(self, blob):
+        self.blob = blob
+
+    def __reduce__(self):
+        import pickle
+        return (pickle.loads, (self.blob,))
+
+
+def test_nested_objects_and_a_load_inside_a_load(fake, monkeypatch):
+    """Storages deep in dicts, lists, tuples and objects are all the
+    pickle's hits (one confirm_many); a pickle unpickled while another one
+    is (a custom reducer's loads) has a load of its own, finished first."""
+    import pickle
+    anchors, storages = three_runs(fake, per_run=2)
+    r = FakeReceiver(monkeypatch, imported=False)
+    sender = _BatchPickler(anchors)
+    inner = sender.dumps([storages[0], storages[5]])
+    outer = sender.dumps({"a": [storages[1], (storages[2], {"x": storages[3]})],
+                          "inner": _LoadsInside(inner), "n": 5, "t": (storages[4],)})
+    got = pickle.loads(outer)
+
+    def at(s):  # where FakeReceiver.storage_over puts a storage of s
+        return BASE + s.ptr - anchors.attached(s).base
+    assert got["n"] == 5 and got["a"][1][1]["x"].ptr == at(storages[3])
+    assert [x.ptr for x in got["inner"]] == [at(storages[0]), at(storages[5])]
+    assert got["t"][0].ptr == at(storages[4]) and got["a"][0].ptr == at(storages[1])
+    assert len(r.many) == 2 and len(r.many[0]) == 2 and len(r.many[1]) == 3, r.many
+    assert _torch_reductions.holds.held() == 5, "2 tickets keep the inner's, 3 the outer's"
+
+
+def test_two_threads_loading_one_pickle(fake, monkeypatch):
+    """Two threads load one pickle at once: one load spends its uses (one
+    confirm_many), and the other waits for that answer before it returns
+    the same storages, never believing a hold not granted yet; a refusal
+    reaches both."""
+    import pickle
+    anchors, storages = three_runs(fake, per_run=2)
+    r = FakeReceiver(monkeypatch, imported=False)
+    sender = _BatchPickler(anchors)
+    gate, inside = threading.Event(), threading.Event()
+    answer = r.confirm_many
+
+    def slow_confirm_many(tickets, hold=False):
+        inside.set()
+        assert gate.wait(10)
+        return answer(tickets, hold=hold)
+    monkeypatch.setattr(_torch_received, "confirm_many", slow_confirm_many)
+
+    for refused in (False, True):
+        blob = sender.dumps(storages)
+        if refused:
+            r.refuse.add(f"pickle-{len(fake.again) - 1}")
+        inside.clear()
+        gate.clear()
+        got: dict = {}
+
+        def load(name):
+            try:
+                got[name] = pickle.loads(blob)
+            except vmmipc.VmmipcError as e:
+                got[name] = e
+        first = threading.Thread(target=load, args=("first",))
+        first.start()
+        assert inside.wait(10)
+        second = threading.Thread(target=load, args=("second",))
+        second.start()
+        second.join(0.3)
+        assert second.is_alive(), "the second load returned before the first was answered"
+        gate.set()
+        first.join(10)
+        second.join(10)
+        if refused:
+            assert all(isinstance(got[n], vmmipc.NotFoundError) for n in got), got
+        else:
+            assert all(x is y for x, y in zip(got["first"], got["second"]))
+            assert _torch_reductions.holds.held() == 3
+        del got
+        gc.collect()
+    assert len(r.many) == 2, "one confirm_many a pickle, not one a load"
+    assert _torch_reductions.holds.held() == 0
+
+
+def test_a_storage_outside_a_batch_is_confirmed_alone(fake, monkeypatch):
+    """A pickle that does not end with finish_load (reduce_tensor called
+    outside a batch's dump) names no load: each hit is confirmed alone, as
+    before."""
+    import pickle
+    anchors, storages = three_runs(fake, per_run=1)
+    r = FakeReceiver(monkeypatch, imported=False)
+    got = pickle.loads(_BatchPickler(anchors).dumps(storages, wrap=False))
+    assert len(got) == 3 and r.many == [] and len(r.confirmed) == 3
+
+
+def test_a_pickle_is_wrapped_only_when_its_plan_found_vmm_storages(fake, monkeypatch):
+    """dump_in_batch wraps what it dumps only when the plan found VMM
+    storages: every other pickle (CPU tensors, plain data) is unchanged."""
+    found: list = []
+    monkeypatch.setattr(_torch_batch, "_storages_in", lambda obj: iter(found))
+    dumped = []
+    dump = _torch_batch.dump_in_batch(lambda self, obj: dumped.append(obj),
+                                      _torch_reductions.finished)
+    dump(None, {"plain": 1})
+    assert dumped == [{"plain": 1}]
+    found.append(Storage(BASE + (900 << 20), 64))
+    dump(None, {"vmm": 1})
+    assert isinstance(dumped[1], _torch_reductions._Finished)
+    assert dumped[1].obj == {"vmm": 1} and dumped[1].mark is not None
+
+
+def test_a_damaged_load_is_refused():
+    with pytest.raises(vmmipc.InvalidError, match="not the load it began"):
+        _torch_received.finish_load([], "not a load")
+    with pytest.raises(vmmipc.InvalidError, match="as its load"):
+        _torch_reductions.rebuild_storage("g1", ("sender", 1), 0, 64, 0, None, "x")
+
+
+def test_open_tensors_spends_a_blobs_hits_with_one_confirm_many(fake, monkeypatch):
+    """A blob (share_tensors' format: the magic, then a batch's pickle)
+    opened again while its runs are mapped here: one confirm_many for the
+    blob; its unpickler admits LoadUses and finish_load."""
+    anchors, storages = three_runs(fake, per_run=2)
+    r = FakeReceiver(monkeypatch, imported=False)
+    names = [f"t{i}" for i in range(len(storages))]
+    blob = _torch_blob.BLOB_MAGIC + _BatchPickler(anchors).dumps(("list", names, storages))
+    got = vt.open_tensors(blob)
+    assert [n for n, _ in got] == names and len(r.many) == 1 and len(r.many[0]) == 3
+    assert r.confirmed == [] and _torch_reductions.holds.held() == 3
+
+
+@needs_torch
+def test_a_pickle_without_vmm_storages_is_not_wrapped():
+    """Only a pickle whose plan found VMM storages ends with finish_load:
+    CPU tensors and plain data pickle as they did."""
+    import torch
+    from multiprocessing.reduction import ForkingPickler
+    vt.install()
+    sent = {"t": torch.arange(4), "x": [1, "two"]}
+    data = bytes(ForkingPickler.dumps(sent))
+    assert b"finish_load" not in data and b"LoadUses" not in data
+    got = ForkingPickler.loads(data)
+    assert torch.equal(got["t"], sent["t"]) and got["x"] == [1, "two"]
+
+
+def test_a_loads_hits_are_one_confirm_many_of_the_library(monkeypatch):
+    """LoadUses.finish against libvmmipc itself (host memory, this process
+    its own receiver): 3 held grants of one anchor spent together and held
+    until their storages die; with one grant ended, finish raises the
+    library's NotFoundError and holds none of the load's uses."""
+    import fcntl
+    for name in ("spent", "holds", "confirming"):
+        monkeypatch.setattr(_torch_received, name, type(getattr(_torch_received, name))())
+    fd = os.memfd_create("test-load-uses", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, 1 << 20)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    anchor = vmmipc.register_host_file(fd, 1 << 20, 1 << 20, uses=0)
+    os.close(fd)
+    try:
+        for refused in (None, 1):
+            ended = [threading.Event() for _ in range(3)]
+            grants = [vmmipc.register_again(anchor, uses=1, hold=True, release=e.set)
+                      for e in ended]
+            if refused is not None:
+                vmmipc.unregister(grants[refused])
+            before = vmmipc.cache_info().holds
+            load = _torch_received.LoadUses()
+            storages = [Storage(i, 64, Device("cuda", None)) for i in range(6)]
+            for i, storage in enumerate(storages):
+                assert load.defer(grants[i % 3], storage, 0, None, None)
+            if refused is None:
+                _torch_received.finish_load(storages, load)
+                assert vmmipc.cache_info().holds == before + 3
+                assert not any(e.wait(0.3) for e in ended), "released while held"
+            else:
+                with pytest.raises(vmmipc.NotFoundError, match="unregistered"):
+                    _torch_received.finish_load(storages, load)
+            del storages, storage
+            gc.collect()
+            assert all(e.wait(10) for e in ended), "a use was still held"
+            assert _torch_received.holds.held() == 0
+    finally:
+        vmmipc.unregister(anchor)
+
+
+@needs_torch
+def test_a_batch_plans_the_storages_of_a_module(monkeypatch):
+    """q.put(model): a batch's plan finds a module's parameters and buffers,
+    its submodules' included (so they are anchored together and the pickle
+    ends with finish_load)."""
+    import torch
+    monkeypatch.setattr(_torch_batch, "plain_cuda", lambda torch, t: True)  # CPU stands in
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3))
+    found = {id(s) for s in _torch_batch._storages_in({"model": model})}
+    want = {id(t.untyped_storage()) for t in list(model.parameters()) + list(model.buffers())}
+    assert found == want and len(want) == 7
+
+
+def test_a_blob_whose_hits_are_never_finished_is_refused(fake, monkeypatch):
+    """A blob whose storages name a load but which does not end with
+    finish_load (damaged, or made to skip the check): its hits were never
+    confirmed with the sender, so open_tensors refuses it, holding nothing."""
+    anchors, storages = three_runs(fake, per_run=1)
+    r = FakeReceiver(monkeypatch, imported=False)
+    blob = _torch_blob.BLOB_MAGIC + _BatchPickler(anchors).dumps(
+        ("list", ["a", "b", "c"], storages), finish=False)
+    assert b"LoadUses" in blob and b"finish_load" not in blob
+    with pytest.raises(vmmipc.InvalidError, match="does not end with the finish"):
+        vt.open_tensors(blob)
+    gc.collect()
+    assert r.many == [] and r.confirmed == [] and _torch_reductions.holds.held() == 0
