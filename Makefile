@@ -85,7 +85,16 @@ TORCH_PIP  ?= torch
 VMMIPC_TEST_TORCH ?= 0
 TORCH_TESTS := tests/python/test_dataloader.py tests/python/test_torch_cpu.py
 test-torch: lib ## the DataLoader and vmmipc.torch CPU tests under a Python with torch ($(TORCH_VENV), installed there with VMMIPC_TEST_TORCH=1)
-	@if $(PYTHON) -c 'import torch' 2>/dev/null; then 	  echo "make test-torch: $(PYTHON) has torch: test-python runs $(TORCH_TESTS)"; exit 0; fi; 	if ! $(TORCH_VENV)/bin/python -c 'import torch, numpy, pytest' 2>/dev/null; then 	  if [ "$(VMMIPC_TEST_TORCH)" != 1 ]; then 	    echo "make test-torch: SKIPPED $(TORCH_TESTS): no torch for $(PYTHON) nor in $(TORCH_VENV); make test VMMIPC_TEST_TORCH=1 installs it there (.ci/run does)"; exit 0; fi; 	  echo "make: installing torch (missing) into $(TORCH_VENV) with: pip install $(TORCH_PIP) numpy pytest"; 	  $(PYTHON) -m venv $(TORCH_VENV) && 	  $(TORCH_VENV)/bin/python -m pip install --quiet $(TORCH_PIP) numpy pytest || exit 1; fi; 	echo "$(TORCH_VENV)/bin/python -m pytest -q -rs $(TORCH_TESTS)"; 	VMMIPC_TESTS_REQUIRE=numpy $(TORCH_VENV)/bin/python -m pytest -q -rs $(TORCH_TESTS)
+	@if $(PYTHON) -c 'import torch' 2>/dev/null; then \
+	  echo "make test-torch: $(PYTHON) has torch: test-python runs $(TORCH_TESTS)"; exit 0; fi; \
+	if ! $(TORCH_VENV)/bin/python -c 'import torch, numpy, pytest' 2>/dev/null; then \
+	  if [ "$(VMMIPC_TEST_TORCH)" != 1 ]; then \
+	    echo "make test-torch: SKIPPED $(TORCH_TESTS): no torch for $(PYTHON) nor in $(TORCH_VENV); make test VMMIPC_TEST_TORCH=1 installs it there (.ci/run does)"; exit 0; fi; \
+	  echo "make: installing torch (missing) into $(TORCH_VENV) with: pip install $(TORCH_PIP) numpy pytest"; \
+	  $(PYTHON) -m venv $(TORCH_VENV) && \
+	  $(TORCH_VENV)/bin/python -m pip install --quiet $(TORCH_PIP) numpy pytest || exit 1; fi; \
+	echo "$(TORCH_VENV)/bin/python -m pytest -q -rs $(TORCH_TESTS)"; \
+	VMMIPC_TESTS_REQUIRE=numpy $(TORCH_VENV)/bin/python -m pytest -q -rs $(TORCH_TESTS)
 
 # The C suite again, against a library built with GOEXPERIMENT=cgocheck2 (full
 # checks of pointers passed between Go and C). The C tests use RUNPATH, so
