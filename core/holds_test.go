@@ -20,6 +20,13 @@ type holdFixture struct {
 // with a server of its own.
 func newHoldFixture(t *testing.T) holdFixture {
 	t.Helper()
+	// The receiver's holds and leases are the process's: an earlier test's
+	// (a stopped or dead exporter's, let go of off its path) must be gone
+	// before this one counts its own.
+	if !waitUntil(5*time.Second, func() bool { i := GetCacheInfo(); return i.Holds == 0 && i.HolderSessions == 0 }) {
+		i := GetCacheInfo()
+		t.Fatalf("an earlier test left %d holds on %d leases in this process", i.Holds, i.HolderSessions)
+	}
 	before := cacheTest(t)
 	s := newTestServer(t)
 	a := registerCounting(t, s, cacheSize, 21, RegisterOptions{Uses: 0})
