@@ -199,15 +199,7 @@ func TestImpostorInheritsListener(t *testing.T) {
 		t.Run(tc.then, func(t *testing.T) {
 			sender := startHelper(t, partSender, helperOpts{})
 			tk := sender.register(4, 4096, 1, -1, 1)
-			exited := func() bool {
-				select {
-				case <-sender.done:
-					return true
-				default:
-					return false
-				}
-			}
-			sender.forkListener(tc.mode, tc.then, exited)
+			sender.forkListener(tc.mode, tc.then, sender.exited)
 			o := tryImport(t, tk)
 			expectCode(t, o, tc.want, tc.code)
 			impostorLearnedNothing(t, sender, tk, tc.conns)

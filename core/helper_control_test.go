@@ -37,6 +37,16 @@ type helper struct {
 	err   error // its exit status
 }
 
+// exited reports whether the helper's process has been reaped.
+func (h *helper) exited() bool {
+	select {
+	case <-h.done:
+		return true
+	default:
+		return false
+	}
+}
+
 // startHelper starts the test binary playing part. Its stdin and stdout are
 // plain pipes, so that a child it hands them to (fork-listener) can use them
 // after it exited, and it is reaped as soon as it exits.

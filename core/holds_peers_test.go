@@ -187,15 +187,7 @@ func TestHeldCallsToAnExporterThatForkedAndDied(t *testing.T) {
 	tk := decodeTicketHex(t, sender.expect("ticket ", 10*time.Second))
 	r := importHost(t, tk, holdImport)
 	defer Unmap(r.ID, r.Base)
-	exited := func() bool {
-		select {
-		case <-sender.done:
-			return true
-		default:
-			return false
-		}
-	}
-	sender.forkListener("silent", "exit", exited)
+	sender.forkListener("silent", "exit", sender.exited)
 	opts := ImportOptions{Hold: true, OpenOptions: OpenOptions{Timeout: 20 * time.Second}}
 	start := time.Now()
 	if ref, err := Import(tk, DeviceHost, opts, nil); err == nil || time.Since(start) > time.Second {
