@@ -99,3 +99,20 @@ func containsSecret(b []byte, s Secret) bool {
 	}
 	return false
 }
+
+// rawOneRound is the first write of a one-round confirmation (handshake.go)
+// of tk, proved under secret as if from the process pid started at tick
+// start, and its transcript.
+func rawOneRound(t testing.TB, tk *Ticket, secret Secret, pid uint32, start uint64) ([]byte, transcript) {
+	t.Helper()
+	tr := transcript{RegID: tk.RegID, Flags: helloConfirm | helloOneRound, Socket: uint64(pid), StartTime: start}
+	var err error
+	if tr.ReceiverNonce, err = newNonce(); err != nil {
+		t.Fatal(err)
+	}
+	if tr.TicketDigest, err = tk.Digest(); err != nil {
+		t.Fatal(err)
+	}
+	first := helloMsg{RegID: tk.RegID, Flags: tr.Flags, Nonce: tr.ReceiverNonce}.encode()
+	return append(first, proofMsg{Proof: tr.proof(secret, roleReceiver)}.encode()...), tr
+}

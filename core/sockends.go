@@ -3,6 +3,7 @@ package core
 import (
 	"encoding/binary"
 	"errors"
+	"net"
 	"sync"
 	"syscall"
 
@@ -218,4 +219,51 @@ func parseSockDiag(b []byte, ino uint64) (sockDiag, error) {
 		a = a[min((alen+3)&^3, len(a)):]
 	}
 	return d, nil
+}
+
+// The one-round form (handshake.go) binds the receiver's pid and start
+// time instead of the exporter's socket: both read from the kernel by the
+// exporter, never taken from the receiver.
+
+// soPeerPidfd is SO_PEERPIDFD (Linux 6.5+; x/sys/unix lacks it): a pidfd
+// of the process that connected, which names that process and no other
+// even after its pid is handed out again.
+const soPeerPidfd = 77
+
+// peerIdentity is the pid (in our PID namespace) and start time of the
+// process that connected uc. It reads the start time from /proc and then
+// checks, on the peer's pidfd, that the process that connected still
+// lives: then the pid has not been handed out again, and the start time
+// read is that process's. Where the kernel or /proc cannot tell
+// (another PID namespace, no SO_PEERPIDFD, a /proc not ours) it fails,
+// and the receiver falls back to the two-round form. It is a variable
+// only so that a test can make an exporter that cannot check it.
+var peerIdentity = kernelPeerIdentity
+
+func kernelPeerIdentity(uc *net.UnixConn) (pid uint32, start uint64, err error) {
+	cred, err := peerCred(uc)
+	if err != nil {
+		return 0, 0, Errorf(EAUTH, "cannot read the receiver's credentials (SO_PEERCRED): %w", err)
+	}
+	if cred.Pid <= 0 || !procShowsOurPIDs() {
+		return 0, 0, Errorf(EAUTH, "the receiver asked for a one-round handshake bound to its pid, but it is not in the exporter's PID namespace (its pid here is %d), or this /proc is not of it: it must use the two-round handshake", cred.Pid)
+	}
+	raw, err := uc.SyscallConn()
+	if err != nil {
+		return 0, 0, Errorf(EAUTH, "socket: %w", err)
+	}
+	pidfd := -1
+	var opErr error
+	if err := raw.Control(func(s uintptr) { pidfd, opErr = unix.GetsockoptInt(int(s), unix.SOL_SOCKET, soPeerPidfd) }); err != nil || opErr != nil {
+		return 0, 0, Errorf(EAUTH, "cannot take a pidfd of the receiver (SO_PEERPIDFD, Linux 6.5+): %v%v; it must use the two-round handshake", err, opErr)
+	}
+	defer unix.Close(pidfd)
+	st, err := processStartTime(int(cred.Pid))
+	if err != nil {
+		return 0, 0, Errorf(EAUTH, "cannot read the receiver's start time: %w", err)
+	}
+	if err := unix.PidfdSendSignal(pidfd, 0, nil, 0); err != nil {
+		return 0, 0, Errorf(EAUTH, "the process that connected (pid %d) has exited: %w", cred.Pid, err)
+	}
+	return uint32(cred.Pid), st, nil
 }
