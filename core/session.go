@@ -109,7 +109,10 @@ func (ss *session) serveUse(g *registration, hello helloMsg, l *lease) bool {
 	ss.c.deadline = time.Time{}
 	ss.c.timeout = idleTimeout
 	b := g.buf
-	if err := ss.c.send(welcomeMsg{Count: uint64(len(b.sizes)), Total: b.total, Kind: b.kind, BufferID: b.id}.encode(), -1); err != nil {
+	welcome := welcomeMsg{Count: uint64(len(b.sizes)), Total: b.total, Kind: b.kind, BufferID: b.id}.encode()
+	if hello.Flags&helloConfirm != 0 {
+		ss.c.queue(welcome) // with the done-ack: a confirmation is one write
+	} else if err := ss.c.send(welcome, -1); err != nil {
 		return false
 	}
 	// The use is spent as the last chunk goes out (or a cached mapping is
@@ -240,9 +243,9 @@ func (ss *session) authenticateOneRound(g *registration, hello helloMsg) bool {
 		ss.refuse(Errorf(EAUTH, "the receiver's one-round proof for registration %d does not check out: its ticket is corrupted or forged, or another process (pid %d, started at tick %d) relays or replays it", g.id, pid, start))
 		return false
 	}
-	if err := ss.c.send(challengeMsg{Proof: tr.proof(g.secret, roleServer)}.encode(), -1); err != nil {
-		return false
-	}
+	// The proof goes out with the welcome and done-ack (serveUse), or
+	// with whatever comes next (a lease, a refusal), in one write.
+	ss.c.queue(challengeMsg{Proof: tr.proof(g.secret, roleServer)}.encode())
 	ss.tr = tr
 	ss.authed = ss.adm.authenticated(ss.p)
 	return ss.authed
