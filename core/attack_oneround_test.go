@@ -3,6 +3,7 @@ package core
 import (
 	"net"
 	"os"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -141,19 +142,20 @@ func TestOneRoundFallsBack(t *testing.T) {
 	if !oneRoundWorks(tk) {
 		t.Skip("the one-round form does not apply here")
 	}
-	asked := 0
-	peerIdentity = func(uc *net.UnixConn) (uint32, uint64, error) {
-		asked++
+	var asked atomic.Int32
+	refuse := func(uc *net.UnixConn) (uint32, uint64, error) {
+		asked.Add(1)
 		return 0, 0, Errorf(EAUTH, "no SO_PEERPIDFD here")
 	}
-	defer func() { peerIdentity = kernelPeerIdentity }()
+	peerIdentityForTest.Store(&refuse)
+	defer peerIdentityForTest.Store(nil)
 	if _, err := confirm(tk, 5*time.Second); err != nil {
 		t.Fatalf("a confirmation that the exporter refused in one round: %v", err)
 	}
-	if asked != 1 {
-		t.Fatalf("the exporter was asked %d times for the receiver's identity, want 1", asked)
+	if n := asked.Load(); n != 1 {
+		t.Fatalf("the exporter was asked %d times for the receiver's identity, want 1", n)
 	}
-	peerIdentity = kernelPeerIdentity
+	peerIdentityForTest.Store(nil)
 	if _, err := confirm(tk, 5*time.Second); err != nil {
 		t.Fatal(err)
 	}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"net"
 	"sync"
+	"sync/atomic"
 	"syscall"
 
 	"golang.org/x/sys/unix"
@@ -236,9 +237,18 @@ const soPeerPidfd = 77
 // lives: then the pid has not been handed out again, and the start time
 // read is that process's. Where the kernel or /proc cannot tell
 // (another PID namespace, no SO_PEERPIDFD, a /proc not ours) it fails,
-// and the receiver falls back to the two-round form. It is a variable
-// only so that a test can make an exporter that cannot check it.
-var peerIdentity = kernelPeerIdentity
+// and the receiver falls back to the two-round form.
+func peerIdentity(uc *net.UnixConn) (pid uint32, start uint64, err error) {
+	if f := peerIdentityForTest.Load(); f != nil {
+		return (*f)(uc)
+	}
+	return kernelPeerIdentity(uc)
+}
+
+// peerIdentityForTest, when set (only by a test), stands in for the
+// kernel: an exporter that cannot check a receiver's identity. Atomic,
+// since the server's goroutines read it while a test sets it.
+var peerIdentityForTest atomic.Pointer[func(*net.UnixConn) (uint32, uint64, error)]
 
 func kernelPeerIdentity(uc *net.UnixConn) (pid uint32, start uint64, err error) {
 	cred, err := peerCred(uc)
