@@ -89,6 +89,13 @@ func TestHoldKeepsTheSenderUntilLetGo(t *testing.T) {
 		t.Fatalf("holds: server %d, receiver %d, want 1 and 1", f.s.Holds(), GetCacheInfo().Holds)
 	}
 	sessions := GetCacheInfo().HolderSessions
+	// The refused hit's session closes its socket on the server's side
+	// after the receiver has its answer: count once it has.
+	waitUntil(5*time.Second, func() bool {
+		f.s.adm.mu.Lock()
+		defer f.s.adm.mu.Unlock()
+		return f.s.adm.held == 0
+	})
 	fdsBefore := ourFDs().now(t)
 
 	g2, rel2 := f.grant(t, true)
