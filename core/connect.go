@@ -113,7 +113,7 @@ func handshake(c *conn, t *Ticket, digest [32]byte, flags uint64, ask *holdAsk) 
 		if errors.Is(err, os.ErrDeadlineExceeded) || isTimeout(err) {
 			return tr, Errorf(EIO, "open: connected, but the exporter did not answer within %v: it may be serving its maximum of receivers at once (the rest wait their turn), or be hung; raise timeout_ms if it is just busy", c.timeout)
 		}
-		if oneRound && CodeOf(err) == EAUTH {
+		if code := CodeOf(err); oneRound && (code == EAUTH || code == EINVAL) {
 			return tr, &oneRoundRefused{err}
 		}
 		return tr, err
@@ -179,10 +179,11 @@ func boundTranscript(c *conn, t *Ticket, digest [32]byte, flags uint64, nr, ns n
 	}, nil
 }
 
-// oneRoundRefused is the exporter's EAUTH to a one-round hello: its
-// kernel, /proc or namespaces may not let it check our pid and start
-// time (no SO_PEERPIDFD, say), so connect asks again in two rounds, which
-// answer for the ticket itself.
+// oneRoundRefused is the exporter's EAUTH or EINVAL to a one-round
+// hello: its kernel, /proc or namespaces may not let it check our pid and
+// start time (no SO_PEERPIDFD, say), or it is a library from before the
+// one-round form (hello flags not understood), so connect asks again in
+// two rounds, which answer for the ticket itself.
 type oneRoundRefused struct{ err error }
 
 func (e *oneRoundRefused) Error() string { return e.err.Error() }
