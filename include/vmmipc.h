@@ -874,8 +874,8 @@ int vmmipc_import_stream(const vmmipc_ticket *ticket, int device,
  * its own pid and start time, which the exporter reads from the kernel
  * (SO_PEERCRED, /proc, SO_PEERPIDFD: Linux 6.5+), and the exporter's proof,
  * the welcome and the answer come back in one write; elsewhere, or where
- * the exporter cannot check (it refuses with VMMIPC_EAUTH), two, as
- * vmmipc_open. Receives no chunk
+ * the exporter cannot check or predates this (it refuses the one-round
+ * hello, and the call asks again at once), two, as vmmipc_open. Receives no chunk
  * descriptor and makes no driver call; holds one socket to the exporter
  * (and briefly, across namespaces, a netlink socket) while it runs.
  * Returns:
