@@ -3,6 +3,7 @@ package core
 import (
 	"fmt"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -75,5 +76,25 @@ func BenchmarkHostImportCached(b *testing.B) {
 		if err := Unmap(m.ID, m.Base); err != nil {
 			b.Fatal(err)
 		}
+	}
+}
+
+// BenchmarkConfirm is a plain confirmation (a cache hit's session) in the
+// one-round form and, for comparison, in two rounds.
+//
+//	go test -run '^$' -bench Confirm -benchmem ./core
+func BenchmarkConfirm(b *testing.B) {
+	s, fd := benchBuffer(b)
+	tk := registerFile(b, s, fd, benchSize, benchChunkSize, RegisterOptions{})
+	for _, one := range []bool{true, false} {
+		b.Run(fmt.Sprintf("oneRound=%v", one), func(b *testing.B) {
+			oneRoundEnabled = one
+			defer func() { oneRoundEnabled = true }()
+			for b.Loop() {
+				if _, err := confirm(tk, 5*time.Second); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
 	}
 }

@@ -67,3 +67,37 @@ func TestConfirmManyHoldsEachTicketsUse(t *testing.T) {
 	}
 	t.Logf("%d tickets of 2 exporters confirmed and held in %v", n, took)
 }
+
+// TestUsedUpEndsAfterItsAnswer: a further use that uses its registration
+// up is answered before the registration's release runs (a release_fn that
+// in Python waits for the GIL): ConfirmMany returns while the release is
+// still blocked. Seen failing on e2cbbc2, where the end ran before the
+// use-ack went out.
+func TestUsedUpEndsAfterItsAnswer(t *testing.T) {
+	s := newTestServer(t)
+	fd := newMemfd(t, int(pageSize), pattern(int(pageSize), 9))
+	first := registerFile(t, s, fd, pageSize, pageSize, RegisterOptions{Uses: 0})
+	started, unblock := make(chan struct{}), make(chan struct{})
+	defer close(unblock)
+	last := registerFile(t, s, fd, pageSize, pageSize, RegisterOptions{Uses: 1, OnRelease: func() {
+		close(started)
+		<-unblock
+	}})
+	done := make(chan []error, 1)
+	go func() { done <- ConfirmMany([]*Ticket{first, last}, ImportOptions{}) }()
+	select {
+	case errs := <-done:
+		for i, err := range errs {
+			if err != nil {
+				t.Fatalf("ticket %d: %v", i, err)
+			}
+		}
+	case <-time.After(3 * time.Second):
+		t.Fatal("ConfirmMany waited for the used-up registration's release before its answer")
+	}
+	select {
+	case <-started:
+	case <-time.After(3 * time.Second):
+		t.Fatal("the used-up registration was never released")
+	}
+}

@@ -24,7 +24,13 @@ type conn struct {
 	timeout  time.Duration // per message; 0 = none
 	deadline time.Time     // when set, for every message instead of timeout
 	what     string        // "server" or "receiver", for messages
+	queued   []byte        // messages that go out with the next send (queue)
 }
+
+// queue keeps msg to go out with the next send, in one write: a one-round
+// answer's proof, welcome and done-ack reach the receiver together
+// (handshake.go). Nothing queued is sent if no send follows.
+func (c *conn) queue(msg []byte) { c.queued = append(c.queued, msg...) }
 
 // until is the deadline of the next message; zero = none.
 func (c *conn) until() time.Time {
@@ -50,6 +56,16 @@ func (c *conn) Close() error { return c.uc.Close() }
 // send writes one message; if fd >= 0 it travels attached to the message's
 // first byte, in the same sendmsg. The caller keeps ownership of fd.
 func (c *conn) send(msg []byte, fd int) error {
+	if q := c.queued; len(q) > 0 {
+		c.queued = nil
+		if fd >= 0 { // the descriptor must go with its own message's first byte
+			if err := c.send(q, -1); err != nil {
+				return err
+			}
+		} else {
+			msg = append(q, msg...)
+		}
+	}
 	deadline := c.until()
 	_ = c.uc.SetWriteDeadline(deadline)
 	var oob []byte

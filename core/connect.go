@@ -4,6 +4,7 @@ import (
 	"errors"
 	"net"
 	"os"
+	"sync"
 	"time"
 )
 
@@ -24,22 +25,32 @@ func connect(t *Ticket, timeout time.Duration, flags uint64, ask *holdAsk) (*con
 	if err != nil {
 		return nil, transcript{}, err
 	}
-	flags |= bound
 	digest, err := t.Digest()
 	if err != nil {
 		return nil, transcript{}, err
 	}
+	// A confirmation tries one round trip first (handshake.go).
+	oneRound := flags&helloConfirm != 0 && oneRoundWorks(t)
 	deadline := time.Now().Add(timeout)
 	for backoff := time.Millisecond; ; backoff = min(2*backoff, 50*time.Millisecond) {
 		c, err := dialConn(t, deadline, timeout)
 		if err != nil {
 			return nil, transcript{}, err
 		}
-		tr, err := handshake(c, t, digest, flags, ask)
+		f := flags | bound
+		if oneRound {
+			f = flags | helloOneRound
+		}
+		tr, err := handshake(c, t, digest, f, ask)
 		if err == nil {
 			return c, tr, nil
 		}
 		_ = c.Close()
+		var refused *oneRoundRefused
+		if errors.As(err, &refused) {
+			oneRound = false // at once, in two rounds
+			continue
+		}
 		if err != errBusy {
 			return nil, transcript{}, err
 		}
@@ -66,7 +77,8 @@ func bindingFlag(t *Ticket) (uint64, error) {
 	return helloPidBound, nil
 }
 
-// handshake runs the receiver's half of handshake.go, takes the lease the
+// handshake runs the receiver's half of handshake.go, in one round trip
+// where flags ask for it (helloOneRound) or else two, takes the lease the
 // session brings (where ask asks for one), and checks the welcome.
 func handshake(c *conn, t *Ticket, digest [32]byte, flags uint64, ask *holdAsk) (transcript, error) {
 	var tr transcript
@@ -74,15 +86,24 @@ func handshake(c *conn, t *Ticket, digest [32]byte, flags uint64, ask *holdAsk) 
 	if err != nil {
 		return tr, err
 	}
+	// Hold-on, hello and (one-round) the proof go out in one write.
+	var first []byte
 	switch {
 	case ask != nil && ask.on != nil:
-		if err := c.send(leaseRefMsg{Slot: ask.on.slot, Token: ask.on.token}.encode(msgHoldOn), -1); err != nil {
-			return tr, pendingError(c, err, beforeChunks)
-		}
+		first = leaseRefMsg{Slot: ask.on.slot, Token: ask.on.token}.encode(msgHoldOn)
 	case ask != nil:
 		flags |= helloLease
 	}
-	if err := c.send(helloMsg{RegID: t.RegID, Flags: flags, Nonce: nr}.encode(), -1); err != nil {
+	first = append(first, helloMsg{RegID: t.RegID, Flags: flags, Nonce: nr}.encode()...)
+	oneRound := flags&helloOneRound != 0
+	if oneRound {
+		tr = transcript{
+			RegID: t.RegID, Flags: flags, Socket: uint64(os.Getpid()),
+			TicketDigest: digest, ReceiverNonce: nr, StartTime: ourStartTime(),
+		}
+		first = append(first, proofMsg{Proof: tr.proof(t.Secret, roleReceiver)}.encode()...)
+	}
+	if err := c.send(first, -1); err != nil {
 		// A server that refuses us at once hangs up after saying why:
 		// read that rather than report a bare EPIPE.
 		return tr, pendingError(c, err, beforeChunks)
@@ -92,33 +113,29 @@ func handshake(c *conn, t *Ticket, digest [32]byte, flags uint64, ask *holdAsk) 
 		if errors.Is(err, os.ErrDeadlineExceeded) || isTimeout(err) {
 			return tr, Errorf(EIO, "open: connected, but the exporter did not answer within %v: it may be serving its maximum of receivers at once (the rest wait their turn), or be hung; raise timeout_ms if it is just busy", c.timeout)
 		}
+		if code := CodeOf(err); oneRound && (code == EAUTH || code == EINVAL) {
+			return tr, &oneRoundRefused{err}
+		}
 		return tr, err
 	}
 	ch, err := parseChallenge(f.Body)
 	if err != nil {
 		return tr, err
 	}
-	// The exporter has accepted the connection (it answered): its socket
-	// is a socket now, with its inode and cookie.
-	sock := uint64(os.Getpid())
-	if flags&helloPidBound == 0 {
-		sock, err = exporterSocket(c.raw, roleReceiver)
-	}
-	if errors.Is(err, errNoPeer) {
-		return tr, pendingError(c, err, beforeChunks) // evicted after the challenge: "busy"
-	}
-	if err != nil {
-		return tr, WrapErr(EIO, err, "open")
-	}
-	tr = transcript{
-		RegID: t.RegID, Flags: flags, Socket: sock,
-		TicketDigest: digest, ReceiverNonce: nr, ServerNonce: ch.Nonce,
+	if oneRound {
+		if ch.Nonce != (nonce{}) {
+			return tr, Errorf(EINVAL, "protocol: a one-round challenge with a nonce")
+		}
+	} else if tr, err = boundTranscript(c, t, digest, flags, nr, ch.Nonce); err != nil {
+		return tr, err
 	}
 	if !tr.verify(t.Secret, roleServer, ch.Proof) {
 		return tr, Errorf(EAUTH, "open: the process at %s could not prove that it knows this ticket's secret for this connection: the ticket is corrupted or forged, or another process is impersonating the exporter or relaying to it; nothing was accepted from it", t.Address)
 	}
-	if err := c.send(proofMsg{Proof: tr.proof(t.Secret, roleReceiver)}.encode(), -1); err != nil {
-		return tr, pendingError(c, err, beforeChunks)
+	if !oneRound {
+		if err := c.send(proofMsg{Proof: tr.proof(t.Secret, roleReceiver)}.encode(), -1); err != nil {
+			return tr, pendingError(c, err, beforeChunks)
+		}
 	}
 	if flags&helloLease != 0 {
 		if ask.got, err = takeSessionLease(c, t); err != nil {
@@ -137,6 +154,62 @@ func handshake(c *conn, t *Ticket, digest [32]byte, flags uint64, ask *holdAsk) 
 		return tr, Errorf(EINVAL, "protocol: the exporter describes %d chunks / %d bytes / kind %d / buffer %d, the ticket %d / %d / %d / %d", w.Count, w.Total, w.Kind, w.BufferID, t.Count, t.Total, t.Kind, t.BufferID)
 	}
 	return tr, nil
+}
+
+// boundTranscript is the two-round form's transcript, once the challenge
+// has come: bound to the exporter's socket of the connection, or to our
+// pid (helloPidBound).
+func boundTranscript(c *conn, t *Ticket, digest [32]byte, flags uint64, nr, ns nonce) (transcript, error) {
+	// The exporter has accepted the connection (it answered): its socket
+	// is a socket now, with its inode and cookie.
+	sock := uint64(os.Getpid())
+	var err error
+	if flags&helloPidBound == 0 {
+		sock, err = exporterSocket(c.raw, roleReceiver)
+	}
+	if errors.Is(err, errNoPeer) {
+		return transcript{}, pendingError(c, err, beforeChunks) // evicted after the challenge: "busy"
+	}
+	if err != nil {
+		return transcript{}, WrapErr(EIO, err, "open")
+	}
+	return transcript{
+		RegID: t.RegID, Flags: flags, Socket: sock,
+		TicketDigest: digest, ReceiverNonce: nr, ServerNonce: ns,
+	}, nil
+}
+
+// oneRoundRefused is the exporter's EAUTH or EINVAL to a one-round
+// hello: its kernel, /proc or namespaces may not let it check our pid and
+// start time (no SO_PEERPIDFD, say), or it is a library from before the
+// one-round form (hello flags not understood), so connect asks again in
+// two rounds, which answer for the ticket itself.
+type oneRoundRefused struct{ err error }
+
+func (e *oneRoundRefused) Error() string { return e.err.Error() }
+func (e *oneRoundRefused) Unwrap() error { return e.err }
+
+// oneRoundEnabled lets a test run confirmations in two rounds.
+var oneRoundEnabled = true
+
+// oneRoundWorks says whether a confirmation to t's exporter may try the
+// one-round handshake: our pid and start time must read the same to it,
+// so we must share its PID namespace and its clock (start times are
+// counted in the reader's time namespace).
+func oneRoundWorks(t *Ticket) bool {
+	return oneRoundEnabled && t.NS.pidNS() == nsSame && sameClock(t) && ourStartTime() != 0
+}
+
+var startTimeOnce struct {
+	sync.Once
+	v uint64
+}
+
+// ourStartTime is selfStartTime, read once: it never changes, and the
+// library does not survive fork.
+func ourStartTime() uint64 {
+	startTimeOnce.Do(func() { startTimeOnce.v = selfStartTime() })
+	return startTimeOnce.v
 }
 
 func isTimeout(err error) bool {

@@ -2,6 +2,7 @@ package core
 
 import (
 	"net"
+	"os"
 	"testing"
 	"time"
 
@@ -22,8 +23,10 @@ const (
 // FuzzReceiverHandshake is a fuzzed fake exporter answering a real
 // receiver's hello. The exporter lives in this process, so the ticket's
 // pid, start time and SO_PEERCRED all check out and only the handshake
-// stands between the receiver and whatever it is sent. Without the right
-// server proof, Open must fail, the receiver must not send its own proof
+// stands between the receiver and whatever it is sent. Mode bit 3 makes
+// the receiver a one-round confirmation (its proof comes with its hello)
+// instead of Open. Without the right server proof, Open (or confirm) must
+// fail, the receiver must not send its own proof
 // (or anything else after its hello), and every descriptor it was sent must
 // be closed. With it, the receiver's proof must check out, and the stream
 // that follows must hand out only chunks that fit the ticket.
@@ -48,10 +51,23 @@ func FuzzReceiverHandshake(f *testing.F) {
 	runs, runPlan := runTranscript(total, count, count)
 	f.Add(uint8(answerGood|4), []byte{}, cat(welcome, runs), shiftPlan(runPlan, len(welcome)))
 	f.Add(uint8(answerGood|4), []byte{}, good, goodPlan)
+	// Bit 3: the receiver confirms in one round trip (handshake.go).
+	doneAck := doneAckMsg{Flags: ackBufferLives}.encode()
+	f.Add(uint8(answerGood|8), []byte{}, cat(welcome, doneAck), []byte{})
+	f.Add(uint8(answerGood|8), []byte{}, cat(welcome, doneAck), []byte{0, 0, 1})
+	f.Add(uint8(answerGood|8), []byte{}, doneAck, []byte{})
+	f.Add(uint8(answerGood|8), []byte{}, errorMsg{Code: ENOENT, Text: "used up"}.encode(), []byte{})
+	f.Add(uint8(answerFuzzed|8), []byte{}, cat(challengeMsg{}.encode(), welcome, doneAck), []byte{})
+	f.Add(uint8(answerFuzzed|8), []byte{}, errorMsg{Code: EAUTH, Text: "no"}.encode(), []byte{})
+	f.Add(uint8(answerBadProof|8), make([]byte, challengeSize), cat(welcome, doneAck), []byte{})
+	for how := byte(0); how < nearMisses; how++ {
+		f.Add(uint8(answerNearlyGood|8), []byte{how}, cat(welcome, doneAck), []byte{})
+	}
 	f.Fuzz(func(t *testing.T, mode uint8, challenge, data, rawPlan []byte) {
 		if len(data) > 64<<10 {
 			return
 		}
+		oneRound := mode&8 != 0
 		fdsBefore := ourFDs().now(t) // the last iteration ended with every descriptor closed
 		file := newMemfd(t, total, pattern(total, 5))
 		var proofChecked bool
@@ -67,11 +83,30 @@ func FuzzReceiverHandshake(f *testing.F) {
 				return
 			}
 			hello, err := parseHello(body)
-			if err != nil || hello.RegID != tk.RegID || hello.Flags != 0 {
+			wantFlags := uint64(0)
+			if oneRound {
+				wantFlags = helloConfirm | helloOneRound
+			}
+			if err != nil || hello.RegID != tk.RegID || hello.Flags != wantFlags {
 				t.Errorf("the receiver's hello %+v, %v", hello, err)
 				return
 			}
 			tr := serverTranscript(t, uc, tk, hello)
+			if oneRound {
+				// The proof came with the hello, bound to the receiver (this
+				// process): check it first, as the exporter does.
+				tr.Socket, tr.StartTime = uint64(os.Getpid()), ourStartTime()
+				body, ok := recvFromReceiver(t, c, msgProof, "with a one-round hello")
+				if !ok {
+					return
+				}
+				pm, err := parseProof(body)
+				if err != nil || !tr.verify(tk.Secret, roleReceiver, pm.Proof) {
+					t.Errorf("the receiver's one-round proof does not check out (%v)", err)
+					return
+				}
+				proofChecked = true
+			}
 			raw, _ := uc.SyscallConn()
 			var sendErr error
 			send := func(b []byte, plan []fdAttach) {
@@ -81,19 +116,23 @@ func FuzzReceiverHandshake(f *testing.F) {
 				})
 			}
 			plan := parseFDPlan(rawPlan, len(data))
-			switch mode & 3 {
-			case answerFuzzed:
+			switch answer := mode & 3; {
+			case answer == answerFuzzed:
 				send(data, plan)
-			case answerBadProof:
+			case answer == answerBadProof:
 				var m challengeMsg
 				copy(m.Nonce[:], challenge)
 				copy(m.Proof[:], challenge[min(len(challenge), nonceSize):])
 				send(cat(m.encode(), data), shiftPlan2(plan, headerSize+challengeSize))
-			case answerNearlyGood:
-				tr.ServerNonce, _ = newNonce()
+			case answer == answerNearlyGood:
+				if !oneRound {
+					tr.ServerNonce, _ = newNonce()
+				}
 				m := challengeMsg{Nonce: tr.ServerNonce, Proof: nearMissProof(tr, tk.Secret, roleServer, challenge)}
 				send(cat(m.encode(), data), shiftPlan2(plan, headerSize+challengeSize))
-			case answerGood:
+			case answer == answerGood && oneRound:
+				send(cat(challengeMsg{Proof: tr.proof(tk.Secret, roleServer)}.encode(), data), shiftPlan2(plan, headerSize+challengeSize))
+			case answer == answerGood:
 				tr.ServerNonce, _ = newNonce()
 				send(challengeMsg{Nonce: tr.ServerNonce, Proof: tr.proof(tk.Secret, roleServer)}.encode(), nil)
 				body, ok := recvFromReceiver(t, c, msgProof, "after the right challenge")
@@ -121,10 +160,15 @@ func FuzzReceiverHandshake(f *testing.F) {
 			}
 		})
 		start := time.Now()
-		s, err := Open(fake.tk, OpenOptions{Timeout: 2 * time.Second, Window: 2})
-		if err == nil {
-			checkStreamChunks(t, s, fake.tk, mode&4 != 0)
-			s.Close()
+		var err error
+		if oneRound {
+			_, err = confirm(fake.tk, 2*time.Second)
+		} else {
+			var s *Stream
+			if s, err = Open(fake.tk, OpenOptions{Timeout: 2 * time.Second, Window: 2}); err == nil {
+				checkStreamChunks(t, s, fake.tk, mode&4 != 0)
+				s.Close()
+			}
 		}
 		took := time.Since(start)
 		fake.close()
@@ -135,6 +179,8 @@ func FuzzReceiverHandshake(f *testing.F) {
 			if msgs, _ := splitMessages(after); len(after) > 0 {
 				t.Fatalf("the receiver sent %d bytes (%d messages, first %s) after its hello to an exporter that did not prove itself", len(after), len(msgs), firstName(msgs))
 			}
+		} else if oneRound && len(after) > 0 {
+			t.Fatalf("a one-round confirmation sent %d bytes after its hello and proof", len(after))
 		} else if !proofChecked && !t.Failed() {
 			t.Fatal("the fake exporter never checked the receiver's proof")
 		}

@@ -1,6 +1,7 @@
 package core
 
 import (
+	"os"
 	"runtime"
 	"testing"
 	"time"
@@ -22,7 +23,7 @@ const (
 )
 
 // FuzzServerSession connects to a live server, runs the start chosen by
-// mode and then sends the fuzzed bytes, reading until the server closes.
+// mode (bit 4: a one-round confirmation) and then sends the fuzzed bytes, reading until the server closes.
 // The server must answer with well-formed messages only, never give a
 // descriptor, a welcome or a chunk to a client that did not prove it knows
 // the secret, attach descriptors only to chunk messages, serve chunks in
@@ -64,6 +65,11 @@ func FuzzServerSession(f *testing.F) {
 	f.Add(uint8(prefixAuthenticated), runs(pullMsg{0, 5}))
 	f.Add(uint8(prefixAuthenticated), runs(pullMsg{0, 2}, pullMsg{1, 1}))
 	f.Add(uint8(prefixAuthenticated|1<<2), runs(pullMsg{0, 4}))
+	// One-round confirmations (bit 4): right, and under a wrong secret.
+	f.Add(uint8(prefixAuthenticated|1<<4), []byte{})
+	f.Add(uint8(prefixAuthenticated|1<<4), full)
+	f.Add(uint8(prefixAuthenticated|1<<4|1<<2), full)
+	f.Add(uint8(prefixWrongSecret|1<<4), full)
 	f.Fuzz(func(t *testing.T, mode uint8, data []byte) {
 		if len(data) > 1<<20 {
 			return
@@ -71,17 +77,29 @@ func FuzzServerSession(f *testing.F) {
 		_, tk := fuzzServer(t)
 		fdsBefore, gBefore := ourFDs().now(t), runtime.NumGoroutine()
 		var fd int
-		authed := false
-		switch mode % 4 {
-		case prefixAuthenticated:
-			fd = rawAuthenticate(t, tk, 0)
-			authed = true
-		case prefixNone:
+		authed, confirm := false, false
+		switch {
+		case mode&(1<<4) != 0 && mode%4 == prefixAuthenticated:
+			fd = rawOneRoundAuthenticate(t, tk)
+			authed, confirm = true, true
+		case mode&(1<<4) != 0 && mode%4 == prefixWrongSecret:
+			bad := tk.Secret
+			bad[0] ^= 0x80
+			first, _ := rawOneRound(t, tk, bad, uint32(os.Getpid()), ourStartTime())
 			var err error
 			if fd, err = rawDial(tk.Address); err != nil {
 				t.Fatal(err)
 			}
-		case prefixWrongSecret:
+			_ = rawWrite(fd, first)
+		case mode%4 == prefixAuthenticated:
+			fd = rawAuthenticate(t, tk, 0)
+			authed = true
+		case mode%4 == prefixNone:
+			var err error
+			if fd, err = rawDial(tk.Address); err != nil {
+				t.Fatal(err)
+			}
+		case mode%4 == prefixWrongSecret:
 			s, m := rawHello(t, tk, 0)
 			if m.Type != msgChallenge {
 				t.Fatalf("hello answered with %s", describeMsg(m))
@@ -90,7 +108,7 @@ func FuzzServerSession(f *testing.F) {
 			bad[0] ^= 0x80
 			_ = rawWrite(s.fd, s.proof(bad))
 			fd = s.fd
-		case prefixUnknownID:
+		default: // prefixUnknownID
 			other := *tk
 			other.RegID += 1000
 			s, m := rawHello(t, &other, 0)
@@ -130,7 +148,7 @@ func FuzzServerSession(f *testing.F) {
 		if file >= 0 {
 			unix.Close(file)
 		}
-		checkRawReply(t, r, authed, false)
+		checkRawReply(t, r, authed, confirm)
 		ourFDs().waitFor(t, fdsBefore, "after a fuzzed session")
 		waitGoroutines(t, gBefore)
 	})
@@ -185,6 +203,16 @@ func FuzzServerHandshake(f *testing.F) {
 	f.Add(uint8(proofRaw), uint64(0), statusMsg{BufferID: 1}.encode(), full)
 	f.Add(uint8(proofRaw), uint64(0), pullMsg{0, 4}.encode(), full)
 	f.Add(uint8(proofFuzzed|1<<3), uint64(2), []byte{}, full)
+	oneRound := helloConfirm | helloOneRound
+	for _, m := range []uint8{proofFuzzed, proofRaw, proofGood, proofGood | 1<<2} {
+		f.Add(m, oneRound, make([]byte, proofSize), []byte{})
+	}
+	for how := byte(0); how < nearMisses; how++ {
+		f.Add(uint8(proofNearlyGood), oneRound, []byte{how}, []byte{})
+	}
+	f.Add(uint8(proofGood), oneRound|helloMore, []byte{}, encodeMsg(msgDone, nil))
+	f.Add(uint8(proofGood), helloOneRound, []byte{}, full)
+	f.Add(uint8(proofGood), oneRound|helloPidBound, []byte{}, []byte{})
 	f.Fuzz(func(t *testing.T, mode uint8, flags uint64, proof, tail []byte) {
 		if len(tail) > 1<<20 || len(proof) > 1<<16 {
 			return
@@ -193,6 +221,7 @@ func FuzzServerHandshake(f *testing.F) {
 		if mode&(1<<3) == 0 {
 			flags &= helloKnown // mostly known flags, else most runs stop at the hello
 		}
+		flags &^= helloLease // a lease's grant rightly carries a descriptor (FuzzLeaseSession covers it)
 		target := tk
 		if mode&(1<<2) != 0 {
 			other := *tk
@@ -200,6 +229,12 @@ func FuzzServerHandshake(f *testing.F) {
 			target = &other
 		}
 		fdsBefore, gBefore := ourFDs().now(t), runtime.NumGoroutine()
+		if flags&helloOneRound != 0 {
+			fuzzOneRoundHandshake(t, tk, target, mode, flags, proof, tail)
+			ourFDs().waitFor(t, fdsBefore, "after a fuzzed one-round handshake")
+			waitGoroutines(t, gBefore)
+			return
+		}
 		s, first := rawHello(t, target, flags)
 		authed := false
 		var send []byte
@@ -242,15 +277,88 @@ func FuzzServerHandshake(f *testing.F) {
 	})
 }
 
+// fuzzOneRoundHandshake is FuzzServerHandshake's client in the one-round
+// form (handshake.go): hello, the proof made as mode says, and the fuzzed
+// tail, in one write. The server must prove itself (a challenge) only to a
+// client whose proof checked out, before anything else, and answer an
+// unauthenticated one with at most one error.
+func fuzzOneRoundHandshake(t *testing.T, tk, target *Ticket, mode uint8, flags uint64, proof, tail []byte) {
+	fd, err := rawDial(target.Address)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fd)
+	tr := transcript{RegID: target.RegID, Flags: flags, Socket: uint64(os.Getpid()), StartTime: ourStartTime()}
+	if tr.ReceiverNonce, err = newNonce(); err != nil {
+		t.Fatal(err)
+	}
+	if tr.TicketDigest, err = target.Digest(); err != nil {
+		t.Fatal(err)
+	}
+	send := helloMsg{RegID: target.RegID, Flags: flags, Nonce: tr.ReceiverNonce}.encode()
+	switch mode & 3 {
+	case proofFuzzed:
+		var m proofMsg
+		copy(m.Proof[:], proof)
+		send = cat(send, m.encode())
+	case proofRaw:
+		send = cat(send, proof)
+	case proofNearlyGood:
+		send = cat(send, proofMsg{Proof: nearMissProof(tr, tk.Secret, roleReceiver, proof)}.encode())
+	case proofGood:
+		send = cat(send, proofMsg{Proof: tr.proof(tk.Secret, roleReceiver)}.encode())
+	}
+	wrote := make(chan struct{})
+	go func() {
+		_ = rawWrite(fd, cat(send, tail)) // EPIPE once the server gave up is fine
+		_ = unix.Shutdown(fd, unix.SHUT_WR)
+		close(wrote)
+	}()
+	r := rawReadAll(fd, 5*time.Second)
+	<-wrote
+	if r.Err != nil {
+		t.Fatalf("reading the server's answer: %v (did the server hang?)", r.Err)
+	}
+	msgs, err := splitMessages(r.Data)
+	if err != nil {
+		t.Fatalf("the server sent a malformed byte stream: %v", err)
+	}
+	if len(msgs) == 0 || msgs[0].Type != msgChallenge {
+		checkRawReply(t, r, false, false)
+		for _, m := range msgs {
+			if m.Type == msgChallenge {
+				t.Fatal("a one-round server sent its proof after something else")
+			}
+		}
+		return
+	}
+	ch, err := parseChallenge(msgs[0].Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if mode&3 != proofGood || target != tk {
+		t.Fatalf("a one-round server proved itself to a client that did not prove it knows the secret (mode %d)", mode)
+	}
+	if ch.Nonce != (nonce{}) || !tr.verify(tk.Secret, roleServer, ch.Proof) {
+		t.Fatal("a one-round server's proof does not check out")
+	}
+	r.Data = r.Data[headerSize+challengeSize:]
+	for i := range r.FDAt {
+		r.FDAt[i] -= headerSize + challengeSize
+	}
+	checkRawReply(t, r, true, flags&helloConfirm != 0)
+}
+
 // nearMisses is how many ways nearMissProof knows to get a proof almost
 // right.
-const nearMisses = 9
+const nearMisses = 11
 
 // nearMissProof is a real HMAC that is not the proof for role in tr, as
 // how[0] picks: of the other role (a reflected proof), under another
 // secret, with another exporter socket or none, the flags, the registration, the ticket digest
-// or the server's nonce changed, or the right proof with one bit flipped
-// (how[1] picks the bit).
+// or the server's nonce changed, the right proof with one bit flipped
+// (how[1] picks the bit), the other form's (one round or two) or a stale
+// start time.
 func nearMissProof(tr transcript, secret Secret, role byte, how []byte) [proofSize]byte {
 	pick, bit := byte(0), byte(0)
 	if len(how) > 0 {
@@ -280,6 +388,11 @@ func nearMissProof(tr transcript, secret Secret, role byte, how []byte) [proofSi
 		p := tr.proof(secret, role)
 		p[bit%proofSize] ^= 1 << (bit % 8)
 		return p
+	case 9:
+		tr.Flags ^= helloOneRound // the other form's proof
+	case 10:
+		tr.Flags |= helloOneRound
+		tr.StartTime++ // a stale start time (or, in two rounds, the other form)
 	}
 	return tr.proof(secret, role)
 }

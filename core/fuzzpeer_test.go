@@ -173,12 +173,13 @@ func fuzzServer(t testing.TB) (*Server, *Ticket) {
 // client did by hand. Unauthenticated, a client may get status answers, one
 // challenge and a final error, and nothing else: no welcome, no chunk, no
 // done-ack. Authenticated, it gets a welcome, chunks 0.. in order, then at
-// most one done-ack (after every chunk, or at once for a confirm) or one
-// error, which ends the reply.
+// most one done-ack (after every chunk, or at once for a confirm), then
+// only use-acks (further uses, helloMore), or one error, which ends the
+// reply.
 func checkServerReply(t *testing.T, msgs []rawMsg, authed, confirm bool) {
 	t.Helper()
 	next := uint64(0)
-	challenged := false
+	challenged, acked := false, false
 	for i, m := range msgs {
 		last := i == len(msgs)-1
 		switch {
@@ -203,6 +204,8 @@ func checkServerReply(t *testing.T, msgs []rawMsg, authed, confirm bool) {
 			challenged = true
 		case !authed:
 			t.Fatalf("the server sent %s (message %d) to a client that never proved it knows the secret", msgName(m.Type), i)
+		case acked && m.Type != msgUseAck:
+			t.Fatalf("the server sent %s (message %d) after the done-ack", msgName(m.Type), i)
 		case m.Type == msgWelcome:
 			if i != 0 {
 				t.Fatalf("welcome as message %d", i)
@@ -221,8 +224,13 @@ func checkServerReply(t *testing.T, msgs []rawMsg, authed, confirm bool) {
 			}
 			next += r.Count
 		case m.Type == msgDoneAck:
-			if !last || (next != fuzzChunks && !(confirm && next == 0)) {
+			if acked || (next != fuzzChunks && !(confirm && next == 0)) {
 				t.Fatalf("done-ack as message %d after %d chunks (confirm %v)", i, next, confirm)
+			}
+			acked = true
+		case m.Type == msgUseAck: // a further use (helloMore), answered after the done-ack
+			if _, err := parseUseAck(m.Body); !acked || err != nil {
+				t.Fatalf("use-ack as message %d, before the done-ack or malformed (%v)", i, err)
 			}
 		default:
 			t.Fatalf("the server sent a %s message", msgName(m.Type))

@@ -25,6 +25,30 @@ import (
 // no descriptor before the server's proof checks out; the server answers
 // nothing but the challenge before the receiver's does. The role byte keeps a
 // server's proof from ever passing for a receiver's.
+//
+// A receiver in the exporter's PID namespace (and time namespace) may
+// instead confirm in one round trip (hello flag helloOneRound):
+//
+//	receiver → server: hello(reg id, flags, Nr), proof(HMAC(secret, "R" || T1))
+//	server → receiver: challenge(0, HMAC(secret, "S" || T1)), welcome, ...
+//
+// T1 has no server nonce: it binds the receiver's own identity instead,
+// its pid and its start time (field 22 of /proc/<pid>/stat), which the
+// exporter takes from the kernel (SO_PEERCRED, SO_PEERPIDFD and /proc,
+// sockends.go), never from the receiver. A relay or impostor that
+// forwards the receiver's first message has a pid of its own, so the
+// exporter's T1 differs and the proof fails; a replay checks out only
+// from the same pid with the same start time, that is from the receiver
+// itself (which knows the secret anyway), and only while it lives (the
+// exporter checks the peer's pidfd after reading its start time, so a
+// pid handed out again cannot pass either). The server still proves
+// itself before the receiver believes anything: its proof covers Nr, so
+// it cannot be replayed to the receiver, and the receiver checks it
+// before the welcome. The server's proof is sent only after the
+// receiver's has checked out, so a peer without the secret learns
+// nothing but a refusal, as in the two-round form. The flag is in T1,
+// and the start time enters the HMAC only with it: no proof of one form
+// passes for the other.
 
 type nonce [nonceSize]byte
 
@@ -37,7 +61,8 @@ type transcript struct {
 	Socket        uint64 // the cookie of the exporter's socket of the connection
 	TicketDigest  [32]byte
 	ReceiverNonce nonce
-	ServerNonce   nonce
+	ServerNonce   nonce  // zero in the one-round form
+	StartTime     uint64 // the receiver's, in the one-round form only
 }
 
 const (
@@ -58,6 +83,11 @@ func (t *transcript) proof(secret Secret, role byte) [proofSize]byte {
 	copy(b[58:], t.ReceiverNonce[:])
 	copy(b[58+nonceSize:], t.ServerNonce[:])
 	mac.Write(b[:])
+	if t.Flags&helloOneRound != 0 {
+		var st [8]byte
+		binary.LittleEndian.PutUint64(st[:], t.StartTime)
+		mac.Write(st[:])
+	}
 	var out [proofSize]byte
 	copy(out[:], mac.Sum(nil))
 	return out
@@ -66,9 +96,11 @@ func (t *transcript) proof(secret Secret, role byte) [proofSize]byte {
 // forUse is the transcript a further use of registration id (whose ticket
 // digest is digest) is proved with on a session whose handshake was t
 // (wire_uses.go): receiver and server both build it here, so that they
-// cannot drift apart.
+// cannot drift apart. A one-round session's uses keep its flag, and so
+// its start time: without a server nonce, the pid and start time are what
+// keeps a use's proof from passing on another process's session.
 func (t transcript) forUse(id uint64, digest [32]byte) transcript {
-	t.RegID, t.Flags, t.TicketDigest = id, useProofFlag, digest
+	t.RegID, t.Flags, t.TicketDigest = id, useProofFlag|t.Flags&helloOneRound, digest
 	return t
 }
 

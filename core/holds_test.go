@@ -72,6 +72,17 @@ func letGo(t *testing.T, f holdFixture, g *Ticket, what string) {
 
 var holdImport = ImportOptions{Hold: true}
 
+// serverIdle waits (at most 5 s) until s serves no connection: a session
+// closes the server's end of its socket after the receiver has its
+// answer, which in one process a descriptor count can catch.
+func serverIdle(s *Server) {
+	waitUntil(5*time.Second, func() bool {
+		s.adm.mu.Lock()
+		defer s.adm.mu.Unlock()
+		return s.adm.held == 0
+	})
+}
+
 // TestHoldKeepsTheSenderUntilLetGo: a holdable grant used by a receiver
 // that holds is used up (no second receiver) but not released until the
 // receiver lets go; a cache hit holds on the same lease, and leaves no
@@ -96,6 +107,7 @@ func TestHoldKeepsTheSenderUntilLetGo(t *testing.T) {
 		t.Fatalf("holds: server %d, receiver %d, want 1 and 1", f.s.Holds(), GetCacheInfo().Holds)
 	}
 	sessions := GetCacheInfo().HolderSessions
+	serverIdle(f.s) // the refused hit's session closes its socket after the receiver has its answer
 	fdsBefore := ourFDs().now(t)
 
 	g2, rel2 := f.grant(t, true)
@@ -107,6 +119,7 @@ func TestHoldKeepsTheSenderUntilLetGo(t *testing.T) {
 	if got := GetCacheInfo().HolderSessions; got > sessions { // earlier tests' may close meanwhile
 		t.Fatalf("a hit took another lease: %d, had %d", got, sessions)
 	}
+	serverIdle(f.s) // and so does the hit's: a one-round answer comes before its session ends
 	if now := ourFDs().now(t); now != fdsBefore {
 		t.Fatalf("a held hit changed the descriptors from %d to %d", fdsBefore, now)
 	}

@@ -99,3 +99,47 @@ func containsSecret(b []byte, s Secret) bool {
 	}
 	return false
 }
+
+// rawOneRound is the first write of a one-round confirmation (handshake.go)
+// of tk, proved under secret as if from the process pid started at tick
+// start, and its transcript.
+func rawOneRound(t testing.TB, tk *Ticket, secret Secret, pid uint32, start uint64) ([]byte, transcript) {
+	t.Helper()
+	tr := transcript{RegID: tk.RegID, Flags: helloConfirm | helloOneRound, Socket: uint64(pid), StartTime: start}
+	var err error
+	if tr.ReceiverNonce, err = newNonce(); err != nil {
+		t.Fatal(err)
+	}
+	if tr.TicketDigest, err = tk.Digest(); err != nil {
+		t.Fatal(err)
+	}
+	first := helloMsg{RegID: tk.RegID, Flags: tr.Flags, Nonce: tr.ReceiverNonce}.encode()
+	return append(first, proofMsg{Proof: tr.proof(secret, roleReceiver)}.encode()...), tr
+}
+
+// rawOneRoundAuthenticate runs a one-round confirmation of tk by hand and
+// returns the connection, on which the server's next message is the
+// welcome (its proof was read and checked). The caller closes it.
+func rawOneRoundAuthenticate(t testing.TB, tk *Ticket) int {
+	t.Helper()
+	first, tr := rawOneRound(t, tk, tk.Secret, uint32(os.Getpid()), ourStartTime())
+	fd, err := rawDial(tk.Address)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := rawWrite(fd, first); err != nil {
+		unix.Close(fd)
+		t.Fatal(err)
+	}
+	m, descriptors, err := rawRecv(fd, 5*time.Second)
+	if err != nil || descriptors != 0 || m.Type != msgChallenge {
+		unix.Close(fd)
+		t.Fatalf("a one-round confirmation answered with %s, %d descriptor(s), %v; want a challenge", describeMsg(m), descriptors, err)
+	}
+	ch, err := parseChallenge(m.Body)
+	if err != nil || ch.Nonce != (nonce{}) || !tr.verify(tk.Secret, roleServer, ch.Proof) {
+		unix.Close(fd)
+		t.Fatalf("the server's one-round proof does not check out (%v)", err)
+	}
+	return fd
+}

@@ -109,7 +109,10 @@ func (ss *session) serveUse(g *registration, hello helloMsg, l *lease) bool {
 	ss.c.deadline = time.Time{}
 	ss.c.timeout = idleTimeout
 	b := g.buf
-	if err := ss.c.send(welcomeMsg{Count: uint64(len(b.sizes)), Total: b.total, Kind: b.kind, BufferID: b.id}.encode(), -1); err != nil {
+	welcome := welcomeMsg{Count: uint64(len(b.sizes)), Total: b.total, Kind: b.kind, BufferID: b.id}.encode()
+	if hello.Flags&helloConfirm != 0 {
+		ss.c.queue(welcome) // with the done-ack: a confirmation is one write
+	} else if err := ss.c.send(welcome, -1); err != nil {
 		return false
 	}
 	// The use is spent as the last chunk goes out (or a cached mapping is
@@ -162,6 +165,9 @@ func (ss *session) serveUse(g *registration, hello helloMsg, l *lease) bool {
 // authenticate runs the server's half of the handshake (handshake.go) and
 // then takes the connection out of the pending set.
 func (ss *session) authenticate(g *registration, hello helloMsg) bool {
+	if hello.Flags&helloOneRound != 0 {
+		return ss.authenticateOneRound(g, hello)
+	}
 	ns, err := newNonce()
 	if err != nil {
 		ss.refuse(err)
@@ -196,6 +202,50 @@ func (ss *session) authenticate(g *registration, hello helloMsg) bool {
 		ss.refuse(Errorf(EAUTH, "the receiver's proof for registration %d does not check out: its ticket is corrupted or forged", g.id))
 		return false
 	}
+	ss.tr = tr
+	ss.authed = ss.adm.authenticated(ss.p)
+	return ss.authed
+}
+
+// authenticateOneRound is the server's half of the one-round form
+// (handshake.go): the receiver's proof has followed its hello, bound to
+// the pid and start time the kernel reports of the process that
+// connected. Only once it checks out does the server prove itself, and
+// the welcome follows in the same breath.
+func (ss *session) authenticateOneRound(g *registration, hello helloMsg) bool {
+	if hello.Flags&(helloPidBound|helloConfirm) != helloConfirm {
+		ss.refuse(Errorf(EINVAL, "protocol: the one-round handshake is for a confirmation bound to the receiver's pid, got hello flags %#x", hello.Flags))
+		return false
+	}
+	f, ok := ss.recv()
+	if !ok {
+		return false
+	}
+	if f.Type != msgProof {
+		ss.refuse(Errorf(EINVAL, "protocol: expected proof after a one-round hello, got %s", msgName(f.Type)))
+		return false
+	}
+	pm, err := parseProof(f.Body)
+	if err != nil {
+		ss.refuse(err)
+		return false
+	}
+	pid, start, err := peerIdentity(ss.p.uc)
+	if err != nil {
+		ss.refuse(err)
+		return false
+	}
+	tr := transcript{
+		RegID: hello.RegID, Flags: hello.Flags, Socket: uint64(pid),
+		TicketDigest: g.digest, ReceiverNonce: hello.Nonce, StartTime: start,
+	}
+	if !tr.verify(g.secret, roleReceiver, pm.Proof) {
+		ss.refuse(Errorf(EAUTH, "the receiver's one-round proof for registration %d does not check out: its ticket is corrupted or forged, or another process (pid %d, started at tick %d) relays or replays it", g.id, pid, start))
+		return false
+	}
+	// The proof goes out with the welcome and done-ack (serveUse), or
+	// with whatever comes next (a lease, a refusal), in one write.
+	ss.c.queue(challengeMsg{Proof: tr.proof(g.secret, roleServer)}.encode())
 	ss.tr = tr
 	ss.authed = ss.adm.authenticated(ss.p)
 	return ss.authed

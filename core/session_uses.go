@@ -29,23 +29,31 @@ func (ss *session) serveMoreUses(l *lease) {
 			ss.refuse(err)
 			return
 		}
-		ack, g, held := ss.useMore(m, l)
-		if ss.c.send(ack.encode(), -1) != nil {
-			if held { // the receiver never learns of it: nor may the lease keep it
-				ss.reg.leases.letGo(l, []uint64{g.id}, false)
-			}
+		ack, g, held, usedUp := ss.useMore(m, l)
+		sent := ss.c.send(ack.encode(), -1) == nil
+		if !sent && held { // the receiver never learns of it: nor may the lease keep it
+			ss.reg.leases.letGo(l, []uint64{g.id}, false)
+		}
+		// A used-up registration ends only once its answer is out: its
+		// release (the owner's release_fn, which in Python waits for the
+		// GIL) may take a while, and the receiver need not wait for it.
+		if usedUp {
+			g.end(usedUpWhy(g))
+		}
+		if !sent {
 			return
 		}
 	}
 }
 
 // useMore spends one use of m's registration, held on l (if any) if the
-// registration holds.
-func (ss *session) useMore(m useMsg, l *lease) (ack useAckMsg, g *registration, held bool) {
+// registration holds. It reports whether that used the registration up:
+// the caller ends it after sending the ack.
+func (ss *session) useMore(m useMsg, l *lease) (ack useAckMsg, g *registration, held, usedUp bool) {
 	ack.RegID = m.RegID
-	refuse := func(err error) (useAckMsg, *registration, bool) {
+	refuse := func(err error) (useAckMsg, *registration, bool, bool) {
 		ack.Code, ack.Text = refusalCode(err), err.Error()
-		return ack, nil, false
+		return ack, nil, false, false
 	}
 	g, err := ss.reg.lookup(m.RegID)
 	if err != nil {
@@ -59,11 +67,8 @@ func (ss *session) useMore(m useMsg, l *lease) (ack useAckMsg, g *registration, 
 		return refuse(err)
 	}
 	held = l != nil && ss.reg.leases.take(l, g)
-	usedUp := g.spend(cl)
+	usedUp = g.spend(cl)
 	g.drop(cl)
-	if usedUp {
-		defer g.end(usedUpWhy(g)) // after the ack is built; its release may take a while
-	}
 	ack.Flags = ss.ackFlags(g, usedUp, held)
-	return ack, g, held
+	return ack, g, held, usedUp
 }

@@ -3,7 +3,9 @@ package core
 import (
 	"encoding/binary"
 	"errors"
+	"net"
 	"sync"
+	"sync/atomic"
 	"syscall"
 
 	"golang.org/x/sys/unix"
@@ -218,4 +220,66 @@ func parseSockDiag(b []byte, ino uint64) (sockDiag, error) {
 		a = a[min((alen+3)&^3, len(a)):]
 	}
 	return d, nil
+}
+
+// The one-round form (handshake.go) binds the receiver's pid and start
+// time instead of the exporter's socket: both read from the kernel by the
+// exporter, never taken from the receiver.
+
+// soPeerPidfd is SO_PEERPIDFD (Linux 6.5+; x/sys/unix lacks it): a pidfd
+// of the process that connected, which names that process and no other
+// even after its pid is handed out again.
+const soPeerPidfd = 77
+
+// peerIdentity is the pid (in our PID namespace) and start time of the
+// process that connected uc. It reads the start time from /proc and then
+// takes the peer's pidfd (SO_PEERPIDFD, which the kernel gives only while
+// the process that connected has not been reaped) and checks that the
+// process lives: then it lived all through the read, its pid was not
+// handed out again, and the start time read is its own. The two
+// descriptors are open one after the other, never together: an exporter's
+// sessions cost it as few descriptors as they can (issue 31's bound).
+// Where the kernel or /proc cannot tell (another PID namespace, no
+// SO_PEERPIDFD, a /proc not ours) it fails, and the receiver falls back to
+// the two-round form.
+func peerIdentity(uc *net.UnixConn) (pid uint32, start uint64, err error) {
+	if f := peerIdentityForTest.Load(); f != nil {
+		return (*f)(uc)
+	}
+	return kernelPeerIdentity(uc)
+}
+
+// peerIdentityForTest, when set (only by a test), stands in for the
+// kernel: an exporter that cannot check a receiver's identity. Atomic,
+// since the server's goroutines read it while a test sets it.
+var peerIdentityForTest atomic.Pointer[func(*net.UnixConn) (uint32, uint64, error)]
+
+func kernelPeerIdentity(uc *net.UnixConn) (pid uint32, start uint64, err error) {
+	cred, err := peerCred(uc)
+	if err != nil {
+		return 0, 0, Errorf(EAUTH, "cannot read the receiver's credentials (SO_PEERCRED): %w", err)
+	}
+	if cred.Pid <= 0 || !procShowsOurPIDs() {
+		return 0, 0, Errorf(EAUTH, "the receiver asked for a one-round handshake bound to its pid, but it is not in the exporter's PID namespace (its pid here is %d), or this /proc is not of it: it must use the two-round handshake", cred.Pid)
+	}
+	st, err := processStartTime(int(cred.Pid))
+	if err != nil {
+		return 0, 0, Errorf(EAUTH, "cannot read the receiver's start time: %w", err)
+	}
+	raw, err := uc.SyscallConn()
+	if err != nil {
+		return 0, 0, Errorf(EAUTH, "socket: %w", err)
+	}
+	pidfd := -1
+	var opErr error
+	if err := raw.Control(func(s uintptr) { pidfd, opErr = unix.GetsockoptInt(int(s), unix.SOL_SOCKET, soPeerPidfd) }); err != nil || opErr != nil {
+		return 0, 0, Errorf(EAUTH, "cannot take a pidfd of the receiver (SO_PEERPIDFD, Linux 6.5+; refused once it has exited): %v%v; it must use the two-round handshake", err, opErr)
+	}
+	defer unix.Close(pidfd)
+	// Signal 0 only asks whether it lives; EPERM (a receiver of another
+	// uid) says it does.
+	if err := unix.PidfdSendSignal(pidfd, 0, nil, 0); err != nil && err != unix.EPERM {
+		return 0, 0, Errorf(EAUTH, "the process that connected (pid %d) has exited: %w", cred.Pid, err)
+	}
+	return uint32(cred.Pid), st, nil
 }

@@ -44,7 +44,10 @@ import (
 // vmmipc_pull_next keeps pulling chunk by chunk.
 //
 // With the confirm flag (a receiver that has the buffer cached) the server
-// sends done-ack right after welcome and no chunk is pulled. An error
+// sends done-ack right after welcome and no chunk is pulled. A confirming
+// receiver in the exporter's PID namespace may send its proof right after
+// its hello (the one-round flag, handshake.go): the server then answers
+// challenge (a zero nonce and its proof), welcome and done-ack together. An error
 // message ends the session; the server closes the connection after it.
 // Before any hello, a peer may send status queries (buffer id → alive?);
 // they reveal nothing but whether a buffer id is live.
@@ -95,7 +98,8 @@ const (
 	helloPidBound uint64 = 1 << 1 // bind the receiver's pid, not the socket (sockends.go)
 	helloLease    uint64 = 1 << 2 // give me a lease and hold this use on it (holds.go)
 	helloMore     uint64 = 1 << 3 // uses of other registrations follow the done-ack (confirm_many.go)
-	helloKnown           = helloConfirm | helloPidBound | helloLease | helloMore
+	helloOneRound uint64 = 1 << 4 // the proof follows at once, bound to the receiver's pid and start time (handshake.go)
+	helloKnown           = helloConfirm | helloPidBound | helloLease | helloMore | helloOneRound
 )
 
 // Done-ack flags.

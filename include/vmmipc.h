@@ -786,8 +786,10 @@ typedef struct vmmipc_mapping {
  * hit: the same ticket again, vmmipc_register_again, or the sender
  * registering the same memory again) still connects, proves the secret both
  * ways, spends one use and has the exporter confirm that the registration
- * lives; then it returns another reference to the same mapping, at the same
- * address, with no descriptor and no driver call (the device is resolved
+ * lives (one round trip after connecting in the exporter's PID namespace:
+ * see vmmipc_confirm); then it returns another reference to the same
+ * mapping, at the same address, with no descriptor and no driver call (the
+ * device is resolved
  * from a table read once per process). A stale hit cannot
  * happen: a buffer id names one set of allocations (or one memfd) that the
  * exporter holds references to for as long as any registration of it
@@ -870,7 +872,13 @@ int vmmipc_import_stream(const vmmipc_ticket *ticket, int device,
  * library thread does that (vmmipc_cache_info counts it; see
  * vmmipc_import_stream); with VMMIPC_IMPORT_HOLD it holds the use on this
  * process's lease at the exporter (see "Holds"), waiting for the answer as
- * without the flag. Receives no chunk
+ * without the flag. In the exporter's PID (and time) namespace it costs
+ * one round trip after connecting: its proof goes with its hello, bound to
+ * its own pid and start time, which the exporter reads from the kernel
+ * (SO_PEERCRED, /proc, SO_PEERPIDFD: Linux 6.5+), and the exporter's proof,
+ * the welcome and the answer come back in one write; elsewhere, or where
+ * the exporter cannot check or predates this (it refuses the one-round
+ * hello, and the call asks again at once), two, as vmmipc_open. Receives no chunk
  * descriptor and makes no driver call; holds one socket to the exporter
  * (and briefly, across namespaces, a netlink socket) while it runs.
  * Returns:
