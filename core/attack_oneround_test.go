@@ -155,6 +155,14 @@ func TestOneRoundFallsBack(t *testing.T) {
 	if n := asked.Load(); n != 1 {
 		t.Fatalf("the exporter was asked %d times for the receiver's identity, want 1", n)
 	}
+	// Once refused, that exporter is asked in two rounds from the start.
+	if _, err := confirm(tk, 5*time.Second); err != nil {
+		t.Fatalf("a second confirmation to an exporter that refused the one-round form: %v", err)
+	}
+	if n := asked.Load(); n != 1 {
+		t.Fatalf("the exporter was asked %d times after it refused the one-round form, want still 1", n)
+	}
+	oneRoundRefusers.Delete(tk.exporterKey())
 	peerIdentityForTest.Store(nil)
 	if _, err := confirm(tk, 5*time.Second); err != nil {
 		t.Fatal(err)

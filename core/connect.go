@@ -30,7 +30,7 @@ func connect(t *Ticket, timeout time.Duration, flags uint64, ask *holdAsk) (*con
 		return nil, transcript{}, err
 	}
 	// A confirmation tries one round trip first (handshake.go).
-	oneRound := flags&helloConfirm != 0 && oneRoundWorks(t)
+	oneRound := flags&helloConfirm != 0 && oneRoundWorks(t) && !twoRoundsOnly(t)
 	deadline := time.Now().Add(timeout)
 	for backoff := time.Millisecond; ; backoff = min(2*backoff, 50*time.Millisecond) {
 		c, err := dialConn(t, deadline, timeout)
@@ -48,7 +48,8 @@ func connect(t *Ticket, timeout time.Duration, flags uint64, ask *holdAsk) (*con
 		_ = c.Close()
 		var refused *oneRoundRefused
 		if errors.As(err, &refused) {
-			oneRound = false // at once, in two rounds
+			oneRound = false // at once, in two rounds, and from now on with this exporter
+			oneRoundRefusers.Store(t.exporterKey(), true)
 			continue
 		}
 		if err != errBusy {
@@ -198,6 +199,16 @@ var oneRoundEnabled = true
 // counted in the reader's time namespace).
 func oneRoundWorks(t *Ticket) bool {
 	return oneRoundEnabled && t.NS.pidNS() == nsSame && sameClock(t) && ourStartTime() != 0
+}
+
+// oneRoundRefusers are the exporters that refused a one-round hello (a
+// kernel without SO_PEERPIDFD, an older library): they are not asked again,
+// so each confirmation to them costs no refused attempt first.
+var oneRoundRefusers sync.Map // exporterKey → true
+
+func twoRoundsOnly(t *Ticket) bool {
+	_, ok := oneRoundRefusers.Load(t.exporterKey())
+	return ok
 }
 
 var startTimeOnce struct {
