@@ -19,6 +19,7 @@ import warnings
 
 import pytest
 
+import conftest
 import vmmipc
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
@@ -463,3 +464,12 @@ def test_the_arena_calls_check_what_they_are_given(vt):
         import pickle
         pickle.dumps(a)
     assert ctypes.sizeof(_lib.vmmipc_arena_block) == 32
+
+
+def test_the_documented_example_runs():
+    # docs/dataloader.md's one line is an excerpt of this example: it must run.
+    example = os.path.join(conftest.ROOT, "examples", "python", "torch_dataloader.py")
+    r = subprocess.run([sys.executable, example], capture_output=True, text=True, timeout=300,
+                       env=child_env())
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "every batch's values checked" in r.stdout, r.stdout
