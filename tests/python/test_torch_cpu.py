@@ -8,7 +8,8 @@ Two kinds:
     without torch and says what is missing when used.
   - Registration with ForkingPickler, CPU tensors keeping torch's own
     reducer, and the receiver's tensor rebuilding, against torch's CPU build.
-    Skipped, with the reason, where torch is not installed (CI has none).
+    Skipped, with the reason, where torch is not installed for this Python
+    (make test-torch runs them under build/torch-venv, as CI does).
 The CUDA paths themselves are tested on the GPU by tests/gpu/test_torch.py.
 """
 
@@ -31,8 +32,8 @@ from vmmipc import (_anchor, _mp, _torch_batch, _torch_blob, _torch_received, _t
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 needs_torch = pytest.mark.skipif(
-    not HAVE_TORCH, reason="PyTorch is not installed here (CI has none); these tests need its "
-    "CPU build: pip install torch --index-url https://download.pytorch.org/whl/cpu")
+    not HAVE_TORCH, reason="PyTorch is not installed for this Python; make test-torch runs these "
+    "tests under build/torch-venv (make test VMMIPC_TEST_TORCH=1, as .ci/run, installs it there)")
 
 # the directory this vmmipc was imported from, for a child Python
 PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(vmmipc.__file__)))
