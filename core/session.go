@@ -185,17 +185,8 @@ func (ss *session) authenticate(g *registration, hello helloMsg) bool {
 	if err := ss.c.send(challengeMsg{Nonce: ns, Proof: tr.proof(g.secret, roleServer)}.encode(), -1); err != nil {
 		return false
 	}
-	f, ok := ss.recv()
+	pm, ok := ss.recvProof("proof")
 	if !ok {
-		return false
-	}
-	if f.Type != msgProof {
-		ss.refuse(Errorf(EINVAL, "protocol: expected proof, got %s", msgName(f.Type)))
-		return false
-	}
-	pm, err := parseProof(f.Body)
-	if err != nil {
-		ss.refuse(err)
 		return false
 	}
 	if !tr.verify(g.secret, roleReceiver, pm.Proof) {
@@ -217,17 +208,8 @@ func (ss *session) authenticateOneRound(g *registration, hello helloMsg) bool {
 		ss.refuse(Errorf(EINVAL, "protocol: the one-round handshake is for a confirmation bound to the receiver's pid, got hello flags %#x", hello.Flags))
 		return false
 	}
-	f, ok := ss.recv()
+	pm, ok := ss.recvProof("proof after a one-round hello")
 	if !ok {
-		return false
-	}
-	if f.Type != msgProof {
-		ss.refuse(Errorf(EINVAL, "protocol: expected proof after a one-round hello, got %s", msgName(f.Type)))
-		return false
-	}
-	pm, err := parseProof(f.Body)
-	if err != nil {
-		ss.refuse(err)
 		return false
 	}
 	pid, start, err := peerIdentity(ss.p.uc)
@@ -289,4 +271,23 @@ func (ss *session) answerStatus(f frame) {
 			return
 		}
 	}
+}
+
+// recvProof reads the receiver's proof message (what: how the refusal
+// names the message expected), refusing anything else.
+func (ss *session) recvProof(what string) (proofMsg, bool) {
+	f, ok := ss.recv()
+	if !ok {
+		return proofMsg{}, false
+	}
+	if f.Type != msgProof {
+		ss.refuse(Errorf(EINVAL, "protocol: expected %s, got %s", what, msgName(f.Type)))
+		return proofMsg{}, false
+	}
+	pm, err := parseProof(f.Body)
+	if err != nil {
+		ss.refuse(err)
+		return proofMsg{}, false
+	}
+	return pm, true
 }
