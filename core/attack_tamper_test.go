@@ -20,11 +20,7 @@ import (
 // spends the registration's only use, and nothing leaks. Bytes of the
 // device-UUID field of a host ticket are refused by the decoder itself.
 func TestEverySingleByteCorruption(t *testing.T) {
-	flushCache(t)
-	s := newTestServer(t)
-	fd := newMemfd(t, 4*4096, pattern(4*4096, 6))
-	tk := registerFile(t, s, fd, 4*4096, 4096, RegisterOptions{Uses: 1})
-	unix.Close(fd)
+	s, tk := oneUseTicket(t, 6)
 	good, err := tk.Marshal()
 	if err != nil {
 		t.Fatal(err)
@@ -135,11 +131,7 @@ func TestRegisteredFileNotItsNumber(t *testing.T) {
 // be damaged or come from another host or container, not only that the
 // exporter exited; the registration's use is not spent.
 func TestDamagedTicketIsSuspected(t *testing.T) {
-	flushCache(t)
-	s := newTestServer(t)
-	fd := newMemfd(t, 4*4096, pattern(4*4096, 7))
-	tk := registerFile(t, s, fd, 4*4096, 4096, RegisterOptions{Uses: 1})
-	unix.Close(fd)
+	_, tk := oneUseTicket(t, 7)
 	unused := uint32(0)
 	for pid := uint32(4194303); pid > 1000; pid-- {
 		if _, err := os.Stat(fmt.Sprintf("/proc/%d", pid)); os.IsNotExist(err) {
@@ -168,4 +160,15 @@ func TestDamagedTicketIsSuspected(t *testing.T) {
 	if err := verifyAndUnmap(r, 7); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// oneUseTicket registers a fresh 4-page memfd of pattern(seed) with one use
+// on a new server, the cache flushed first.
+func oneUseTicket(t *testing.T, seed byte) (*Server, *Ticket) {
+	t.Helper()
+	flushCache(t)
+	s := newTestServer(t)
+	fd := newMemfd(t, 4*4096, pattern(4*4096, seed))
+	defer unix.Close(fd)
+	return s, registerFile(t, s, fd, 4*4096, 4096, RegisterOptions{Uses: 1})
 }
