@@ -98,3 +98,20 @@ func BenchmarkConfirm(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkHeldUse is a held use answered and let go of, one after the
+// other: the shape of a loop of one-tensor sends (torch's send_many).
+//
+//	go test -run '^$' -bench HeldUse -benchmem ./core
+func BenchmarkHeldUse(b *testing.B) {
+	s, fd := benchBuffer(b)
+	tk := registerFile(b, s, fd, benchSize, benchChunkSize, RegisterOptions{Hold: true})
+	for b.Loop() {
+		if _, err := useHeld(tk, 5*time.Second); err != nil {
+			b.Fatal(err)
+		}
+		if err := Release(tk); err != nil {
+			b.Fatal(err)
+		}
+	}
+}

@@ -9,7 +9,8 @@ import (
 
 // A receiver's lease at one exporter (holder.go has how held uses use it,
 // holds.go the why): what it holds, the uses in flight on it, the releases
-// queued and the goroutine that sends them, and its end.
+// queued, the timer that sends them (unless a held use carries them first)
+// and its end, a while after it last held anything.
 type clientLease struct {
 	t     *Ticket // a ticket of the exporter: where releases go
 	key   string  // the exporter (Ticket.exporterKey)
@@ -20,12 +21,15 @@ type clientLease struct {
 	m        leaseMapping // nil once gone
 	held     map[uint64]int
 	nheld    int
-	inflight int      // uses sent on it whose answers have not come yet
-	queued   []uint64 // registration ids to let go of, oldest first
-	flushing bool
-	ending   bool // takes no new use: it ends once its releases went
-	gone     bool // ended: unmapped and forgotten
-	lost     bool // a use's answer never came: end it once what is known is let go
+	inflight int         // uses sent on it whose answers have not come yet
+	queued   []uint64    // registration ids to let go of, oldest first
+	lastUse  time.Time   // a use settled or a hold let go: it ends leaseLinger later if it then holds nothing
+	timer    *time.Timer // runs flush at due
+	due      time.Time   // zero: flush is not scheduled
+	flushing bool        // flush runs (and looks at everything again before it stops)
+	ending   bool        // takes no new use: it ends once its releases went
+	gone     bool        // ended: unmapped and forgotten
+	lost     bool        // a use's answer never came: end it once what is known is let go
 }
 
 // leases are this process's leases, by exporter, and the exporters a
@@ -39,6 +43,19 @@ var leases = struct {
 // releaseTimeout bounds each wait of a release connection (they run off
 // every caller's path, and are tried again while the exporter lives).
 var releaseTimeout = 5 * time.Second
+
+// releaseDelay is how long a release waits for a held use to the same
+// exporter to carry it (holder.go) before it goes on a connection of its
+// own: a loop of one-tensor sends then costs one connection per tensor, not
+// two. It bounds how much later than vmmipc_release the exporter lets go.
+var releaseDelay = 2 * time.Millisecond
+
+// leaseLinger is how long a lease that holds nothing is kept for the next
+// held use: taking a lease costs a round trip, a descriptor passed, a
+// lock and a mapping, which a loop of held uses would otherwise pay each
+// time. It costs nothing but the one-page mapping and the exporter's slot
+// (which the exporter may reclaim: the next use then asks for a new one).
+var leaseLinger = 250 * time.Millisecond
 
 // holdAsk is what a held use's session asks for: to hold on the lease on,
 // or, with none, a new lease (which the handshake puts in got).
@@ -102,8 +119,9 @@ func (l *clientLease) useDone(id uint64, held bool) {
 		l.held[id]++
 		l.nheld++
 	}
+	l.lastUse = time.Now()
+	l.endWhenIdleLocked()
 	l.mu.Unlock()
-	l.maybeEnd()
 }
 
 // moreInFlight counts n more uses in flight on l (a session's further
@@ -121,33 +139,102 @@ func (l *clientLease) useLost() {
 	l.mu.Lock()
 	l.inflight--
 	l.lost = true
+	l.endWhenIdleLocked()
 	l.mu.Unlock()
-	l.maybeEnd()
 }
 
-// maybeEnd ends l if it holds nothing and has nothing in flight.
-func (l *clientLease) maybeEnd() {
+// markLost makes l take no new use and end once it holds nothing: releases
+// it sent may or may not have been let go of (a held use carried them, and
+// its session failed before the exporter answered), and sent again they
+// could let go of other holds of the same registrations.
+func (l *clientLease) markLost() {
+	l.mu.Lock()
+	l.lost = true
+	l.endWhenIdleLocked()
+	l.mu.Unlock()
+}
+
+// release queues the let-go of one hold of id, sent by flush after
+// releaseDelay unless a held use carries it first (takeQueued). Called
+// with l.mu held.
+func (l *clientLease) releaseLocked(id uint64) {
+	if l.held[id]--; l.held[id] == 0 {
+		delete(l.held, id)
+	}
+	l.nheld--
+	l.queued = append(l.queued, id)
+	l.lastUse = time.Now()
+	l.flushByLocked(l.lastUse.Add(releaseDelay))
+}
+
+// takeQueued takes up to max queued releases for a held use's session to
+// carry (handshake.go); nil if there are none or l is ending.
+func (l *clientLease) takeQueued(max int) []uint64 {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	if !l.gone && !l.flushing && l.nheld == 0 && l.inflight == 0 {
-		l.flushing = true
-		go l.flush()
+	if l.gone || l.ending || len(l.queued) == 0 {
+		return nil
+	}
+	n := min(len(l.queued), max)
+	ids := append([]uint64(nil), l.queued[:n]...)
+	l.queued = l.queued[n:]
+	return ids
+}
+
+// endWhenIdleLocked schedules l's end if it holds nothing and has nothing
+// in flight: leaseLinger after its last use, at once if it is lost. Called
+// with l.mu held.
+func (l *clientLease) endWhenIdleLocked() {
+	if l.gone || l.nheld != 0 || l.inflight != 0 {
+		return
+	}
+	at := l.lastUse.Add(leaseLinger)
+	if l.lost {
+		at = time.Now()
+	}
+	l.flushByLocked(at)
+}
+
+// flushByLocked makes flush run at at, or earlier if it was due earlier;
+// a flush that runs looks at everything again before it stops. Called
+// with l.mu held.
+func (l *clientLease) flushByLocked(at time.Time) {
+	if l.gone || l.flushing || (!l.due.IsZero() && !at.Before(l.due)) {
+		return
+	}
+	l.due = at
+	if l.timer == nil {
+		l.timer = time.AfterFunc(time.Until(at), l.flush)
+	} else {
+		l.timer.Reset(time.Until(at))
 	}
 }
 
 // flush sends the queued releases, up to maxReleaseBatch ids a connection,
-// until none is left; the last one ends the lease if it then holds nothing
-// and has nothing in flight. A release that fails while the exporter lives
-// (stopped, slow) is tried again, backing off; an exporter that has gone,
-// or no longer knows the lease, let go of everything on it.
+// until none is left; once l holds nothing, has nothing in flight and its
+// linger has passed, the last one ends the lease. A release that fails
+// while the exporter lives (stopped, slow) is tried again, backing off; an
+// exporter that has gone, or no longer knows the lease, let go of
+// everything on it.
 func (l *clientLease) flush() {
+	l.mu.Lock()
+	if l.flushing || l.gone {
+		l.mu.Unlock()
+		return
+	}
+	l.flushing, l.due = true, time.Time{}
+	l.mu.Unlock()
 	backoff := 10 * time.Millisecond
 	for {
 		l.mu.Lock()
+		idle := l.nheld == 0 && l.inflight == 0
 		n := min(len(l.queued), maxReleaseBatch)
-		end := n == len(l.queued) && l.nheld == 0 && l.inflight == 0
+		end := idle && n == len(l.queued) && (l.lost || !time.Now().Before(l.lastUse.Add(leaseLinger)))
 		if l.gone || (n == 0 && !end) {
 			l.flushing = false
+			if idle {
+				l.endWhenIdleLocked()
+			}
 			l.mu.Unlock()
 			return
 		}
@@ -155,6 +242,7 @@ func (l *clientLease) flush() {
 			l.ending = true
 		}
 		ids := append([]uint64(nil), l.queued[:n]...)
+		l.queued = l.queued[n:] // sent below, or put back if they could not be
 		l.mu.Unlock()
 		if n == 0 { // nothing to say: the unmapping ends it
 			l.drop()
@@ -170,16 +258,18 @@ func (l *clientLease) flush() {
 			// sent again, they could let go of other holds of the same
 			// registrations. They stay held there until the lease ends,
 			// which it does, taking no new use, once it holds nothing.
-			l.mu.Lock()
-			l.queued = l.queued[n:]
-			l.lost = l.lost || err != nil
-			l.mu.Unlock()
+			if err != nil {
+				l.markLost()
+			}
 			backoff = 10 * time.Millisecond
 		default:
 			if end { // unmapping ends it too: the exporter sees the lock go
 				l.drop()
 				return
 			}
+			l.mu.Lock()
+			l.queued = append(ids, l.queued...)
+			l.mu.Unlock()
 			time.Sleep(backoff)
 			backoff = min(2*backoff, time.Second)
 		}
@@ -228,6 +318,9 @@ func (l *clientLease) drop() {
 	}
 	l.gone, l.ending = true, true
 	l.held, l.nheld, l.queued = nil, 0, nil
+	if l.timer != nil {
+		l.timer.Stop()
+	}
 	m := l.m
 	l.m = nil
 	l.mu.Unlock()

@@ -25,6 +25,31 @@ type conn struct {
 	deadline time.Time     // when set, for every message instead of timeout
 	what     string        // "server" or "receiver", for messages
 	queued   []byte        // messages that go out with the next send (queue)
+	waitHere bool          // a receiver's: wait for an answer in this thread first (pollHere)
+}
+
+// answerWait is how long a receiver waits for an answer in its own thread
+// before it leaves the wait to the runtime's poller.
+const answerWait = 2 * time.Millisecond
+
+// pollHere waits up to answerWait (less if the deadline comes first) for s
+// to be readable, blocked in poll(2) in this thread: the exporter's answer
+// then wakes this thread directly, where the runtime's poller would take a
+// wake-up of its own thread and a hand-over to this goroutine, each a
+// scheduling delay of the host. Only receivers wait so (their caller waits
+// anyway); a server's sessions wait on the poller, taking no thread.
+func (c *conn) pollHere(s uintptr) bool {
+	wait := answerWait
+	if d := c.until(); !d.IsZero() {
+		wait = min(wait, time.Until(d))
+	}
+	if wait <= 0 {
+		return false
+	}
+	fds := []unix.PollFd{{Fd: int32(s), Events: unix.POLLIN}}
+	ts := unix.NsecToTimespec(int64(wait))
+	n, err := unix.Ppoll(fds, &ts, nil)
+	return err == nil && n > 0
 }
 
 // queue keeps msg to go out with the next send, in one write: a one-round
@@ -48,7 +73,7 @@ func newConn(uc *net.UnixConn, timeout time.Duration, what string) (*conn, error
 	if err != nil {
 		return nil, Errorf(EIO, "socket: %w", err)
 	}
-	return &conn{uc: uc, raw: raw, timeout: timeout, what: what}, nil
+	return &conn{uc: uc, raw: raw, timeout: timeout, what: what, waitHere: what == "receiver"}, nil
 }
 
 func (c *conn) Close() error { return c.uc.Close() }
@@ -149,11 +174,18 @@ func (c *conn) readFull(b []byte, fd *int, fdAllowed bool) error {
 	for got := 0; got < len(b); {
 		var n, oobn, flags int
 		var opErr error
+		waited := false
 		err := c.raw.Read(func(s uintptr) bool {
 			for {
 				n, oobn, flags, _, opErr = unix.Recvmsg(int(s), b[got:], oob, unix.MSG_CMSG_CLOEXEC)
-				if opErr == unix.EINTR {
+				switch {
+				case opErr == unix.EINTR:
 					continue
+				case opErr == unix.EAGAIN && c.waitHere && !waited:
+					waited = true
+					if c.pollHere(s) {
+						continue
+					}
 				}
 				return opErr != unix.EAGAIN
 			}

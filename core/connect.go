@@ -81,17 +81,31 @@ func bindingFlag(t *Ticket) (uint64, error) {
 // handshake runs the receiver's half of handshake.go, in one round trip
 // where flags ask for it (helloOneRound) or else two, takes the lease the
 // session brings (where ask asks for one), and checks the welcome.
-func handshake(c *conn, t *Ticket, digest [32]byte, flags uint64, ask *holdAsk) (transcript, error) {
-	var tr transcript
+func handshake(c *conn, t *Ticket, digest [32]byte, flags uint64, ask *holdAsk) (tr transcript, err error) {
 	nr, err := newNonce()
 	if err != nil {
 		return tr, err
 	}
-	// Hold-on, hello and (one-round) the proof go out in one write.
+	// Hold-on (or the releases queued on the lease, which stand for it),
+	// hello and (one-round) the proof go out in one write.
 	var first []byte
+	challenged := false
 	switch {
 	case ask != nil && ask.on != nil:
-		first = leaseRefMsg{Slot: ask.on.slot, Token: ask.on.token}.encode(msgHoldOn)
+		l := ask.on
+		ids := l.takeQueued(maxReleaseBatch)
+		if len(ids) == 0 {
+			first = leaseRefMsg{Slot: l.slot, Token: l.token}.encode(msgHoldOn)
+			break
+		}
+		first = releaseMsg{Slot: l.slot, Token: l.token, Flags: releaseHoldOn, RegIDs: ids}.encode()
+		// The challenge comes only once the exporter let go of them;
+		// without it, they may or may not have been.
+		defer func() {
+			if !challenged && !errors.Is(err, errLeaseGone) {
+				l.markLost()
+			}
+		}()
 	case ask != nil:
 		flags |= helloLease
 	}
@@ -119,6 +133,7 @@ func handshake(c *conn, t *Ticket, digest [32]byte, flags uint64, ask *holdAsk) 
 		}
 		return tr, err
 	}
+	challenged = true
 	ch, err := parseChallenge(f.Body)
 	if err != nil {
 		return tr, err

@@ -17,6 +17,7 @@ func FuzzHoldMessages(f *testing.F) {
 	tok[3] = 7
 	f.Add(msgRelease, releaseMsg{Slot: 3, Token: tok, Flags: releaseEnd, RegIDs: []uint64{1, 2}}.encode()[headerSize:])
 	f.Add(msgRelease, releaseMsg{Slot: 0, Token: tok, Flags: releaseEnd}.encode()[headerSize:])
+	f.Add(msgRelease, releaseMsg{Slot: 2, Token: tok, Flags: releaseHoldOn, RegIDs: []uint64{4}}.encode()[headerSize:])
 	f.Add(msgHoldOn, leaseRefMsg{Slot: 9, Token: tok}.encode(msgHoldOn)[headerSize:])
 	f.Add(msgLease, leaseRefMsg{Slot: maxLeaseSlot + 1, Token: tok}.encode(msgLease)[headerSize:])
 	f.Add(msgReleaseAck, releaseAckMsg{LetGo: 5}.encode()[headerSize:])
@@ -30,7 +31,8 @@ func FuzzHoldMessages(f *testing.F) {
 			if err != nil {
 				return
 			}
-			if len(m.RegIDs) > maxReleaseBatch || (len(m.RegIDs) == 0 && m.Flags&releaseEnd == 0) {
+			if len(m.RegIDs) > maxReleaseBatch || (len(m.RegIDs) == 0 && m.Flags&releaseEnd == 0) ||
+				m.Flags&(releaseEnd|releaseHoldOn) == releaseEnd|releaseHoldOn {
 				t.Fatalf("accepted %+v", m)
 			}
 			again = m.encode()

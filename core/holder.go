@@ -14,12 +14,14 @@ import (
 // use asks for the lease (its session brings it); later ones name it
 // (hold-on). Each is an ordinary short session whose done-ack says whether
 // the use is held: nothing is believed before the exporter answered.
-// Release queues the registration id and returns; a goroutine per lease
-// sends what is queued in batches, each on a short connection of its own
-// proved by the lease's token, and, when the lease holds nothing more and
-// no use is in flight on it, ends it: the last release says so and the
-// mapping goes (its lock with it). The receiver's death drops the lock,
-// which lets go of everything it held: nothing else is needed for that.
+// Release queues the registration id and returns; the next held use to
+// that exporter carries what is queued in its first message (connect.go),
+// or, releaseDelay later, a timer sends it in batches, each on a short
+// connection of its own proved by the lease's token. A lease that holds
+// nothing and has no use in flight ends leaseLinger after its last use:
+// the last release says so and the mapping goes (its lock with it). The
+// receiver's death drops the lock, which lets go of everything it held:
+// nothing else is needed for that.
 // clientlease.go has a lease's own life.
 
 // leaseFor returns a live lease to t's exporter, counted in flight; or nil
@@ -175,15 +177,7 @@ func Release(t *Ticket) error {
 		l.mu.Lock()
 		ok := !l.gone && l.held[t.RegID] > 0
 		if ok {
-			if l.held[t.RegID]--; l.held[t.RegID] == 0 {
-				delete(l.held, t.RegID)
-			}
-			l.nheld--
-			l.queued = append(l.queued, t.RegID)
-			if !l.flushing {
-				l.flushing = true
-				go l.flush()
-			}
+			l.releaseLocked(t.RegID)
 		}
 		l.mu.Unlock()
 		if ok {

@@ -27,8 +27,9 @@ import (
 // side: a held use is an ordinary short session that names its lease
 // (hold-on) or asks for one (helloLease: the lease comes on the
 // authenticated session, with one descriptor that the receiver locks, maps
-// and closes); releases come in batches on short connections of their own,
-// proved by the token (wire_holds.go). The exporter learns that a receiver
+// and closes); releases ride on the receiver's next held use, or come in
+// batches on short connections of their own, proved by the token
+// (wire_holds.go). The exporter learns that a receiver
 // died (SIGKILL included) when the kernel drops its lock, which a goroutine
 // polls while leases live (leases.go); then every hold on the lease is let
 // go. A lease lets go only of its own holds: no receiver can release what
@@ -272,11 +273,28 @@ func (lt *leaseTable) use(m leaseRefMsg, pid int32, toHold bool) (*lease, error)
 	if l == nil || !l.verified || !l.names(m, pid) {
 		return nil, errLeaseGone
 	}
-	if toHold && l.nheld >= maxHoldsPerLease {
-		return nil, Errorf(EIO, "hold: this process holds %d uses on its lease at the exporter, the most one lease may: release some (vmmipc_release)", l.nheld)
+	if toHold {
+		if err := l.full(); err != nil {
+			return nil, err
+		}
 	}
 	l.inUse++
 	return l, nil
+}
+
+// holdsItsMost refuses a use to hold on l (in use already: a release
+// carried by a held use, let go of first) if l holds its most.
+func (lt *leaseTable) holdsItsMost(l *lease) error {
+	lt.mu.Lock()
+	defer lt.mu.Unlock()
+	return l.full()
+}
+
+func (l *lease) full() error {
+	if l.nheld >= maxHoldsPerLease {
+		return Errorf(EIO, "hold: this process holds %d uses on its lease at the exporter, the most one lease may: release some (vmmipc_release)", l.nheld)
+	}
+	return nil
 }
 
 // done ends a session's use of l; a lease that never got its lock (the

@@ -49,11 +49,13 @@ func (ss *session) run() {
 	case msgStatus:
 		ss.answerStatus(f)
 		return
-	case msgRelease:
-		ss.serveRelease(f)
-		return
-	case msgHoldOn:
-		if l, ok = ss.holdOn(f); !ok {
+	case msgRelease, msgHoldOn:
+		if f.Type == msgRelease {
+			l, ok = ss.serveRelease(f) // ok: it carries a held use
+		} else {
+			l, ok = ss.holdOn(f)
+		}
+		if !ok {
 			return
 		}
 		if f, ok = ss.recv(); !ok {

@@ -54,26 +54,39 @@ func (ss *session) grantLease() (*lease, bool) {
 	return l, true
 }
 
-// serveRelease answers a release connection: the holds it names are let
-// go on its lease (and, at the receiver's word, the lease ends).
-func (ss *session) serveRelease(f frame) {
+// serveRelease lets go of the holds a release names on its lease. On a
+// connection of its own it is answered release-ack (and, at the receiver's
+// word, the lease ends); carried by a held use (releaseHoldOn) it stands
+// for that use's hold-on: it returns the lease and true, and the use's
+// answers answer it.
+func (ss *session) serveRelease(f frame) (*lease, bool) {
 	m, err := parseRelease(f.Body)
 	if err != nil {
 		ss.refuse(err)
-		return
+		return nil, false
 	}
+	holdOn := m.Flags&releaseHoldOn != 0
 	l, err := ss.reg.leases.use(leaseRefMsg{Slot: m.Slot, Token: m.Token}, ss.peerPid(), false)
 	if err == errLeaseGone {
 		ss.leaseGone()
-		return
+		return nil, false
 	}
 	if err != nil {
 		ss.refuse(err)
-		return
+		return nil, false
 	}
 	n := ss.reg.leases.letGo(l, m.RegIDs, m.Flags&releaseEnd != 0)
+	if holdOn {
+		if err := ss.reg.leases.holdsItsMost(l); err != nil {
+			ss.reg.leases.done(l)
+			ss.refuse(err)
+			return nil, false
+		}
+		return l, true
+	}
 	ss.reg.leases.done(l)
 	_ = ss.c.send(releaseAckMsg{LetGo: uint64(n)}.encode(), -1)
+	return nil, false
 }
 
 func (ss *session) leaseGone() {

@@ -6,7 +6,8 @@ import (
 
 // The messages of holds (holds.go has the rules, wire.go the framing). A
 // held use is an ordinary session whose hello asks for a lease, or which
-// names one first; releases go on a short connection of their own:
+// names one first; releases go on a short connection of their own, or
+// ride on the next held use (below):
 //
 //	receiver                               server
 //	hold-on(slot, token)             →     (before hello: hold this use on
@@ -19,6 +20,10 @@ import (
 //	release(slot, token, flags,      →     (the first message on its own
 //	        n, reg ids...)                 connection)
 //	                                 ←     release-ack(n let go), or lease-gone
+//
+// A held use may carry the releases queued on its lease: a release with
+// flag hold-on stands for its hold-on, and the use's answers answer it (the
+// challenge comes only once its ids were let go).
 //
 // A lease names itself by its slot and a random token that only the
 // exporter and the receiver it was sent to know (on an authenticated
@@ -37,8 +42,9 @@ var errLeaseGone = Errorf(ENOENT, "the exporter no longer knows this process's l
 
 // Release flags.
 const (
-	releaseEnd   uint64 = 1 << 0 // the receiver holds nothing more: end the lease
-	releaseKnown        = releaseEnd
+	releaseEnd    uint64 = 1 << 0 // the receiver holds nothing more: end the lease
+	releaseHoldOn uint64 = 1 << 1 // carried by a held use: it stands for that use's hold-on
+	releaseKnown         = releaseEnd | releaseHoldOn
 )
 
 type (
@@ -99,6 +105,8 @@ func parseRelease(body []byte) (m releaseMsg, err error) {
 		return m, Errorf(EINVAL, "protocol: release flags %#x not understood", m.Flags)
 	case n > maxReleaseBatch || n != uint64(len(body)-releaseHead)/8:
 		return m, Errorf(EINVAL, "protocol: release counts %d registrations in %d bytes (0 to %d)", n, len(body), maxReleaseBatch)
+	case m.Flags&releaseEnd != 0 && m.Flags&releaseHoldOn != 0:
+		return m, Errorf(EINVAL, "protocol: a release that ends its lease cannot hold a use on it")
 	case n == 0 && m.Flags&releaseEnd == 0:
 		return m, Errorf(EINVAL, "protocol: a release of nothing that does not end the lease")
 	}
