@@ -79,8 +79,8 @@ func adoptLease(t *Ticket, m leaseRefMsg, fd int) (*clientLease, error) {
 }
 
 // takeSessionLease takes the lease the exporter sends after the proof and
-// tells it the slot is locked.
-func takeSessionLease(c *conn, t *Ticket) (*clientLease, error) {
+// tells it the slot is locked (with tail: connect).
+func takeSessionLease(c *conn, t *Ticket, tail []byte) (*clientLease, error) {
 	f, err := c.recv()
 	if err != nil {
 		return nil, err
@@ -104,7 +104,7 @@ func takeSessionLease(c *conn, t *Ticket) (*clientLease, error) {
 	if err != nil {
 		return nil, err
 	}
-	if err := c.send(encodeMsg(msgLeased, nil), -1); err != nil {
+	if err := c.send(append(encodeMsg(msgLeased, nil), tail...), -1); err != nil {
 		l.useDone(0, false)
 		return nil, pendingError(c, err, beforeChunks)
 	}

@@ -14,7 +14,7 @@ import (
 // flag, which spends a use without sending anything; it reports whether the
 // buffer lives on after the use.
 func confirm(t *Ticket, timeout time.Duration) (bool, error) {
-	c, _, err := connect(t, timeout, helloConfirm, nil)
+	c, _, err := connect(t, timeout, helloConfirm, nil, nil)
 	if err != nil {
 		return false, err
 	}

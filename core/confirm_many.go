@@ -75,9 +75,9 @@ func confirmSession(ts []*Ticket, idx []int, opts ImportOptions, errs []error) i
 	var l *clientLease
 	var err error
 	if hold {
-		c, tr, l, err = connectHeld(first, opts.Timeout, flags)
+		c, tr, l, err = connectHeld(first, opts.Timeout, flags, nil)
 	} else {
-		c, tr, err = connect(first, opts.Timeout, flags, nil)
+		c, tr, err = connect(first, opts.Timeout, flags, nil, nil)
 	}
 	if err != nil {
 		errs[idx[0]] = err

@@ -16,8 +16,10 @@ import (
 // peer check and handshake, retrying a full listen backlog and "busy"
 // answers until timeout. It returns the authenticated connection, welcome
 // checked. With ask, the use is held: on the lease ask names, or on a new
-// one the session brings (ask.got).
-func connect(t *Ticket, timeout time.Duration, flags uint64, ask *holdAsk) (*conn, transcript, error) {
+// one the session brings (ask.got). tail (a stream's first pull-run) goes
+// out with the receiver's last message of the handshake, so that its
+// answer follows the welcome without another round trip.
+func connect(t *Ticket, timeout time.Duration, flags uint64, ask *holdAsk, tail []byte) (*conn, transcript, error) {
 	if err := checkBeforeDial(t); err != nil {
 		return nil, transcript{}, err
 	}
@@ -41,7 +43,7 @@ func connect(t *Ticket, timeout time.Duration, flags uint64, ask *holdAsk) (*con
 		if oneRound {
 			f = flags | helloOneRound
 		}
-		tr, err := handshake(c, t, digest, f, ask)
+		tr, err := handshake(c, t, digest, f, ask, tail)
 		if err == nil {
 			return c, tr, nil
 		}
@@ -81,7 +83,7 @@ func bindingFlag(t *Ticket) (uint64, error) {
 // handshake runs the receiver's half of handshake.go, in one round trip
 // where flags ask for it (helloOneRound) or else two, takes the lease the
 // session brings (where ask asks for one), and checks the welcome.
-func handshake(c *conn, t *Ticket, digest [32]byte, flags uint64, ask *holdAsk) (tr transcript, err error) {
+func handshake(c *conn, t *Ticket, digest [32]byte, flags uint64, ask *holdAsk, tail []byte) (tr transcript, err error) {
 	nr, err := newNonce()
 	if err != nil {
 		return tr, err
@@ -111,12 +113,21 @@ func handshake(c *conn, t *Ticket, digest [32]byte, flags uint64, ask *holdAsk) 
 	}
 	first = append(first, helloMsg{RegID: t.RegID, Flags: flags, Nonce: nr}.encode()...)
 	oneRound := flags&helloOneRound != 0
+	// tail goes with our last message: the proof, or leased when the
+	// session brings a lease (the exporter reads leased before anything).
+	var proofTail, leasedTail []byte
+	if flags&helloLease != 0 {
+		leasedTail = tail
+	} else {
+		proofTail = tail
+	}
 	if oneRound {
 		tr = transcript{
 			RegID: t.RegID, Flags: flags, Socket: uint64(os.Getpid()),
 			TicketDigest: digest, ReceiverNonce: nr, StartTime: ourStartTime(),
 		}
 		first = append(first, proofMsg{Proof: tr.proof(t.Secret, roleReceiver)}.encode()...)
+		first = append(first, proofTail...)
 	}
 	if err := c.send(first, -1); err != nil {
 		// A server that refuses us at once hangs up after saying why:
@@ -149,12 +160,12 @@ func handshake(c *conn, t *Ticket, digest [32]byte, flags uint64, ask *holdAsk) 
 		return tr, Errorf(EAUTH, "open: the process at %s could not prove that it knows this ticket's secret for this connection: the ticket is corrupted or forged, or another process is impersonating the exporter or relaying to it; nothing was accepted from it", t.Address)
 	}
 	if !oneRound {
-		if err := c.send(proofMsg{Proof: tr.proof(t.Secret, roleReceiver)}.encode(), -1); err != nil {
+		if err := c.send(append(proofMsg{Proof: tr.proof(t.Secret, roleReceiver)}.encode(), proofTail...), -1); err != nil {
 			return tr, pendingError(c, err, beforeChunks)
 		}
 	}
 	if flags&helloLease != 0 {
-		if ask.got, err = takeSessionLease(c, t); err != nil {
+		if ask.got, err = takeSessionLease(c, t, leasedTail); err != nil {
 			return tr, err
 		}
 	}

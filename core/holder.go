@@ -77,12 +77,12 @@ func acquired(key string, l *clientLease) {
 	}
 }
 
-// connectHeld is connect for a use held on this process's lease to t's
-// exporter: it names the lease, or asks for one, and asks once more for a
+// connectHeld is connect (tail included) for a use held on this process's
+// lease to t's exporter: it names the lease, or asks for one, and asks once more for a
 // new one when the exporter no longer knows the one named. The lease
 // returned counts the use in flight: the caller settles it (useDone,
 // useLost).
-func connectHeld(t *Ticket, timeout time.Duration, flags uint64) (*conn, transcript, *clientLease, error) {
+func connectHeld(t *Ticket, timeout time.Duration, flags uint64, tail []byte) (*conn, transcript, *clientLease, error) {
 	deadline := time.Now().Add(timeout)
 	key := t.exporterKey()
 	for retried := false; ; retried = true {
@@ -97,7 +97,7 @@ func connectHeld(t *Ticket, timeout time.Duration, flags uint64) (*conn, transcr
 		} else {
 			var c *conn
 			var tr transcript
-			c, tr, err = connect(t, left, flags, ask)
+			c, tr, err = connect(t, left, flags, ask, tail)
 			if err == nil {
 				if acquire {
 					acquired(key, ask.got)
@@ -141,7 +141,7 @@ func useHeld(t *Ticket, timeout time.Duration) (lives bool, err error) {
 		return confirm(t, timeout)
 	}
 	deadline := time.Now().Add(timeout) // the whole use, not each wait
-	c, _, l, err := connectHeld(t, timeout, helloConfirm)
+	c, _, l, err := connectHeld(t, timeout, helloConfirm, nil)
 	if err != nil {
 		return false, err
 	}

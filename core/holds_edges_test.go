@@ -57,7 +57,7 @@ func closedBeforeTheAck(t *testing.T, f holdFixture, pull func(s *Stream, g *Tic
 		t.Fatal(err)
 	}
 	g2, rel2 := f.grant(t, true)
-	s, err := open(g2, OpenOptions{}, true)
+	s, err := open(g2, OpenOptions{}, true, false)
 	if err != nil {
 		t.Fatal(err)
 	}

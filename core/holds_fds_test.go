@@ -22,7 +22,7 @@ import (
 // shared one), returned to the caller, which drops it.
 func holdWithNewLease(tk *Ticket) (*clientLease, error) {
 	ask := &holdAsk{}
-	c, _, err := connect(tk, 10*time.Second, helloConfirm, ask)
+	c, _, err := connect(tk, 10*time.Second, helloConfirm, ask, nil)
 	if err != nil {
 		return nil, err
 	}

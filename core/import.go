@@ -103,10 +103,19 @@ func newImporter(t *Ticket, device int32, access []int32, gpu GPU) (Importer, er
 // importNew authenticates with the exporter and claims a use, then
 // reserves the whole range, then receives, maps and closes one chunk at a
 // time; it reports whether the exporter said the buffer lives on after this
-// use (then the mapping may be cached). Nothing is reserved for a ticket
-// the exporter does not vouch for.
+// use (then the mapping may be cached). Nothing is kept for a ticket the
+// exporter does not vouch for (host memory reserves its range first, and
+// gives it back).
 func importNew(t *Ticket, imp Importer, opts OpenOptions, hold bool) (base uint64, lives bool, err error) {
-	s, err := open(t, opts, hold)
+	if t.Kind == MemoryHost {
+		return importHostNew(t, imp, opts, hold)
+	}
+	return importInOrder(t, imp, opts, hold)
+}
+
+// importInOrder is importNew's order: authenticate, reserve, pull.
+func importInOrder(t *Ticket, imp Importer, opts OpenOptions, hold bool) (base uint64, lives bool, err error) {
+	s, err := open(t, opts, hold, false)
 	if err != nil {
 		return 0, false, err
 	}
@@ -119,6 +128,35 @@ func importNew(t *Ticket, imp Importer, opts OpenOptions, hold bool) (base uint6
 		return 0, false, WrapErr(ENOMEM, err, "import: reserving %d bytes", t.Total)
 	}
 	lives, err = mapAll(s, imp)
+	if err != nil {
+		if uerr := imp.Unmap(); uerr != nil {
+			err = WrapErr(CodeOf(err), err, "import failed (and undoing it failed too: %v)", uerr)
+		}
+		return 0, false, err
+	}
+	return base, lives, nil
+}
+
+// importHostNew is importNew for host memory, a round trip shorter: the
+// range is reserved first (address space only, given back on every
+// error), so that the stream asks for every chunk with its proof, and the
+// exporter's run (a host file's chunks, one descriptor) follows the
+// welcome at once. A range that cannot be reserved takes importNew's
+// order, so that a ticket the exporter does not vouch for (a damaged size,
+// say) is refused for that, as it would be there.
+func importHostNew(t *Ticket, imp Importer, opts OpenOptions, hold bool) (base uint64, lives bool, err error) {
+	if checkAddressSpace(t.Total, "", "") != nil {
+		return importInOrder(t, imp, opts, hold)
+	}
+	base, err = imp.Reserve(t.Total)
+	if err != nil {
+		return importInOrder(t, imp, opts, hold)
+	}
+	s, err := open(t, opts, hold, true)
+	if err == nil {
+		lives, err = mapAll(s, imp)
+		s.Close() // before the last chunk is sent, this gives the use back
+	}
 	if err != nil {
 		if uerr := imp.Unmap(); uerr != nil {
 			err = WrapErr(CodeOf(err), err, "import failed (and undoing it failed too: %v)", uerr)

@@ -70,6 +70,9 @@ func (s *Stream) advance(runs bool) (Run, error) {
 }
 
 func (s *Stream) next() (Chunk, error) {
+	if s.runAsked { // a pull-run is answered by a run, which only NextRun reads
+		return Chunk{FD: -1}, Errorf(EINVAL, "stream: opened asking for a run of every chunk: read it with NextRun")
+	}
 	count := s.t.Count
 	if s.received == count {
 		return Chunk{FD: -1}, s.finish()
@@ -144,7 +147,9 @@ func (s *Stream) nextRun() (Run, error) {
 		return none, s.finish()
 	}
 	want := s.t.Count - s.received
-	if err := s.c.send(pullMsg{First: s.received, Count: want}.encodeRun(), -1); err != nil {
+	if s.runAsked { // with the handshake (open)
+		s.runAsked = false
+	} else if err := s.c.send(pullMsg{First: s.received, Count: want}.encodeRun(), -1); err != nil {
 		return none, s.chunkErr(pendingError(s.c, err, whileChunks))
 	}
 	f, err := s.c.recv()

@@ -77,43 +77,69 @@ func proxyInFront(t testing.TB, s *Server) *recordingProxy {
 }
 
 // relay copies from one connection to the other until end of stream,
-// descriptors included, then half-closes the other.
+// descriptors included, then half-closes the other. It reads one message
+// at a time (its header, then its body), as a libvmmipc peer does: a
+// larger read could take the bytes of a message and those of the next,
+// with the next one's descriptor, which the proxy would then attach to
+// the first.
 func (p *recordingProxy) relay(from, to *net.UnixConn, record *[]byte) {
-	buf := make([]byte, 64<<10)
-	oob := make([]byte, unix.CmsgSpace(4*8))
 	for {
-		n, oobn, _, _, err := from.ReadMsgUnix(buf, oob)
-		var fds []int
-		if oobn > 0 {
-			if msgs, perr := unix.ParseSocketControlMessage(oob[:oobn]); perr == nil {
-				for i := range msgs {
-					got, _ := unix.ParseUnixRights(&msgs[i])
-					fds = append(fds, got...)
-				}
-			}
-		}
-		if n > 0 {
+		msg, fds, err := readMessage(from)
+		if len(msg) > 0 {
 			p.mu.Lock()
-			*record = append(*record, buf[:n]...)
+			*record = append(*record, msg...)
 			p.fds += len(fds)
 			p.mu.Unlock()
 			var rights []byte
 			if len(fds) > 0 {
 				rights = unix.UnixRights(fds...)
 			}
-			for rest := buf[:n]; len(rest) > 0 && err == nil; rights = nil {
+			for rest := msg; len(rest) > 0 && err == nil; rights = nil {
 				var k int
 				k, _, err = to.WriteMsgUnix(rest, rights, nil)
 				rest = rest[k:]
 			}
 		}
 		closeAll(fds)
-		if err != nil || n == 0 {
+		if err != nil || len(msg) == 0 {
 			_ = to.CloseWrite()
 			_ = from.CloseRead()
 			return
 		}
 	}
+}
+
+// readMessage reads one message, header and body (all that arrives, when
+// the header does not parse), and the descriptors that came with it.
+func readMessage(from *net.UnixConn) (msg []byte, fds []int, err error) {
+	read := func(n int) error {
+		oob := make([]byte, unix.CmsgSpace(4*8))
+		for want := len(msg) + n; len(msg) < want; {
+			buf := make([]byte, want-len(msg))
+			k, oobn, _, _, err := from.ReadMsgUnix(buf, oob)
+			if oobn > 0 {
+				if msgs, perr := unix.ParseSocketControlMessage(oob[:oobn]); perr == nil {
+					for i := range msgs {
+						got, _ := unix.ParseUnixRights(&msgs[i])
+						fds = append(fds, got...)
+					}
+				}
+			}
+			msg = append(msg, buf[:k]...)
+			if err != nil || k == 0 {
+				return fmt.Errorf("read: %v (%d bytes)", err, k)
+			}
+		}
+		return nil
+	}
+	if err := read(headerSize); err != nil {
+		return msg, fds, err
+	}
+	h, herr := parseHeader(msg)
+	if herr != nil {
+		return msg, fds, nil // relayed as it came: the peer refuses it
+	}
+	return msg, fds, read(int(h.Len))
 }
 
 // recorded stops the proxy, waits for every relay to end and returns what

@@ -29,34 +29,42 @@ type Stream struct {
 	closing     atomic.Bool  // set once by Close, before it takes mu
 	lease       *clientLease // the lease the use is held on, until its answer settles it
 	sentDone    bool         // done went out: the exporter may have held the use
+	runAsked    bool         // a pull-run of every chunk went out with the handshake (open)
 }
 
 // Open checks that the ticket's exporter is alive, connects to it, proves
 // the secret both ways (handshake.go) and claims one use.
 func Open(t *Ticket, opts OpenOptions) (*Stream, error) {
-	return open(t, opts, false)
+	return open(t, opts, false, false)
 }
 
 // open is Open; with hold, a use of a registration that holds
 // (Ticket.Holds) is held on this process's lease to the exporter
-// (holder.go).
-func open(t *Ticket, opts OpenOptions, hold bool) (*Stream, error) {
+// (holder.go). With askRun, a pull-run of every chunk goes out with the
+// handshake's last message, so that the first NextRun's answer (all of a
+// host file's chunks, one descriptor) follows the welcome at once: an
+// import whose range is reserved already asks so.
+func open(t *Ticket, opts OpenOptions, hold, askRun bool) (*Stream, error) {
 	if err := opts.Validate(); err != nil {
 		return nil, err
 	}
 	opts = opts.withDefaults()
+	var tail []byte
+	if askRun {
+		tail = pullMsg{First: 0, Count: t.Count}.encodeRun()
+	}
 	var c *conn
 	var l *clientLease
 	var err error
 	if hold && t.Holds {
-		c, _, l, err = connectHeld(t, opts.Timeout, 0)
+		c, _, l, err = connectHeld(t, opts.Timeout, 0, tail)
 	} else {
-		c, _, err = connect(t, opts.Timeout, 0, nil)
+		c, _, err = connect(t, opts.Timeout, 0, nil, tail)
 	}
 	if err != nil {
 		return nil, err
 	}
-	return &Stream{c: c, t: t, window: uint64(opts.Window), lease: l}, nil
+	return &Stream{c: c, t: t, window: uint64(opts.Window), lease: l, runAsked: askRun}, nil
 }
 
 // Ticket returns the ticket the stream was opened with.
