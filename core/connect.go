@@ -101,8 +101,8 @@ func handshake(c *conn, t *Ticket, digest [32]byte, flags uint64, ask *holdAsk, 
 			break
 		}
 		first = releaseMsg{Slot: l.slot, Token: l.token, Flags: releaseHoldOn, RegIDs: ids}.encode()
-		// The challenge comes only once the exporter let go of them;
-		// without it, they may or may not have been.
+		// The exporter challenges only once it let go of them; without
+		// its proven challenge, they may or may not have been.
 		defer func() {
 			if !challenged && !errors.Is(err, errLeaseGone) {
 				l.markLost()
@@ -144,7 +144,6 @@ func handshake(c *conn, t *Ticket, digest [32]byte, flags uint64, ask *holdAsk, 
 		}
 		return tr, err
 	}
-	challenged = true
 	ch, err := parseChallenge(f.Body)
 	if err != nil {
 		return tr, err
@@ -159,6 +158,7 @@ func handshake(c *conn, t *Ticket, digest [32]byte, flags uint64, ask *holdAsk, 
 	if !tr.verify(t.Secret, roleServer, ch.Proof) {
 		return tr, Errorf(EAUTH, "open: the process at %s could not prove that it knows this ticket's secret for this connection: the ticket is corrupted or forged, or another process is impersonating the exporter or relaying to it; nothing was accepted from it", t.Address)
 	}
+	challenged = true // by the exporter itself
 	if !oneRound {
 		if err := c.send(append(proofMsg{Proof: tr.proof(t.Secret, roleReceiver)}.encode(), proofTail...), -1); err != nil {
 			return tr, pendingError(c, err, beforeChunks)

@@ -92,6 +92,7 @@ func FuzzLeaseSession(f *testing.F) {
 	f.Add(leaseRefMsg{Token: tok}.encode(msgHoldOn), uint8(2))
 	f.Add(cat(leaseRefMsg{}.encode(msgHoldOn), helloMsg{RegID: 1, Flags: helloLease}.encode()), uint8(0))
 	f.Add(encodeMsg(msgLeased, nil), uint8(3))
+	f.Add(helloMsg{RegID: 1}.encode(), uint8(3))
 	f.Fuzz(func(t *testing.T, data []byte, mode uint8) {
 		if len(data) > 64<<10 {
 			return
@@ -112,11 +113,13 @@ func FuzzLeaseSession(f *testing.F) {
 		wrong := l.token
 		wrong[int(mode)%tokenSize] ^= 1 | mode
 		send := data
-		switch mode % 3 {
+		switch mode % 4 {
 		case 1: // a release of the victim's lease, with a wrong token
 			send = cat(releaseMsg{Slot: l.slot, Token: wrong, Flags: releaseEnd, RegIDs: []uint64{victim.RegID}}.encode(), data)
 		case 2: // a hold-on of it
 			send = cat(leaseRefMsg{Slot: l.slot, Token: wrong}.encode(msgHoldOn), data)
+		case 3: // a release carried by a held use, on it
+			send = cat(releaseMsg{Slot: l.slot, Token: wrong, Flags: releaseHoldOn, RegIDs: []uint64{victim.RegID}}.encode(), data)
 		}
 		fd, err := rawDial(victim.Address)
 		if err != nil {
