@@ -86,6 +86,11 @@ func FuzzHoldMessages(f *testing.F) {
 // never lets go of the real lease's hold, and once the connection ends no
 // descriptor and no goroutine is left.
 func FuzzLeaseSession(f *testing.F) {
+	// Each input ends with the victim's lease: at once, not after the
+	// linger a lease has between uses (which would make each 0.25 s).
+	old := leaseLinger
+	leaseLinger = time.Millisecond
+	f.Cleanup(func() { leaseLinger = old })
 	var tok leaseToken
 	f.Add([]byte{}, uint8(1))
 	f.Add(releaseMsg{Token: tok, Flags: releaseEnd, RegIDs: []uint64{1, 2}}.encode(), uint8(0))
