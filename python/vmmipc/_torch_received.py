@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import logging
 import threading
 import uuid
@@ -53,6 +54,7 @@ from ._torch_env import torch_module
 
 log = logging.getLogger("vmmipc")
 
+HOST = "cpu"  # the target of CPU storages (host memory), where others name a device
 _receive_device: int | None = None
 _local = threading.local()  # open_tensors' device, for its thread only
 
@@ -99,6 +101,9 @@ class MappedRun:
 
 
 def _drop_mapping(mapping) -> None:
+    if mapping.is_host:
+        mapping.close()
+        return
     try:
         torch_module().cuda.synchronize(mapping.device)
     except Exception:  # noqa: BLE001 - unmapping must still happen
@@ -143,6 +148,10 @@ class WeakTable:
     def __len__(self) -> int:
         with self._lock:
             return len(self._values)
+
+    def values(self) -> list:
+        with self._lock:
+            return list(self._values.values())
 
 
 class SpentTickets:
@@ -362,6 +371,12 @@ def storage_over(torch, run: MappedRun, offset: int, nbytes: int):
             f"vmmipc.torch: a received storage of {nbytes!r} bytes at offset {offset!r} lies "
             f"outside its run of {size} bytes: the pickle is damaged or not from vmmipc.torch",
             _errors.EINVAL, "vmmipc.torch")
+    if run.mapping.is_host:
+        # A CPU storage: torch.frombuffer over a ctypes array of the range,
+        # which holds the run (frombuffer keeps the array).
+        memory = (ctypes.c_char * nbytes).from_address(run.mapping.addr + offset)
+        memory.run = run
+        return torch.frombuffer(memory, dtype=torch.uint8).untyped_storage()
     region = _Region(run, offset, nbytes)
     tensor = torch.as_tensor(region)
     if tensor.data_ptr() != region.addr or tensor.device != torch.device("cuda",
@@ -391,13 +406,22 @@ def _ordinal_of_exporter(torch, ticket, exporter_device: int) -> int:
                        "event cannot be waited on; make it visible (CUDA_VISIBLE_DEVICES)")
 
 
+def received_on_host(storage) -> bool:
+    """Whether a CPU storage lies in host memory this process received
+    through vmmipc.torch (a chunk of another process's host arena)."""
+    ptr = storage.data_ptr()
+    return any(r.mapping.is_host and r.mapping.addr <= ptr < r.mapping.addr + r.mapping.size
+               for r in mapped_runs.values())
+
+
 def map_run(torch, ticket, anchor_id, target) -> tuple[MappedRun, bool]:
-    """The run's mapping here, and whether getting it spent ticket's use."""
+    """The run's mapping here (target HOST: a chunk of a sender's host
+    arena), and whether getting it spent ticket's use."""
     key = (anchor_id, target)
     run = mapped_runs.get(key)
     if run is not None:
         return run, False
-    device = _lib.DEVICE_SAME if target is None else target
+    device = {None: _lib.DEVICE_SAME, HOST: _lib.DEVICE_HOST}.get(target, target)
     # A miss streams the run with this ticket; a hit (the import cache kept
     # the run mapped) spends it in one short session. Either way the use is
     # held, on this process's lease at the sender.
