@@ -174,15 +174,16 @@ class Batch:
     def remember(self, storage, run: RunAnchor) -> None:
         self._found[id(storage)] = (storage, run)
 
-    def ticket(self, run: RunAnchor, storage):
+    def ticket(self, run: RunAnchor, storage, limit: int | None = MAX_PENDING_PICKLES):
         """The ticket of this batch's grant of run (made on first use);
-        storage is kept alive until that grant ends. NotFoundError if the
-        anchor has ended."""
+        storage is kept alive until that grant ends. limit: the run's
+        pickles that may wait for their receivers at once (Anchor.grant).
+        NotFoundError if the anchor has ended."""
         entry = self._grants.get(run)
         if entry is None:
             keep: list = []
-            entry = (run.anchor.grant(uses=1, ttl=self.ttl, keep=keep,
-                                      limit=MAX_PENDING_PICKLES, hold=True), keep)
+            entry = (run.anchor.grant(uses=1, ttl=self.ttl, keep=keep, limit=limit,
+                                      hold=True), keep)
             self._grants[run] = entry
         entry[1].append(storage)
         return entry[0]

@@ -184,7 +184,11 @@ def _cpu_reduction(storage, b: Batch | None):
         return (rebuild_cpu_storage, found[1])
     chunk, offset, kept = _torch_host.host_arena.share(storage,
                                                        move=not received_on_host(storage))
-    args = (b.ticket(chunk, kept), chunk.id, offset, storage.nbytes())
+    # No bound on a chunk's pickles waiting for receivers (torch's own CPU
+    # sharing has none): every small tensor of this process shares one
+    # chunk, and ending the oldest would fail a Queue's backlog.
+    # set_pickle_ttl bounds the wait in time.
+    args = (b.ticket(chunk, kept, limit=None), chunk.id, offset, storage.nbytes())
     if b.mark is not None:  # the pickle ends with finish_load: its hits wait for it
         args += (b.mark,)
     b.args[id(storage)] = (storage, args)
