@@ -12,9 +12,12 @@ both, and neither imports the other.
 
 The reducers route by memory: CUDA tensors and storages in VMM memory that
 allows POSIX-fd export go through vmmipc; other VMM memory raises
-(InvalidError, saying why); everything else (CPU, meta, the legacy
-cudaMalloc allocator, sparse, nested, quantized, empty) keeps torch's own
-reducer. One pickle is one batch (_torch_batch): one grant per run anchor,
+(InvalidError, saying why); CPU storages go as a DataLoader arena's blocks
+(in a worker writing into one: _torch_arena) or as blocks of this process's
+host arena (_torch_host, where it is wanted), rebuilt by
+rebuild_cpu_storage the way rebuild_storage rebuilds a CUDA run's;
+everything else (meta, the legacy cudaMalloc allocator, sparse, nested,
+quantized, empty) keeps torch's own reducer. One pickle is one batch (_torch_batch): one grant per run anchor,
 one event per device.
 """
 
