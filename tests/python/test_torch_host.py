@@ -32,12 +32,19 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(vmmipc.__file__)))
 
 
-def run_script(script: str, *args, timeout=240) -> dict:
+def run_script(script: str, *args, timeout=240, path=None) -> dict:
     """Run script in a fresh Python (tests/python importable, for spawn
-    children) and return the JSON its last line prints."""
+    children) and return the JSON its last line prints. path: run it from
+    that file, so that spawned children import it as their __mp_main__ (and
+    so vmmipc.torch), as a user's script is."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([PACKAGE_PARENT, HERE, env.get("PYTHONPATH", "")])
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(script), *map(str, args)],
+    code = ["-c", textwrap.dedent(script)]
+    if path is not None:
+        with open(path, "w") as f:
+            f.write(textwrap.dedent(script))
+        code = [str(path)]
+    r = subprocess.run([sys.executable, *code, *map(str, args)],
                        capture_output=True, text=True, timeout=timeout, env=env)
     assert r.returncode == 0 and r.stdout.strip(), r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -368,3 +375,45 @@ def test_a_receiver_keeping_1100_cpu_tensors_at_the_descriptor_limit(limit):
     assert ours["sender_fds"] <= 8, ours  # its server, lease file, one chunk: once
     torchs = run_script(MANY, limit, "torch", 1100, timeout=300)
     assert not (torchs["ok"] and torchs["exitcode"] == 0), torchs
+
+
+LOADER = """
+    import collections, json, os, resource, sys, torch, vmmipc, vmmipc.torch
+    from torch.utils.data import DataLoader
+    from _dataloader_helpers import Five
+    if __name__ == "__main__":
+        limit, total = int(sys.argv[1]), int(sys.argv[2])
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        loader = DataLoader(Five(total * 8), batch_size=8, num_workers=2,
+                            multiprocessing_context="spawn")  # no loader_options()
+        kept, first, peak, error = [], None, 0, None
+        try:
+            for epoch in range(2):  # new workers each epoch
+                for b in loader:
+                    first = first if first is not None else len(os.listdir("/proc/self/fd"))
+                    kept.append(b)
+                    peak = max(peak, len(os.listdir("/proc/self/fd")) - first)
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+        ok = all([float(t[7, 0]) for t in b] == [i % total * 8 + 7 + k for k in range(5)]
+                 for i, b in enumerate(kept))
+        print(json.dumps({"batches": len(kept), "ok": ok, "peak": peak, "error": error,
+                          "holds": vmmipc.cache_info().holds}))
+"""
+
+
+def test_a_plain_dataloader_with_spawn_workers_at_64_descriptors(tmp_path):
+    """A DataLoader without loader_options() whose workers are spawned:
+    its batches cross through each worker's host arena (the workers run
+    libvmmipc of their own), so a main process keeping every batch of two
+    epochs (5 tensors each, new workers in the second) at RLIMIT_NOFILE 64
+    gets them all, bytes checked, its descriptors flat after the first
+    batch; torch's default dies within its first batches at 64
+    (test_dataloader.py). Fork workers keep torch's way without
+    loader_options() (their result queue is a fork-context one). The
+    workers must install vmmipc.torch too: a spawned worker imports the
+    user's script (here a file) as its __mp_main__, and so its imports."""
+    out = run_script(LOADER, 64, 100, timeout=300, path=tmp_path / "loader.py")
+    assert out["error"] is None and out["batches"] == 200 and out["ok"], out
+    assert out["peak"] == 0, out
+    assert out["holds"] == 200, out  # one use per batch: its 5 storages share one grant
