@@ -21,8 +21,8 @@ rebuilt from it, or has died. A block's memory is a ctypes array that the
 storage holds (torch.frombuffer), through the swap; the array's finalizer
 frees the block. So a block goes back to its chunk only once this
 process's storage is gone and no grant keeps it: every receiver let go or
-died. A chunk wholly free, other than the first, is given back (its anchor
-ends; receivers' mappings stay valid).
+died. A chunk wholly free, other than the first of the standard size, is
+given back (its anchor ends; receivers' mappings stay valid).
 
 Why not export/arena.c's allocator (_arena.Arena): its blocks go one way, a
 worker's to the process that owns the memfd, through a table in the shared
@@ -231,13 +231,20 @@ class HostArena:
             if self.blocks.get(addr) is block:
                 del self.blocks[addr]
             chunk.give(block.offset, size)
-            gone = chunk.live == 0 and chunk in self.chunks and chunk is not self.chunks[0]
+            gone = chunk.live == 0 and chunk in self.chunks and not self._keeps(chunk)
             if gone:
                 self.chunks.remove(chunk)
         finally:
             self._lock.release()
         if gone:
             chunk.anchor.retire()  # on the reaper; receivers' mappings stay valid
+
+    def _keeps(self, chunk: Chunk) -> bool:
+        """Whether a wholly free chunk stays (self._lock held): the first
+        one of the standard size does, for the next sends; a larger one
+        (one storage's) and further ones go."""
+        standard = [c for c in self.chunks if c.size == self.chunk_bytes]
+        return bool(standard) and standard[0] is chunk
 
     def info(self) -> dict:
         with self._lock:

@@ -250,6 +250,24 @@ def test_a_backlog_of_pickles_is_never_cut(vt):
     assert settle(lambda: vmmipc.holds() == 0 and vt.host_arena_info()["blocks_live"] == 0)
 
 
+def test_a_storage_larger_than_a_chunk_gets_one_of_its_own_given_back_after(vt):
+    """A storage larger than CHUNK_BYTES gets a chunk of its own size, which
+    goes back (its anchor ends) once its block is free; the first chunk of
+    the standard size stays for the next sends."""
+    import torch
+    from multiprocessing.reduction import ForkingPickler
+    from vmmipc import _torch_host
+    big = torch.arange((_torch_host.CHUNK_BYTES + 4096) // 4, dtype=torch.int32)
+    small = torch.ones(10)
+    got_big, got_small = ForkingPickler.loads(ForkingPickler.dumps([big, small]))
+    assert torch.equal(got_big, big) and torch.equal(got_small, small)
+    assert vt.host_arena_info()["chunks"] == 2
+    del got_big, got_small, big, small
+    assert settle(lambda: vt.host_arena_info()["blocks_live"] == 0), vt.host_arena_info()
+    info = vt.host_arena_info()
+    assert info["chunks"] == 1 and info["chunk_bytes"] == _torch_host.CHUNK_BYTES, info
+
+
 # ------------------------------------------------------ torch's pool cases
 
 POOL = """
