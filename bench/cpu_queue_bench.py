@@ -68,8 +68,9 @@ def main() -> None:
         print(f"{label:26s} {statistics.median(rates[mode]):8.0f} sends/s  "
               f"(rounds: {', '.join(f'{x:.0f}' for x in rates[mode])}; child fds at the end: "
               f"{fds[mode]})")
-    print(f"ratio vmmipc/torch: {statistics.median(rates['vmmipc']) / statistics.median(rates['torch']):.2f}x"
-          f"  ({n} sends of {mib:g} MiB, {rounds} rounds, interleaved)")
+    ratio = statistics.median(rates["vmmipc"]) / statistics.median(rates["torch"])
+    print(f"ratio vmmipc/torch: {ratio:.2f}x  ({n} sends of {mib:g} MiB, {rounds} rounds, "
+          "interleaved)")
 
 
 if __name__ == "__main__":

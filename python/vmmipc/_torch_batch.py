@@ -294,7 +294,8 @@ def _storages_in(obj):
                     seen.add(id(s))
                     yield s
         elif isinstance(o, torch.UntypedStorage):
-            if (o.device.type == "cuda" or (o.device.type == "cpu" and o.nbytes())) and id(o) not in seen:
+            wanted = o.device.type == "cuda" or (o.device.type == "cpu" and o.nbytes() > 0)
+            if wanted and id(o) not in seen:
                 seen.add(id(o))
                 yield o
         elif isinstance(o, dict):

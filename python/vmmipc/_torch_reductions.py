@@ -17,8 +17,9 @@ allows POSIX-fd export go through vmmipc; other VMM memory raises
 host arena (_torch_host, where it is wanted), rebuilt by
 rebuild_cpu_storage the way rebuild_storage rebuilds a CUDA run's;
 everything else (meta, the legacy cudaMalloc allocator, sparse, nested,
-quantized, empty) keeps torch's own reducer. One pickle is one batch (_torch_batch): one grant per run anchor,
-one event per device.
+quantized, empty) keeps torch's own reducer. One pickle is one batch
+(_torch_batch): one grant per run anchor or host chunk, one event per
+device.
 """
 
 from __future__ import annotations

@@ -223,8 +223,9 @@ try:
 except ImportError:
     pass  # no torch: the functions above raise a clear ImportError when used
 
-__all__ = ["Arena", "Collate", "arena_info", "default_arena", "loader_options", "EVENT_KEEP_SECONDS", "MAX_PENDING_PICKLES", "POSIX_FD_HANDLE", "PoolInfo", "SharingPool",
-           "batch", "get_cpu_sharing", "handle_type_names", "host_arena_info", "install", "is_vmm_tensor", "open_tensors",
-           "reduce_storage", "reduce_tensor", "release_sharing_pool", "set_ordering",
-           "set_cpu_sharing", "set_pickle_ttl", "set_receive_device", "share_tensors", "sharing_pool",
-           "sharing_pools"]
+__all__ = ["Arena", "arena_info", "batch", "Collate", "default_arena", "EVENT_KEEP_SECONDS",
+           "get_cpu_sharing", "handle_type_names", "host_arena_info", "install", "is_vmm_tensor",
+           "loader_options", "MAX_PENDING_PICKLES", "open_tensors", "PoolInfo", "POSIX_FD_HANDLE",
+           "reduce_storage", "reduce_tensor", "release_sharing_pool", "set_cpu_sharing",
+           "set_ordering", "set_pickle_ttl", "set_receive_device", "share_tensors", "sharing_pool",
+           "sharing_pools", "SharingPool"]

@@ -185,6 +185,39 @@ def test_a_storage_and_its_views_come_back_as_one_storage(vt):
     assert settle(lambda: vt.host_arena_info()["blocks_live"] == 0), vt.host_arena_info()
 
 
+def test_a_pickle_of_many_storages_costs_one_use_of_the_library(vt, monkeypatch):
+    """50 CPU tensors in one pickle: one grant of their chunk; the receiver
+    imports it once (one held use) and, for the same tensors sent again,
+    spends the pickle's hits with one confirm_many of one ticket."""
+    import torch
+    from multiprocessing.reduction import ForkingPickler
+    from vmmipc import _torch_received
+    calls = {"import_stream": 0, "confirm_many": []}
+    real_import, real_confirm_many = _torch_received.import_stream, _torch_received.confirm_many
+
+    def import_stream(*a, **kw):
+        calls["import_stream"] += 1
+        return real_import(*a, **kw)
+
+    def confirm_many(tickets, **kw):
+        calls["confirm_many"].append(len(tickets))
+        return real_confirm_many(tickets, **kw)
+    monkeypatch.setattr(_torch_received, "import_stream", import_stream)
+    monkeypatch.setattr(_torch_received, "confirm_many", confirm_many)
+    ts = [torch.full((100,), float(i)) for i in range(50)]
+    got = ForkingPickler.loads(ForkingPickler.dumps(ts))
+    assert calls == {"import_stream": 1, "confirm_many": []}, calls
+    assert vmmipc.holds() == 1
+    again = ForkingPickler.loads(ForkingPickler.dumps(ts))
+    assert calls == {"import_stream": 1, "confirm_many": [1]}, calls
+    assert all(a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+               for a, b in zip(got, again))  # the same storages
+    assert all(t.tolist() == [float(i)] * 100 for i, t in enumerate(again))
+    assert vmmipc.holds() == 1  # the newest ticket took over from the first
+    del got, again, ts
+    assert settle(lambda: vmmipc.holds() == 0 and vt.host_arena_info()["blocks_live"] == 0)
+
+
 def test_a_received_storage_sent_on_crosses_as_a_copy(vt):
     """A storage this process received through vmmipc and sends on stays
     over its sender's memory (it keeps sharing with it): what crosses is a
