@@ -58,8 +58,20 @@ ALIGN = 64              # a block's alignment (torch's CPU allocator's)
 PAGE = mmap.PAGESIZE
 
 MODES = ("vmmipc", "torch")
-_mode = ["vmmipc"]
+MODE_ENV = "VMMIPC_TORCH_CPU_SHARING"  # the mode a process starts with (children inherit it)
 _warned: set = set()
+
+
+def _initial_mode() -> str:
+    value = os.environ.get(MODE_ENV, "vmmipc")
+    if value in MODES:
+        return value
+    warnings.warn(f"vmmipc.torch: {MODE_ENV}={value!r} is none of {', '.join(MODES)}; "
+                  "using 'vmmipc'", RuntimeWarning, stacklevel=2)
+    return "vmmipc"
+
+
+_mode = [_initial_mode()]
 
 
 def set_mode(mode: str) -> None:

@@ -130,7 +130,9 @@ def set_cpu_sharing(mode: str) -> None:
     torch's own reducer (its sharing strategy). Under "vmmipc", pickles
     bound for a forked child, and processes forked after their parent
     loaded libvmmipc, still use torch's (docs/dataloader.md, "CPU tensors
-    between any processes"). ValueError for other modes."""
+    between any processes"). ValueError for other modes. A process starts
+    with the mode VMMIPC_TORCH_CPU_SHARING names, if set (so that it
+    reaches spawned children and DataLoader workers)."""
     if mode not in _torch_host.MODES:
         raise ValueError(f"vmmipc.torch.set_cpu_sharing: mode must be one of "
                          f"{', '.join(map(repr, _torch_host.MODES))}, not {mode!r}")

@@ -301,6 +301,17 @@ def test_a_storage_larger_than_a_chunk_gets_one_of_its_own_given_back_after(vt):
     assert info["chunks"] == 1 and info["chunk_bytes"] == _torch_host.CHUNK_BYTES, info
 
 
+def test_the_mode_a_process_starts_with_comes_from_the_environment():
+    env = dict(os.environ, PYTHONPATH=PACKAGE_PARENT)
+    code = "import vmmipc.torch as vt; print(vt.get_cpu_sharing())"
+    for value, want in (("torch", "torch"), ("vmmipc", "vmmipc"), ("bogus", "vmmipc")):
+        env["VMMIPC_TORCH_CPU_SHARING"] = value
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                           timeout=60)
+        assert r.stdout.strip() == want, r.stderr
+        assert ("is none of" in r.stderr) == (value == "bogus"), r.stderr
+
+
 # ------------------------------------------------------ torch's pool cases
 
 POOL = """
