@@ -28,6 +28,10 @@ library) when that count falls to zero: when those storages die, or a later
 pickle of the same storages took over. This process's end lets go of
 everything.
 
+CPU storages sent through a sender's host arena (_torch_host) take the same
+path with the target HOST: a chunk is imported onto the host once, and each
+storage is torch.frombuffer over its range of the mapping.
+
 A weak table of received storages, keyed by (anchor id, offset, size,
 device), gives a storage that arrives again (another view, another send)
 the same torch storage while any tensor over it lives. When the last storage

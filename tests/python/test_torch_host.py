@@ -21,6 +21,7 @@ import time
 import pytest
 
 import vmmipc
+from vmmipc import _torch_host
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 pytestmark = pytest.mark.skipif(
@@ -234,6 +235,28 @@ def test_a_received_storage_sent_on_crosses_as_a_copy(vt):
     assert x.tolist() == [4.0] * 8 and onward.tolist() == [3.0] * 8
     del got, onward, x
     assert settle(lambda: vmmipc.holds() == 0 and vt.host_arena_info()["blocks_live"] == 0)
+
+
+def test_damaged_pickles_get_clear_errors_and_hold_nothing(vt):
+    """A CPU storage's pickle with a range outside its chunk, a ticket that
+    is not one, or a load that is not a LoadUses: a clear error, and no use
+    stays held."""
+    import torch
+    from multiprocessing.reduction import ForkingPickler
+    from vmmipc import _torch_reductions
+    x = torch.ones(4)
+    ForkingPickler.dumps(x)  # x now in a block
+    rebuild, args = _torch_reductions.reduce_storage(x.untyped_storage())
+    assert rebuild is _torch_reductions.rebuild_cpu_storage
+    t, chunk_id, offset, nbytes = args[:4]
+    with pytest.raises(vmmipc.InvalidError, match="outside its run"):
+        rebuild(t, chunk_id, _torch_host.CHUNK_BYTES, nbytes)  # imports, then refuses
+    with pytest.raises(vmmipc.InvalidError, match="as its load"):
+        rebuild(t, chunk_id + ("x",), offset, nbytes, object())
+    with pytest.raises((vmmipc.VmmipcError, ValueError, TypeError)):
+        rebuild(b"not a ticket", ("other",), offset, nbytes)
+    del x
+    assert settle(lambda: vmmipc.holds() == 0 and vmmipc.cache_info().holds == 0)
 
 
 def test_a_non_leaf_tensor_is_refused_in_torchs_words(vt):
