@@ -60,10 +60,11 @@ def _memfd(name: str, size: int) -> int:
     return fd
 
 
-def _new_memfd(name: str, size: int) -> int:
-    """_memfd(), with running out of descriptors told as vmmipc tells it
-    everywhere else: OutOfDescriptorsError (also an OSError), saying which
-    limit and what to do."""
+def new_memfd(name: str, size: int, what: str = "HostBuffer") -> int:
+    """_memfd() for `what` (named in errors), with running out of
+    descriptors told as vmmipc tells it everywhere else:
+    OutOfDescriptorsError (also an OSError), saying which limit and what to
+    do."""
     try:
         return _memfd(name, size)
     except OSError as e:
@@ -77,8 +78,7 @@ def _new_memfd(name: str, size: int) -> int:
         else:
             raise
         err = _errors.OutOfDescriptorsError(
-            f"cannot create the HostBuffer's memfd: {e.strerror}: {why}", _errors.ENFILE,
-            "HostBuffer")
+            f"cannot create the {what}'s memfd: {e.strerror}: {why}", _errors.ENFILE, what)
         err.errno = e.errno
         raise err from None
 
@@ -169,7 +169,7 @@ class HostBuffer(_exported.Buffer, _lib.Closeable):
             raise TypeError(f"{where}: name must be a str, not {type(name).__name__}")
         _pickle_uses(pickle_uses), _pickle_ttl(pickle_ttl)  # checked before anything is made
         _lib.lib(where)  # a missing library fails here, before any child starts
-        fd = _new_memfd(name, size)
+        fd = new_memfd(name, size)
         try:
             kw = {"trackfd": False} if sys.version_info >= (3, 13) else {}
             try:

@@ -488,6 +488,13 @@ def lib(function: str = "") -> ctypes.CDLL:
     return _lib
 
 
+def usable() -> bool:
+    """Whether this process may call into the library (loading it if need
+    be): False in a child made by fork() after the parent loaded it (its Go
+    runtime is not there), without loading anything."""
+    return _lib is None or _load_pid == os.getpid()
+
+
 def loaded() -> bool:
     """Whether this process has loaded the library (without loading it)."""
     return _lib is not None and _load_pid == os.getpid()

@@ -74,7 +74,9 @@ def _warn_once(reason: str, text: str) -> None:
     if reason not in w.warned:
         w.warned.add(reason)
         warnings.warn(f"vmmipc.torch (pid {os.getpid()}): {text}; this batch and others like it "
-                      "go through torch's own shared memory instead", RuntimeWarning, stacklevel=3)
+                      "go another way instead: this worker's host arena where it can run "
+                      "libvmmipc (spawn and forkserver workers), else torch's own shared memory",
+                      RuntimeWarning, stacklevel=3)
 
 
 def new_tensor(arena: Arena, numel: int, dtype):

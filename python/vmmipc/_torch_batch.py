@@ -159,6 +159,7 @@ class Batch:
         self._found: dict[int, tuple] = {}  # id(storage) -> (storage, its run anchor)
         self.args: dict[int, tuple] = {}  # id(storage) -> (storage, rebuild_storage's args)
         self.found_vmm = False  # plan found VMM storages in the object
+        self.found_cpu = False  # plan found CPU storages (with bytes) in the object
         # Set when the pickle ends with the receiver's finish (dump_in_batch's
         # wrap): every storage names it, so that the receiver's hits wait for
         # that finish and are confirmed together.
@@ -173,15 +174,16 @@ class Batch:
     def remember(self, storage, run: RunAnchor) -> None:
         self._found[id(storage)] = (storage, run)
 
-    def ticket(self, run: RunAnchor, storage):
+    def ticket(self, run: RunAnchor, storage, limit: int | None = MAX_PENDING_PICKLES):
         """The ticket of this batch's grant of run (made on first use);
-        storage is kept alive until that grant ends. NotFoundError if the
-        anchor has ended."""
+        storage is kept alive until that grant ends. limit: the run's
+        pickles that may wait for their receivers at once (Anchor.grant).
+        NotFoundError if the anchor has ended."""
         entry = self._grants.get(run)
         if entry is None:
             keep: list = []
-            entry = (run.anchor.grant(uses=1, ttl=self.ttl, keep=keep,
-                                      limit=MAX_PENDING_PICKLES, hold=True), keep)
+            entry = (run.anchor.grant(uses=1, ttl=self.ttl, keep=keep, limit=limit,
+                                      hold=True), keep)
             self._grants[run] = entry
         entry[1].append(storage)
         return entry[0]
@@ -210,6 +212,9 @@ class Batch:
         refused, with a clear error) when it is reduced."""
         pending = []
         for storage in _storages_in(obj):
+            if storage.device.type == "cpu":
+                self.found_cpu = True
+                continue
             run = run_anchors.attached(storage)
             if run is not None:
                 self.remember(storage, run)
@@ -271,9 +276,10 @@ _MAX_VISIT = 1 << 16  # objects one plan looks at, at most
 
 
 def _storages_in(obj):
-    """The untyped storages of plain CUDA tensors and storages in obj,
-    searched through dicts, lists, tuples and modules (a state dict, a list
-    of (name, tensor) pairs, a model), each once."""
+    """The untyped storages of plain CUDA tensors and storages in obj, and
+    of CPU ones that have bytes, searched through dicts, lists, tuples and
+    modules (a state dict, a list of (name, tensor) pairs, a model), each
+    once."""
     torch = torch_module()
     seen: set[int] = set()
     todo = [obj]
@@ -282,13 +288,14 @@ def _storages_in(obj):
         o = todo.pop()
         visited += 1
         if isinstance(o, torch.Tensor):
-            if plain_cuda(torch, o):
+            if plain_cuda(torch, o) or _plain_cpu(torch, o):
                 s = o.untyped_storage()
                 if id(s) not in seen:
                     seen.add(id(s))
                     yield s
         elif isinstance(o, torch.UntypedStorage):
-            if o.device.type == "cuda" and id(o) not in seen:
+            wanted = o.device.type == "cuda" or (o.device.type == "cpu" and o.nbytes() > 0)
+            if wanted and id(o) not in seen:
                 seen.add(id(o))
                 yield o
         elif isinstance(o, dict):
@@ -299,6 +306,11 @@ def _storages_in(obj):
             todo.extend(o.parameters(recurse=False))
             todo.extend(o.buffers(recurse=False))
             todo.extend(o.children())
+
+
+def _plain_cpu(torch, t) -> bool:
+    return (t.device.type == "cpu" and t.layout == torch.strided and not t.is_nested
+            and not t.is_quantized and t.untyped_storage().nbytes() > 0)
 
 
 # ------------------------------------------------------------ anchor lookup
@@ -341,15 +353,17 @@ def run_anchor_of(storage, b: Batch | None) -> RunAnchor | None:
 # ---------------------------------------------------- one pickle, one batch
 
 
-def dump_in_batch(pickler_dump, wrap=None):
+def dump_in_batch(pickler_dump, wrap=None, cpu_shared=None):
     """Wrap ForkingPickler.dump so that each pickle is one batch, planned
     from the object being pickled (vmmipc.torch's Reductions.dump). A
-    pickle whose plan found VMM storages dumps wrap(obj, batch) instead
-    (the receiver's hits then wait for its end and are confirmed
-    together); the others are pickled as they are."""
+    pickle whose plan found VMM storages, or CPU storages when
+    cpu_shared(where) says they cross through vmmipc, dumps wrap(obj,
+    batch) instead (the receiver's hits then wait for its end and are
+    confirmed together); the others are pickled as they are."""
     def dump(self, obj):
         with batch(obj) as b:
-            if wrap is not None and b.found_vmm:
+            if wrap is not None and (b.found_vmm or (b.found_cpu and cpu_shared is not None
+                                                     and cpu_shared(b.where))):
                 obj = wrap(obj, b)
             return pickler_dump(self, obj)
     dump.__wrapped__ = pickler_dump

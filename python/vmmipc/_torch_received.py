@@ -28,6 +28,10 @@ library) when that count falls to zero: when those storages die, or a later
 pickle of the same storages took over. This process's end lets go of
 everything.
 
+CPU storages sent through a sender's host arena (_torch_host) take the same
+path with the target HOST: a chunk is imported onto the host once, and each
+storage is torch.frombuffer over its range of the mapping.
+
 A weak table of received storages, keyed by (anchor id, offset, size,
 device), gives a storage that arrives again (another view, another send)
 the same torch storage while any tensor over it lives. When the last storage
@@ -40,6 +44,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import logging
 import threading
 import uuid
@@ -53,6 +58,7 @@ from ._torch_env import torch_module
 
 log = logging.getLogger("vmmipc")
 
+HOST = "cpu"  # the target of CPU storages (host memory), where others name a device
 _receive_device: int | None = None
 _local = threading.local()  # open_tensors' device, for its thread only
 
@@ -99,6 +105,11 @@ class MappedRun:
 
 
 def _drop_mapping(mapping) -> None:
+    if mapping.is_host:
+        # Nothing to wait for; the reference goes with the Mapping, right
+        # after this (close() would look for memoryviews of it with
+        # gc.get_referrers, milliseconds each, and none was made).
+        return
     try:
         torch_module().cuda.synchronize(mapping.device)
     except Exception:  # noqa: BLE001 - unmapping must still happen
@@ -143,6 +154,10 @@ class WeakTable:
     def __len__(self) -> int:
         with self._lock:
             return len(self._values)
+
+    def values(self) -> list:
+        with self._lock:
+            return list(self._values.values())
 
 
 class SpentTickets:
@@ -362,6 +377,12 @@ def storage_over(torch, run: MappedRun, offset: int, nbytes: int):
             f"vmmipc.torch: a received storage of {nbytes!r} bytes at offset {offset!r} lies "
             f"outside its run of {size} bytes: the pickle is damaged or not from vmmipc.torch",
             _errors.EINVAL, "vmmipc.torch")
+    if run.mapping.is_host:
+        # A CPU storage: torch.frombuffer over a ctypes array of the range,
+        # which holds the run (frombuffer keeps the array).
+        memory = (ctypes.c_char * nbytes).from_address(run.mapping.addr + offset)
+        memory.run = run
+        return torch.frombuffer(memory, dtype=torch.uint8).untyped_storage()
     region = _Region(run, offset, nbytes)
     tensor = torch.as_tensor(region)
     if tensor.data_ptr() != region.addr or tensor.device != torch.device("cuda",
@@ -391,13 +412,22 @@ def _ordinal_of_exporter(torch, ticket, exporter_device: int) -> int:
                        "event cannot be waited on; make it visible (CUDA_VISIBLE_DEVICES)")
 
 
+def received_on_host(storage) -> bool:
+    """Whether a CPU storage lies in host memory this process received
+    through vmmipc.torch (a chunk of another process's host arena)."""
+    ptr = storage.data_ptr()
+    return any(r.mapping.is_host and r.mapping.addr <= ptr < r.mapping.addr + r.mapping.size
+               for r in mapped_runs.values())
+
+
 def map_run(torch, ticket, anchor_id, target) -> tuple[MappedRun, bool]:
-    """The run's mapping here, and whether getting it spent ticket's use."""
+    """The run's mapping here (target HOST: a chunk of a sender's host
+    arena), and whether getting it spent ticket's use."""
     key = (anchor_id, target)
     run = mapped_runs.get(key)
     if run is not None:
         return run, False
-    device = _lib.DEVICE_SAME if target is None else target
+    device = {None: _lib.DEVICE_SAME, HOST: _lib.DEVICE_HOST}.get(target, target)
     # A miss streams the run with this ticket; a hit (the import cache kept
     # the run mapped) spends it in one short session. Either way the use is
     # held, on this process's lease at the sender.

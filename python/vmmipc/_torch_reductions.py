@@ -12,23 +12,27 @@ both, and neither imports the other.
 
 The reducers route by memory: CUDA tensors and storages in VMM memory that
 allows POSIX-fd export go through vmmipc; other VMM memory raises
-(InvalidError, saying why); everything else (CPU, meta, the legacy
-cudaMalloc allocator, sparse, nested, quantized, empty) keeps torch's own
-reducer. One pickle is one batch (_torch_batch): one grant per run anchor,
-one event per device.
+(InvalidError, saying why); CPU storages go as a DataLoader arena's blocks
+(in a worker writing into one: _torch_arena) or as blocks of this process's
+host arena (_torch_host, where it is wanted), rebuilt by
+rebuild_cpu_storage the way rebuild_storage rebuilds a CUDA run's;
+everything else (meta, the legacy cudaMalloc allocator, sparse, nested,
+quantized, empty) keeps torch's own reducer. One pickle is one batch
+(_torch_batch): one grant per run anchor or host chunk, one event per
+device.
 """
 
 from __future__ import annotations
 
 import functools
 
-from . import _errors, _mp, _reductions, _torch_arena
+from . import _errors, _mp, _reductions, _torch_arena, _torch_host
 from ._mapping import confirm
 from ._torch_batch import (Batch, anchor_pending, current_batch, dump_in_batch, find_run,
                            run_anchor_of)
 from ._torch_env import plain_cuda, torch_module, torch_mp_reductions
-from ._torch_received import (LoadUses, finish_load, holds, map_run, receive_device, received,
-                              spent, storage_over, wait_event)
+from ._torch_received import (HOST, LoadUses, finish_load, holds, map_run, receive_device,
+                              received, received_on_host, spent, storage_over, wait_event)
 from ._torch_runs import RunAnchor, run_anchors
 
 
@@ -47,7 +51,7 @@ def reductions() -> _reductions.Reductions:
 
 
 def _dump_in_batch(pickler_dump):
-    return dump_in_batch(pickler_dump, finished)
+    return dump_in_batch(pickler_dump, finished, _torch_host.wanted)
 
 
 class _LoadMark:
@@ -135,6 +139,11 @@ def reduce_storage(storage):
     arena_args = _torch_arena.storage_args(storage)
     if arena_args is not None:  # a DataLoader worker's CPU storage: an arena block
         return (_torch_arena.rebuild_storage, arena_args)
+    if storage.device.type == "cpu" and storage.nbytes() > 0:
+        b = current_batch()
+        where = b.where if b is not None else _mp.fork_destination()
+        if _torch_host.wanted(where):
+            return _mp.guarded_reduce("CPU storage", lambda: _cpu_reduction(storage, b), where)
     return _reduce_through("CUDA storage", storage, lambda: own(storage),
                            lambda run, b: _storage_reduction(storage, run, b))
 
@@ -168,6 +177,37 @@ def _storage_args(storage, run: RunAnchor, b: Batch) -> tuple:
     return args
 
 
+def _cpu_reduction(storage, b: Batch | None):
+    """A CPU storage as a block of this process's host arena (moved there,
+    unless it is memory this process received: that one crosses as a copy
+    and keeps sharing with its own sender), granted by this pickle's batch."""
+    if b is None:  # reduced outside a pickle's batch: a batch of its own
+        b = Batch()
+    found = b.args.get(id(storage))
+    if found is not None and found[0] is storage:
+        return (rebuild_cpu_storage, found[1])
+    chunk, offset, kept = _torch_host.host_arena.share(storage,
+                                                       move=not received_on_host(storage))
+    # No bound on a chunk's pickles waiting for receivers (torch's own CPU
+    # sharing has none): every small tensor of this process shares one
+    # chunk, and ending the oldest would fail a Queue's backlog.
+    # set_pickle_ttl bounds the wait in time.
+    args = (b.ticket(chunk, kept, limit=None), chunk.id, offset, storage.nbytes())
+    if b.mark is not None:  # the pickle ends with finish_load: its hits wait for it
+        args += (b.mark,)
+    b.args[id(storage)] = (storage, args)
+    return (rebuild_cpu_storage, args)
+
+
+def rebuild_cpu_storage(ticket, chunk_id, offset, nbytes, load=None):
+    """Unpickling side of a CPU storage sent through a host arena: a storage
+    over the sender's chunk mapped here (imported with ticket, held, on
+    first use; from the import cache after that), zero-copy and writable,
+    as rebuild_storage does for a CUDA run; the use is let go of when the
+    storage dies."""
+    return _rebuild(ticket, chunk_id, offset, nbytes, None, None, load, HOST)
+
+
 def rebuild_storage(ticket, anchor_id, offset, nbytes, exporter_device, event_handle,
                     load=None):
     """Unpickling side of a VMM storage: the storage received here already
@@ -177,17 +217,22 @@ def rebuild_storage(ticket, anchor_id, offset, nbytes, exporter_device, event_ha
     finish_load, when the pickle names a load); its event waited on once;
     and held while a storage whose newest ticket it is lives
     (_torch_received)."""
+    return _rebuild(ticket, anchor_id, offset, nbytes, exporter_device, event_handle, load,
+                    receive_device())
+
+
+def _rebuild(ticket, anchor_id, offset, nbytes, exporter_device, event_handle, load, target):
     if load is not None and not isinstance(load, LoadUses):
         raise _errors.InvalidError(
             f"vmmipc.torch: a received storage names a {type(load).__name__} as its load: the "
             "pickle is damaged or not from vmmipc.torch", _errors.EINVAL, "vmmipc.torch")
-    target = receive_device()
     key = (anchor_id, offset, nbytes, target)
     storage = received.get(key)
     imported = False
     if storage is None:
         torch = torch_module()
-        torch.cuda.init()  # a fresh child may not have touched CUDA yet
+        if target != HOST:
+            torch.cuda.init()  # a fresh child may not have touched CUDA yet
         run, imported = map_run(torch, ticket, anchor_id, target)
         try:
             storage = received.add(key, storage_over(torch, run, offset, nbytes))
@@ -227,7 +272,7 @@ def reduce_tensor(tensor):
     torch's: a receiver calls rebuild(*args)."""
     torch = torch_module()
     own = torch_mp_reductions().reduce_tensor
-    if _arena_cpu(torch, tensor):
+    if _shared_cpu(torch, tensor):
         # The storage is pickled on its own (the pickler's memo sends it
         # once for all its views), and reduce_storage sends its block.
         return (tensor_over, (tensor.untyped_storage(),) + tensor_meta(torch, tensor))
@@ -238,16 +283,23 @@ def reduce_tensor(tensor):
                            lambda run, b: _tensor_reduction(torch, tensor, storage, run, b))
 
 
-def _arena_cpu(torch, tensor) -> bool:
-    """Whether tensor crosses as an arena block: a plain CPU tensor pickled
-    by a DataLoader worker writing into an arena. A non-leaf tensor that
-    requires grad, or one with a lazy conjugate or negative bit, goes to
-    torch's reducer, which refuses or resolves it in torch's words."""
-    return (_torch_arena.writing_arena() is not None and tensor.device.type == "cpu"
-            and tensor.layout == torch.strided and not tensor.is_nested
-            and not tensor.is_quantized and not (tensor.requires_grad and not tensor.is_leaf)
+def _shared_cpu(torch, tensor) -> bool:
+    """Whether tensor's storage crosses through vmmipc: a plain CPU tensor
+    pickled by a DataLoader worker writing into an arena (an arena block),
+    or by a process whose CPU tensors go through its host arena
+    (_torch_host.wanted). A non-leaf tensor that requires grad, or one with
+    a lazy conjugate or negative bit, goes to torch's reducer, which
+    refuses or resolves it in torch's words; so do empty tensors."""
+    if not (tensor.device.type == "cpu" and tensor.layout == torch.strided
+            and not tensor.is_nested and not tensor.is_quantized
+            and not (tensor.requires_grad and not tensor.is_leaf)
             and not tensor.is_conj() and not tensor.is_neg()
-            and tensor.untyped_storage().nbytes() > 0)
+            and tensor.untyped_storage().nbytes() > 0):
+        return False
+    if _torch_arena.writing_arena() is not None:
+        return True
+    b = current_batch()
+    return _torch_host.wanted(b.where if b is not None else _mp.fork_destination())
 
 
 def _tensor_reduction(torch, tensor, storage, run: RunAnchor, b: Batch):

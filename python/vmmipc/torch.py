@@ -9,9 +9,12 @@ a CUDA tensor or UntypedStorage in VMM memory crosses multiprocessing
 (Queue, Pipe, Pool, Process arguments; spawn and forkserver;
 torch.multiprocessing too) and ForkingPickler bytes through vmmipc instead:
 no pidfd_getfd, one descriptor at a time. VMM memory that does not allow
-POSIX-fd export raises InvalidError, saying why. Every other tensor and
-storage (CPU, meta, the legacy cudaMalloc allocator, sparse, nested,
-quantized, empty) keeps torch's own reducer, unchanged.
+POSIX-fd export raises InvalidError, saying why. CPU tensors and storages
+cross as views of the sender's host arena, held by the receiver, with no
+descriptor per storage (set_cpu_sharing; docs/dataloader.md, "CPU tensors
+between any processes"). Every other tensor and storage (meta, the legacy
+cudaMalloc allocator, sparse, nested, quantized, empty) keeps torch's own
+reducer, unchanged.
 
     import vmmipc.torch                      # before the first put
     q = torch.multiprocessing.get_context("spawn").Queue()
@@ -73,8 +76,8 @@ import os
 
 import vmmipc as _vmmipc
 
-from . import (_args, _reductions, _torch_arena, _torch_batch, _torch_env, _torch_received,
-               _torch_reductions)
+from . import (_args, _reductions, _torch_arena, _torch_batch, _torch_env, _torch_host,
+               _torch_received, _torch_reductions)
 from ._arena import Arena
 from ._torch_batch import EVENT_KEEP_SECONDS, MAX_PENDING_PICKLES, batch
 from ._torch_blob import open_tensors, share_tensors
@@ -115,6 +118,37 @@ def set_ordering(mode: str) -> None:
         raise ValueError(f"vmmipc.torch.set_ordering: mode must be one of "
                          f"{', '.join(map(repr, _torch_batch.ORDERINGS))}, not {mode!r}")
     _torch_batch.set_ordering(mode)
+
+
+def set_cpu_sharing(mode: str) -> None:
+    """How this process pickles CPU tensors and storages outside a
+    DataLoader's workers, from now on (every thread), like
+    torch.multiprocessing.set_sharing_strategy: "vmmipc" (the default) moves
+    each storage into a block of this process's host arena and sends the
+    block (a grant of its chunk: no descriptor per storage on either side;
+    the receiver holds it until its storage dies); "torch" leaves them to
+    torch's own reducer (its sharing strategy). Under "vmmipc", pickles
+    bound for a forked child, and processes forked after their parent
+    loaded libvmmipc, still use torch's (docs/dataloader.md, "CPU tensors
+    between any processes"). ValueError for other modes. A process starts
+    with the mode VMMIPC_TORCH_CPU_SHARING names, if set (so that it
+    reaches spawned children and DataLoader workers)."""
+    if mode not in _torch_host.MODES:
+        raise ValueError(f"vmmipc.torch.set_cpu_sharing: mode must be one of "
+                         f"{', '.join(map(repr, _torch_host.MODES))}, not {mode!r}")
+    _torch_host.set_mode(mode)
+
+
+def get_cpu_sharing() -> str:
+    """The mode set_cpu_sharing set: "vmmipc" or "torch"."""
+    return _torch_host.mode()
+
+
+def host_arena_info() -> dict:
+    """This process's host arena (the CPU tensors it sent): chunks and
+    their bytes, blocks live and their bytes. A block is live while this
+    process's storage over it lives or a receiver holds it."""
+    return _torch_host.host_arena.info()
 
 
 class Collate:
@@ -191,8 +225,9 @@ try:
 except ImportError:
     pass  # no torch: the functions above raise a clear ImportError when used
 
-__all__ = ["Arena", "Collate", "arena_info", "default_arena", "loader_options", "EVENT_KEEP_SECONDS", "MAX_PENDING_PICKLES", "POSIX_FD_HANDLE", "PoolInfo", "SharingPool",
-           "batch", "handle_type_names", "install", "is_vmm_tensor", "open_tensors",
-           "reduce_storage", "reduce_tensor", "release_sharing_pool", "set_ordering",
-           "set_pickle_ttl", "set_receive_device", "share_tensors", "sharing_pool",
-           "sharing_pools"]
+__all__ = ["Arena", "arena_info", "batch", "Collate", "default_arena", "EVENT_KEEP_SECONDS",
+           "get_cpu_sharing", "handle_type_names", "host_arena_info", "install", "is_vmm_tensor",
+           "loader_options", "MAX_PENDING_PICKLES", "open_tensors", "PoolInfo", "POSIX_FD_HANDLE",
+           "reduce_storage", "reduce_tensor", "release_sharing_pool", "set_cpu_sharing",
+           "set_ordering", "set_pickle_ttl", "set_receive_device", "share_tensors", "sharing_pool",
+           "sharing_pools", "SharingPool"]

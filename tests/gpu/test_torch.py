@@ -432,7 +432,8 @@ def legacy_and_cpu(vt, w):
     del t
     gc.collect()
     torch.cuda.empty_cache()
-    return problems, "cudaMalloc and CPU tensors went through torch's own reducers"
+    return problems, ("cudaMalloc tensors went through torch's own reducer, CPU tensors through "
+                      "the host arena (vmmipc.torch's default)")
 
 
 def w_check_pattern(t, dtype_name, seed):
@@ -540,7 +541,7 @@ def main(argv):
                   ordering),
                  ("lifetime", "sender drops its tensor right after put()", sender_lifetime),
                  ("repeat", "second send of one tensor: same anchor, import-cache hit", repeat),
-                 ("legacy", "cudaMalloc and CPU tensors keep torch's reducers", legacy_and_cpu)]
+                 ("legacy", "cudaMalloc tensors keep torch's reducer; CPU tensors arrive", legacy_and_cpu)]
     chosen = [case for case in in_worker if want(case[0])]
     if chosen:
         w = Worker("spawn")

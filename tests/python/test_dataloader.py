@@ -326,6 +326,7 @@ SHARING = textwrap.dedent(r"""
     from _dataloader_helpers import fill_views
     if __name__ == "__main__":
         mp.set_sharing_strategy(sys.argv[1])
+        vmmipc.torch.set_cpu_sharing("torch")  # the default is test_torch_host.py's
         ctx = mp.get_context("spawn")
         x = torch.zeros(4, 3)
         q, done = ctx.Queue(), ctx.Event()
@@ -338,10 +339,10 @@ SHARING = textwrap.dedent(r"""
 
 
 @pytest.mark.parametrize("strategy", ["file_descriptor", "file_system"])
-def test_cpu_tensors_outside_a_dataloader_keep_torchs_sharing(strategy):
-    """torch's fd_sharing / fs_sharing: a child fills [x, x[:, 1]] in place
-    and the parent sees both. Outside a DataLoader's workers a CPU tensor
-    keeps torch's own reducer (docs/dataloader.md says why)."""
+def test_cpu_tensors_keep_torchs_sharing_when_chosen(strategy):
+    """torch's fd_sharing / fs_sharing under torch's own strategies, with
+    vmmipc.torch installed in every process and set_cpu_sharing("torch"):
+    a child fills [x, x[:, 1]] in place and the parent sees both."""
     r = subprocess.run([sys.executable, "-c", SHARING, strategy], capture_output=True,
                        text=True, timeout=120, env=child_env())
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
@@ -351,7 +352,8 @@ POOL = textwrap.dedent(r"""
     import torch, torch.multiprocessing as mp, vmmipc.torch
     from _dataloader_helpers import doubled, fill_inherited
     if __name__ == "__main__":
-        with mp.get_context("spawn").Pool(2) as pool:  # torch's pool cases
+        vmmipc.torch.set_cpu_sharing("torch")  # the default is test_torch_host.py's
+        with mp.get_context("spawn").Pool(2, vmmipc.torch.set_cpu_sharing, ("torch",)) as pool:
             got = pool.map(doubled, [torch.full((3,), float(i)) for i in range(6)])
         assert [t.tolist() for t in got] == [[2.0 * i] * 3 for i in range(6)], got
         t = torch.zeros(5, 5).share_memory_()  # torch's inherit_tensor, fork
@@ -362,9 +364,9 @@ POOL = textwrap.dedent(r"""
 """)
 
 
-def test_pools_and_inherited_tensors_keep_torchs_way():
+def test_pools_and_inherited_tensors_keep_torchs_way_when_chosen():
     """torch's pool cases and inherit_tensor, with vmmipc.torch installed in
-    every process: CPU tensors outside a DataLoader's workers are torch's."""
+    every process and set_cpu_sharing("torch"): torch's own sharing."""
     r = subprocess.run([sys.executable, "-c", POOL], capture_output=True, text=True,
                        timeout=120, env=child_env())
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]

@@ -628,7 +628,9 @@ def test_install_registers_ours_after_torchs_and_is_idempotent():
 
 
 @needs_torch
-def test_cpu_tensors_and_storages_keep_torchs_reducer(monkeypatch):
+def test_cpu_tensors_and_storages_keep_torchs_reducer_when_chosen(monkeypatch):
+    """set_cpu_sharing("torch"): CPU tensors are torch's, as without vmmipc
+    (the default, "vmmipc", is tests/python/test_torch_host.py's)."""
     import torch
     from multiprocessing.reduction import ForkingPickler
     import torch.multiprocessing.reductions as tr
@@ -637,6 +639,17 @@ def test_cpu_tensors_and_storages_keep_torchs_reducer(monkeypatch):
         raise AssertionError("a CPU tensor must not reach libvmmipc")
 
     monkeypatch.setattr(_torch_runs, "cuda_query_range", never)
+    assert vt.get_cpu_sharing() == "vmmipc"
+    vt.set_cpu_sharing("torch")
+    try:
+        _cpu_tensors_keep_torchs_reducer(torch, ForkingPickler, tr)
+    finally:
+        vt.set_cpu_sharing("vmmipc")
+    with pytest.raises(ValueError, match="'vmmipc', 'torch'"):
+        vt.set_cpu_sharing("file_system")
+
+
+def _cpu_tensors_keep_torchs_reducer(torch, ForkingPickler, tr):
     t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     assert vt.reduce_tensor(t)[0] is tr.rebuild_tensor
     assert vt.reduce_storage(t.untyped_storage())[0] in (tr.rebuild_storage_fd,
@@ -1278,13 +1291,19 @@ def test_open_tensors_spends_a_blobs_hits_with_one_confirm_many(fake, monkeypatc
 
 @needs_torch
 def test_a_pickle_without_vmm_storages_is_not_wrapped():
-    """Only a pickle whose plan found VMM storages ends with finish_load:
-    CPU tensors and plain data pickle as they did."""
+    """Only a pickle whose plan found storages that cross through vmmipc
+    ends with finish_load: plain data, and CPU tensors under
+    set_cpu_sharing("torch"), pickle as they did."""
     import torch
     from multiprocessing.reduction import ForkingPickler
     vt.install()
-    sent = {"t": torch.arange(4), "x": [1, "two"]}
-    data = bytes(ForkingPickler.dumps(sent))
+    assert b"finish_load" not in bytes(ForkingPickler.dumps({"x": [1, "two"]}))
+    vt.set_cpu_sharing("torch")
+    try:
+        sent = {"t": torch.arange(4), "x": [1, "two"]}
+        data = bytes(ForkingPickler.dumps(sent))
+    finally:
+        vt.set_cpu_sharing("vmmipc")
     assert b"finish_load" not in data and b"LoadUses" not in data
     got = ForkingPickler.loads(data)
     assert torch.equal(got["t"], sent["t"]) and got["x"] == [1, "two"]
