@@ -83,7 +83,7 @@ test-python: deps lib ## Python shim tests (pytest; numpy required, lists what i
 TORCH_VENV := $(BUILD)/torch-venv
 TORCH_PIP  ?= torch
 VMMIPC_TEST_TORCH ?= 0
-TORCH_TESTS := tests/python/test_dataloader.py tests/python/test_torch_cpu.py
+TORCH_TESTS := tests/python/test_dataloader.py tests/python/test_torch_cpu.py tests/python/test_torch_host.py
 test-torch: lib ## the DataLoader and vmmipc.torch CPU tests under a Python with torch ($(TORCH_VENV), installed there with VMMIPC_TEST_TORCH=1)
 	@if $(PYTHON) -c 'import torch' 2>/dev/null; then \
 	  echo "make test-torch: $(PYTHON) has torch: test-python runs $(TORCH_TESTS)"; exit 0; fi; \
