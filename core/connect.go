@@ -31,8 +31,9 @@ func connect(t *Ticket, timeout time.Duration, flags uint64, ask *holdAsk, tail 
 	if err != nil {
 		return nil, transcript{}, err
 	}
-	// A confirmation tries one round trip first (handshake.go).
-	oneRound := flags&helloConfirm != 0 && oneRoundWorks(t) && !twoRoundsOnly(t)
+	// One round trip first, for a confirmation, and for a stream where the
+	// exporter says it takes one (handshake.go).
+	oneRound := (flags&helloConfirm != 0 || t.OneRound) && oneRoundWorks(t) && !twoRoundsOnly(t)
 	deadline := time.Now().Add(timeout)
 	for backoff := time.Millisecond; ; backoff = min(2*backoff, 50*time.Millisecond) {
 		c, err := dialConn(t, deadline, timeout)
@@ -139,7 +140,9 @@ func handshake(c *conn, t *Ticket, digest [32]byte, flags uint64, ask *holdAsk, 
 		if errors.Is(err, os.ErrDeadlineExceeded) || isTimeout(err) {
 			return tr, Errorf(EIO, "open: connected, but the exporter did not answer within %v: it may be serving its maximum of receivers at once (the rest wait their turn), or be hung; raise timeout_ms if it is just busy", c.timeout)
 		}
-		if code := CodeOf(err); oneRound && (code == EAUTH || code == EINVAL) {
+		// Only the exporter's own refusal says that it may not take one
+		// round: anything else from the peer is its fault, not the form's.
+		if code := CodeOf(err); oneRound && f.Type == msgError && (code == EAUTH || code == EINVAL) {
 			return tr, &oneRoundRefused{err}
 		}
 		return tr, err
@@ -148,14 +151,13 @@ func handshake(c *conn, t *Ticket, digest [32]byte, flags uint64, ask *holdAsk, 
 	if err != nil {
 		return tr, err
 	}
-	if oneRound {
-		if ch.Nonce != (nonce{}) {
-			return tr, Errorf(EINVAL, "protocol: a one-round challenge with a nonce")
+	if !oneRound {
+		if tr, err = boundTranscript(c, t, digest, flags, nr, ch.Nonce); err != nil {
+			return tr, err
 		}
-	} else if tr, err = boundTranscript(c, t, digest, flags, nr, ch.Nonce); err != nil {
-		return tr, err
 	}
-	if !tr.verify(t.Secret, roleServer, ch.Proof) {
+	// A one-round challenge has no nonce: one with a nonce proves nothing.
+	if (oneRound && ch.Nonce != (nonce{})) || !tr.verify(t.Secret, roleServer, ch.Proof) {
 		return tr, Errorf(EAUTH, "open: the process at %s could not prove that it knows this ticket's secret for this connection: the ticket is corrupted or forged, or another process is impersonating the exporter or relaying to it; nothing was accepted from it", t.Address)
 	}
 	challenged = true // by the exporter itself

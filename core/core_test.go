@@ -254,8 +254,12 @@ func helperRelayRecord(t *testing.T, out *lineWriter) error {
 // relays bytes and descriptors both ways. Each side binds the sockets of
 // its own connection, so the receiver refuses the exporter's proof (EAUTH)
 // and sends no proof of its own: the relay passes a hello and a challenge,
-// and no descriptor. The registration's use is not spent.
+// and no descriptor. The registration's use is not spent. The relay runs
+// in this process, so it has the receiver's pid: the two-round form is
+// what this tests (a one-round hello binds that pid, which a relay of
+// another process cannot pass for: attack_oneround_test.go).
 func TestRelayRefused(t *testing.T) {
+	twoRoundsOnlyInThisTest(t)
 	s := newTestServer(t)
 	proxy := proxyInFront(t, s)
 	fd := newMemfd(t, 4*int(pageSize), pattern(4*int(pageSize), 9))

@@ -27,7 +27,10 @@ import (
 // server's proof from ever passing for a receiver's.
 //
 // A receiver in the exporter's PID namespace (and time namespace) may
-// instead confirm in one round trip (hello flag helloOneRound):
+// instead authenticate in one round trip (hello flag helloOneRound): a
+// confirmation, and a stream whose ticket says that its exporter takes one
+// (Ticket.OneRound; an exporter that does not refuses the hello, and the
+// receiver asks again in two rounds):
 //
 //	receiver → server: hello(reg id, flags, Nr), proof(HMAC(secret, "R" || T1))
 //	server → receiver: challenge(0, HMAC(secret, "S" || T1)), welcome, ...
@@ -44,7 +47,8 @@ import (
 // pid handed out again cannot pass either). The server still proves
 // itself before the receiver believes anything: its proof covers Nr, so
 // it cannot be replayed to the receiver, and the receiver checks it
-// before the welcome. The server's proof is sent only after the
+// before the welcome (a stream's descriptors, sent after it, stay unread
+// in the socket until then). The server's proof is sent only after the
 // receiver's has checked out, so a peer without the secret learns
 // nothing but a refusal, as in the two-round form. The flag is in T1,
 // and the start time enters the HMAC only with it: no proof of one form

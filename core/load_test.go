@@ -33,7 +33,9 @@ func TestLoad64Receivers(t *testing.T) {
 	if n := GetCacheInfo().Entries; n != entries {
 		t.Fatalf("%d mappings in the library's table after every receiver unmapped, %d before", n, entries)
 	}
-	// All 64 uses consumed: the registration ended and closed its memfd.
+	// All 64 uses consumed: the registration ends (right after the last
+	// receiver has its answer) and closes its memfd.
+	waitUntil(5*time.Second, func() bool { return sender.live() == 0 })
 	if live := sender.live(); live != 0 {
 		t.Fatalf("the sender still holds %d registrations", live)
 	}

@@ -125,8 +125,10 @@ func readMessage(from *net.UnixConn) (msg []byte, fds []int, err error) {
 					}
 				}
 			}
-			msg = append(msg, buf[:k]...)
-			if err != nil || k == 0 {
+			if k > 0 {
+				msg = append(msg, buf[:k]...)
+			}
+			if err != nil || k <= 0 {
 				return fmt.Errorf("read: %v (%d bytes)", err, k)
 			}
 		}

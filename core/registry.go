@@ -110,7 +110,7 @@ func (r *Registry) newRegistration(b *buffer, opts RegisterOptions) (*registrati
 	g.ticket = &Ticket{
 		Kind: b.kind, Address: r.addr, Pid: r.pid, StartTime: r.start, NS: r.ns, RegID: g.id,
 		BufferID: b.id, Secret: secret, Count: uint64(len(b.sizes)), Total: b.total,
-		DeviceUUID: b.uuid, Holds: opts.Hold,
+		DeviceUUID: b.uuid, Holds: opts.Hold, OneRound: true,
 	}
 	if g.digest, err = g.ticket.Digest(); err != nil {
 		return nil, err

@@ -206,8 +206,8 @@ func (ss *session) authenticate(g *registration, hello helloMsg) bool {
 // connected. Only once it checks out does the server prove itself, and
 // the welcome follows in the same breath.
 func (ss *session) authenticateOneRound(g *registration, hello helloMsg) bool {
-	if hello.Flags&(helloPidBound|helloConfirm) != helloConfirm {
-		ss.refuse(Errorf(EINVAL, "protocol: the one-round handshake is for a confirmation bound to the receiver's pid, got hello flags %#x", hello.Flags))
+	if hello.Flags&helloPidBound != 0 {
+		ss.refuse(Errorf(EINVAL, "protocol: the one-round handshake binds the receiver's pid and start time itself, got hello flags %#x", hello.Flags))
 		return false
 	}
 	pm, ok := ss.recvProof("proof after a one-round hello")
@@ -227,8 +227,9 @@ func (ss *session) authenticateOneRound(g *registration, hello helloMsg) bool {
 		ss.refuse(Errorf(EAUTH, "the receiver's one-round proof for registration %d does not check out: its ticket is corrupted or forged, or another process (pid %d, started at tick %d) relays or replays it", g.id, pid, start))
 		return false
 	}
-	// The proof goes out with the welcome and done-ack (serveUse), or
-	// with whatever comes next (a lease, a refusal), in one write.
+	// The proof goes out with the welcome (and a confirmation's done-ack:
+	// serveUse), or with whatever comes next (a lease, a refusal), in one
+	// write.
 	ss.c.queue(challengeMsg{Proof: tr.proof(g.secret, roleServer)}.encode())
 	ss.tr = tr
 	ss.authed = ss.adm.authenticated(ss.p)

@@ -17,13 +17,15 @@ const TicketSize = 256
 // the exporter's namespaces (namespaces.go), and its handshake binds the
 // connection's sockets instead of pids (sockends.go). Version 4 added the
 // flags byte: whether the registration holds (RegisterOptions.Hold), so
-// that a receiver asks for a lease (holds.go) only where a hold can be.
+// that a receiver asks for a lease (holds.go) only where a hold can be,
+// and whether the exporter takes a stream's handshake in one round.
 const TicketFormat = 4
 
 // Ticket flags.
 const (
 	ticketHolds      uint8 = 1 << 0 // registered with RegisterOptions.Hold
-	ticketFlagsKnown       = ticketHolds
+	ticketOneRound   uint8 = 1 << 1 // the exporter takes a stream's handshake in one round (handshake.go)
+	ticketFlagsKnown       = ticketHolds | ticketOneRound
 )
 
 const (
@@ -50,7 +52,8 @@ var ticketMagic = [8]byte{'V', 'M', 'M', 'I', 'P', 'C', 'T', 'K'}
 //	88  [16] device UUID (CUDA) or zeros
 //	104 u16  address length
 //	106 [107] address bytes (abstract names without the leading NUL)
-//	213 u8   flags (bit 0: the registration holds)
+//	213 u8   flags (bit 0: the registration holds; bit 1: the exporter
+//	         takes a stream's handshake in one round)
 //	214 [2]  reserved, must be zero
 //	216 u64  namespace device (st_dev of /proc/self/ns/*; 0 = unknown)
 //	224 u64  exporter's PID namespace (inode; 0 = unknown)
@@ -113,6 +116,7 @@ type Ticket struct {
 	DeviceUUID [16]byte
 	NS         Namespaces // the exporter's; what its pid and address mean
 	Holds      bool       // the registration holds its receivers' uses (holds.go)
+	OneRound   bool       // the exporter takes a stream's handshake in one round (handshake.go)
 }
 
 // orDamaged is what a receiver's every "the ticket's exporter is not
@@ -152,7 +156,10 @@ func (t *Ticket) Marshal() ([TicketSize]byte, error) {
 	binary.LittleEndian.PutUint64(b[offNetNS:], t.NS.Net)
 	binary.LittleEndian.PutUint64(b[offTimeNS:], t.NS.Time)
 	if t.Holds {
-		b[offFlags] = ticketHolds
+		b[offFlags] |= ticketHolds
+	}
+	if t.OneRound {
+		b[offFlags] |= ticketOneRound
 	}
 	return b, nil
 }
@@ -233,6 +240,7 @@ func DecodeTicket(b []byte) (*Ticket, error) {
 		return nil, Errorf(EINVAL, "ticket: flags %#x not understood (corrupted ticket?)", b[offFlags])
 	}
 	t.Holds = b[offFlags]&ticketHolds != 0
+	t.OneRound = b[offFlags]&ticketOneRound != 0
 	copy(t.Secret[:], b[offSecret:])
 	copy(t.DeviceUUID[:], b[offUUID:])
 	n := int(binary.LittleEndian.Uint16(b[offAddrLen:]))

@@ -771,7 +771,10 @@ typedef struct vmmipc_mapping {
  * descriptor, imports and maps it at its offset, closes the descriptor.
  * Host chunks that one descriptor holds back to back (every chunk of a
  * vmmipc_register_host_file registration) arrive as that one descriptor
- * and are mapped with one mmap. All or nothing: on any failure everything mapped so far is unmapped, the
+ * and are mapped with one mmap; in the exporter's PID namespace such an
+ * import is one round trip after connecting (its hello, proof and request
+ * for every chunk go in one write, bound to this process's pid and start
+ * time, as vmmipc_confirm's), else two. All or nothing: on any failure everything mapped so far is unmapped, the
  * reservation is released, the descriptor in hand is closed, and the
  * message names the chunk and the call that failed.
  *   device = VMMIPC_DEVICE_HOST for host tickets (read-write shared mapping;
