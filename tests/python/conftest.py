@@ -5,6 +5,7 @@ Without a library the run FAILS at once (exit status 4) with the command
 that builds it: a suite that skips everything would pass in a fresh clone
 and prove nothing. No test here needs a GPU (tests/gpu/ has those)."""
 
+import importlib.util
 import mmap
 import os
 import sys
@@ -25,6 +26,21 @@ import vmmipc  # noqa: E402  (after the path set-up; importing loads nothing)
 from _mp_helpers import pattern  # noqa: E402
 
 PAGE = mmap.PAGESIZE
+
+# The directory that holds the vmmipc package under test: a child process
+# run as a script gets it on PYTHONPATH.
+PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(vmmipc.__file__)))
+
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
+
+
+def needs_torch(these: str):
+    """The skip marker of tests that need torch's CPU build; these names them
+    in the reason."""
+    return pytest.mark.skipif(
+        not HAVE_TORCH, reason=f"PyTorch is not installed for this Python; {these} need its CPU "
+        "build (pip install torch), which `make test VMMIPC_TEST_TORCH=1` (.ci/run) installs "
+        "into build/torch-venv")
 
 MISSING_MESSAGE = (
     f"tests/python need libvmmipc.so, and {LIBRARY} does not exist. Build it first: "

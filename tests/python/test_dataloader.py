@@ -7,7 +7,6 @@ input. Skipped, saying so, where torch is not installed (`make test` installs
 it with VMMIPC_TEST_TORCH=1: see the Makefile)."""
 
 import gc
-import importlib.util
 import json
 import os
 import signal
@@ -22,14 +21,10 @@ import pytest
 import conftest
 import vmmipc
 
-HAVE_TORCH = importlib.util.find_spec("torch") is not None
-pytestmark = pytest.mark.skipif(
-    not HAVE_TORCH, reason="PyTorch is not installed for this Python; the DataLoader tests need "
-    "its CPU build (pip install torch), which `make test VMMIPC_TEST_TORCH=1` (.ci/run) installs "
-    "into build/torch-venv")
+pytestmark = conftest.needs_torch("the DataLoader tests")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(vmmipc.__file__)))
+PACKAGE_PARENT = conftest.PACKAGE_PARENT
 
 
 def child_env() -> dict:

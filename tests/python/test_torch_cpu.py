@@ -15,7 +15,6 @@ The CUDA paths themselves are tested on the GPU by tests/gpu/test_torch.py.
 
 import contextlib
 import gc
-import importlib.util
 import os
 import subprocess
 import sys
@@ -25,18 +24,14 @@ from typing import NamedTuple
 
 import pytest
 
+import conftest
 import vmmipc
 import vmmipc.torch as vt
 from vmmipc import (_anchor, _mp, _torch_batch, _torch_blob, _torch_received, _torch_reductions,
                     _torch_runs)
 
-HAVE_TORCH = importlib.util.find_spec("torch") is not None
-needs_torch = pytest.mark.skipif(
-    not HAVE_TORCH, reason="PyTorch is not installed for this Python; make test-torch runs these "
-    "tests under build/torch-venv (make test VMMIPC_TEST_TORCH=1, as .ci/run, installs it there)")
-
-# the directory this vmmipc was imported from, for a child Python
-PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(vmmipc.__file__)))
+needs_torch = conftest.needs_torch("these tests")
+PACKAGE_PARENT = conftest.PACKAGE_PARENT
 
 
 # ---------------------------------------------------------------- stand-ins

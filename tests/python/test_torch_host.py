@@ -10,7 +10,6 @@ torch's default dies. Bytes are checked in each. Skipped, saying so, where
 torch is not installed."""
 
 import gc
-import importlib.util
 import json
 import os
 import subprocess
@@ -20,17 +19,14 @@ import time
 
 import pytest
 
+import conftest
 import vmmipc
 from vmmipc import _torch_host
 
-HAVE_TORCH = importlib.util.find_spec("torch") is not None
-pytestmark = pytest.mark.skipif(
-    not HAVE_TORCH, reason="PyTorch is not installed for this Python; these tests need its CPU "
-    "build (pip install torch), which `make test VMMIPC_TEST_TORCH=1` (.ci/run) installs into "
-    "build/torch-venv")
+pytestmark = conftest.needs_torch("these tests")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(vmmipc.__file__)))
+PACKAGE_PARENT = conftest.PACKAGE_PARENT
 
 
 def run_script(script: str, *args, timeout=240, path=None) -> dict:
