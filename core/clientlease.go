@@ -154,7 +154,7 @@ func (l *clientLease) markLost() {
 	l.mu.Unlock()
 }
 
-// release queues the let-go of one hold of id, sent by flush after
+// releaseLocked queues the let-go of one hold of id, sent by flush after
 // releaseDelay unless a held use carries it first (takeQueued). Called
 // with l.mu held.
 func (l *clientLease) releaseLocked(id uint64) {

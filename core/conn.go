@@ -25,7 +25,6 @@ type conn struct {
 	deadline time.Time     // when set, for every message instead of timeout
 	what     string        // "server" or "receiver", for messages
 	queued   []byte        // messages that go out with the next send (queue)
-	waitHere bool          // a receiver's: wait for an answer in this thread first (pollHere)
 }
 
 // answerWait is how long a receiver waits for an answer in its own thread
@@ -73,7 +72,7 @@ func newConn(uc *net.UnixConn, timeout time.Duration, what string) (*conn, error
 	if err != nil {
 		return nil, Errorf(EIO, "socket: %w", err)
 	}
-	return &conn{uc: uc, raw: raw, timeout: timeout, what: what, waitHere: what == "receiver"}, nil
+	return &conn{uc: uc, raw: raw, timeout: timeout, what: what}, nil
 }
 
 func (c *conn) Close() error { return c.uc.Close() }
@@ -181,7 +180,7 @@ func (c *conn) readFull(b []byte, fd *int, fdAllowed bool) error {
 				switch {
 				case opErr == unix.EINTR:
 					continue
-				case opErr == unix.EAGAIN && c.waitHere && !waited:
+				case opErr == unix.EAGAIN && c.what == "receiver" && !waited:
 					waited = true
 					if c.pollHere(s) {
 						continue
