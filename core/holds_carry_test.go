@@ -13,6 +13,15 @@ func withReleaseDelay(t *testing.T, d time.Duration) {
 	t.Cleanup(func() { releaseDelay = old })
 }
 
+// heldImport imports a new grant of f's anchor with a hold (unmapped at
+// the test's end).
+func heldImport(t *testing.T, f holdFixture) *Ticket {
+	g, _ := f.grant(t, true)
+	r := importHost(t, g, holdImport)
+	t.Cleanup(func() { Unmap(r.ID, r.Base) })
+	return g
+}
+
 // TestReleasesRideOnTheNextHeldUse: a release waits for the next held use
 // to the same exporter, which carries it in its first message (one
 // connection for both), on the same lease, kept between uses; the lease
@@ -20,9 +29,7 @@ func withReleaseDelay(t *testing.T, d time.Duration) {
 func TestReleasesRideOnTheNextHeldUse(t *testing.T) {
 	f := newHoldFixture(t)
 	withReleaseDelay(t, time.Hour)
-	g1, _ := f.grant(t, true)
-	r := importHost(t, g1, holdImport)
-	defer Unmap(r.ID, r.Base)
+	g1 := heldImport(t, f)
 	if err := Release(g1); err != nil {
 		t.Fatal(err)
 	}
@@ -76,9 +83,8 @@ func TestReleasesRideOnTheNextHeldUse(t *testing.T) {
 func TestACarriedReleaseOnARefusedUse(t *testing.T) {
 	f := newHoldFixture(t)
 	withReleaseDelay(t, time.Hour)
-	g1, _ := f.grant(t, true)
-	r := importHost(t, g1, holdImport)
-	defer Unmap(r.ID, r.Base)
+	g1 := heldImport(t, f)
+	old := leaseOf(g1)
 	g2, _ := f.grant(t, true)
 	if _, err := useHeld(g2, 5*time.Second); err != nil {
 		t.Fatal(err)
@@ -103,6 +109,9 @@ func TestACarriedReleaseOnARefusedUse(t *testing.T) {
 	g3, _ := f.grant(t, true)
 	if _, err := useHeld(g3, 5*time.Second); err != nil {
 		t.Fatal(err)
+	}
+	if l := leaseOf(g3); l == nil || l == old {
+		t.Fatalf("the use after the refused one is on lease %p, the lost one was %p: want a new one", l, old)
 	}
 	if err := Release(g3); err != nil {
 		t.Fatal(err)
