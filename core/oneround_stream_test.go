@@ -1,0 +1,54 @@
+package core
+
+import (
+	"testing"
+
+	"golang.org/x/sys/unix"
+)
+
+// TestAHostImportInOneRound: a new host import in the exporter's PID
+// namespace sends its hello (one-round flag), its proof and the pull-run
+// of every chunk before the exporter has said anything, and the exporter
+// answers with its proof, the welcome, one run (one descriptor) and the
+// done-ack: one round trip after connecting. (The relay is in this
+// process: the one-round form binds the receiver's pid, which it shares.)
+func TestAHostImportInOneRound(t *testing.T) {
+	s := newTestServer(t)
+	proxy := proxyInFront(t, s)
+	const chunks = 8
+	fd := newMemfd(t, chunks*int(pageSize), pattern(chunks*int(pageSize), 4))
+	defer unix.Close(fd)
+	tk := registerFile(t, s, fd, chunks*pageSize, pageSize, RegisterOptions{Uses: 1})
+	if !tk.OneRound {
+		t.Fatal("a registration's ticket does not say that its exporter takes one-round streams")
+	}
+	if err := importVerified(tk, ImportOptions{NoCache: true}, 4); err != nil {
+		t.Fatal(err)
+	}
+	toServer, toReceiver := proxy.recorded(t)
+	sent, err := splitMessages(toServer)
+	if err != nil || len(sent) != 3 || sent[0].Type != msgHello || sent[1].Type != msgProof || sent[2].Type != msgPullRun {
+		t.Fatalf("the receiver sent %s (%v), want hello, proof, pull-run", describeAll(sent), err)
+	}
+	if h, err := parseHello(sent[0].Body); err != nil || h.Flags&helloOneRound == 0 {
+		t.Fatalf("the hello's flags %#x (%v) do not ask for one round", h.Flags, err)
+	}
+	got, err := splitMessages(toReceiver)
+	if err != nil || len(got) != 4 || got[0].Type != msgChallenge || got[1].Type != msgWelcome || got[2].Type != msgRun || got[3].Type != msgDoneAck {
+		t.Fatalf("the exporter sent %s (%v), want challenge, welcome, run, done-ack", describeAll(got), err)
+	}
+	if n := proxy.descriptors(); n != 1 {
+		t.Fatalf("%d descriptors crossed, want the run's one", n)
+	}
+}
+
+func describeAll(ms []rawMsg) string {
+	out := ""
+	for i, m := range ms {
+		if i > 0 {
+			out += ", "
+		}
+		out += msgName(m.Type)
+	}
+	return "[" + out + "]"
+}
