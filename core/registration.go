@@ -20,7 +20,7 @@ type buffer struct {
 	total    uint64
 	exporter Exporter
 
-	regs int // live registrations; guarded by the registry's mu
+	regs map[*registration]struct{} // live registrations; guarded by the registry's mu
 
 	mu        sync.Mutex
 	over      bool // no registration lives any more
@@ -320,4 +320,13 @@ func (g *registration) live() bool {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	return g.ended == ""
+}
+
+// canServe reports whether g could still serve a use: not ended and not
+// used up (a used-up registration ends only after its last receiver's
+// answer, which another receiver's ack must not wait for).
+func (g *registration) canServe() bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.ended == "" && (g.uses == 0 || g.consumed < g.uses)
 }

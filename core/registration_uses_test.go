@@ -139,3 +139,37 @@ func blockedIn(fn string) bool {
 	}
 	return false
 }
+
+// TestAUsedUpSiblingDoesNotKeepTheBufferAlive: two registrations of one
+// buffer, one use each. Once the first's use is spent it can serve no other
+// receiver, although it ends only after its receiver's answer: a done-ack
+// for the second must then say that the buffer does not live on (it said
+// it does while the first's end had not run yet, so that the receiver kept
+// a mapping no ticket could hit again).
+func TestAUsedUpSiblingDoesNotKeepTheBufferAlive(t *testing.T) {
+	s := newTestServer(t)
+	fd := newMemfd(t, 4096, pattern(4096, 3))
+	defer unix.Close(fd)
+	tk := registerFile(t, s, fd, 4096, 4096, RegisterOptions{Uses: 1})
+	again, err := s.RegisterAgain(tk, RegisterOptions{Uses: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.reg.mu.Lock()
+	first, second := s.reg.live[tk.RegID], s.reg.live[again.RegID]
+	s.reg.mu.Unlock()
+	if !s.reg.bufferHasOthers(second) {
+		t.Fatal("with the first registration unspent, the buffer has no other registration")
+	}
+	c, err := first.claim(func() {})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !first.spend(c) {
+		t.Fatal("the first registration's only use did not use it up")
+	}
+	if s.reg.bufferHasOthers(second) {
+		t.Fatal("a used-up registration that has not ended yet counts as one that can serve")
+	}
+	first.end(usedUpWhy(first))
+}

@@ -59,7 +59,7 @@ func (r *Registry) add(spec BufferSpec, opts RegisterOptions) (g *registration, 
 		b = &buffer{
 			id: r.nextBuf, key: spec.Key, kind: spec.Kind, uuid: spec.DeviceUUID,
 			sizes: append([]uint64(nil), spec.Sizes...), offsets: offsets, total: total,
-			exporter: spec.Exporter,
+			exporter: spec.Exporter, regs: map[*registration]struct{}{},
 		}
 		r.nextBuf++
 	} else {
@@ -117,7 +117,7 @@ func (r *Registry) newRegistration(b *buffer, opts RegisterOptions) (*registrati
 	}
 	r.nextReg++
 	r.live[g.id] = g
-	b.regs++
+	b.regs[g] = struct{}{}
 	if opts.LendsExporter {
 		b.mu.Lock()
 		b.lenders = append(b.lenders, g)
@@ -145,8 +145,8 @@ func (r *Registry) forget(g *registration) {
 		r.order = r.order[1:]
 	}
 	b := g.buf
-	b.regs--
-	last := b.regs == 0
+	delete(b.regs, g)
+	last := len(b.regs) == 0
 	if last {
 		delete(r.buffers, b.id)
 		if b.key != "" && r.byKey[b.key] == b {
@@ -222,11 +222,26 @@ func (r *Registry) bufferLives(id uint64) bool {
 	return r.buffers[id] != nil
 }
 
-// bufferHasOthers reports whether g's buffer has live registrations besides g.
+// bufferHasOthers reports whether g's buffer has registrations besides g
+// that can still serve a use. One used up by another receiver still counts
+// among the buffer's registrations until its end runs, just after that
+// receiver's answer: it must not make this receiver keep a mapping that no
+// ticket can hit again.
 func (r *Registry) bufferHasOthers(g *registration) bool {
 	r.mu.Lock()
-	defer r.mu.Unlock()
-	return g.buf.regs > 1
+	others := make([]*registration, 0, len(g.buf.regs))
+	for o := range g.buf.regs {
+		if o != g {
+			others = append(others, o)
+		}
+	}
+	r.mu.Unlock()
+	for _, o := range others { // each under its own lock, never under r.mu
+		if o.canServe() {
+			return true
+		}
+	}
+	return false
 }
 
 // Live returns the number of registrations that have not ended.

@@ -92,9 +92,9 @@ def wanted(where) -> bool:
     cannot be loaded)."""
     if _mode[0] != "vmmipc" or where is not None or not _lib.usable():
         return False
-    if not hasattr(torch_module().UntypedStorage, "_swap_data_ptr_"):
-        _warn_once("swap", "this torch cannot move a storage's data in place "
-                   "(UntypedStorage._swap_data_ptr_)")
+    if not can_move_in_place():
+        _warn_once("swap", f"torch {torch_module().__version__} cannot move a storage's data "
+                   "in place (UntypedStorage._swap_data_ptr_, torch 2.12 and later)")
         return False
     try:
         _lib.lib("vmmipc.torch")
@@ -102,6 +102,13 @@ def wanted(where) -> bool:
         _warn_once("lib", f"libvmmipc cannot be loaded ({e})")
         return False
     return True
+
+
+def can_move_in_place() -> bool:
+    """Whether this torch can swap a storage's data pointer (torch 2.12 and
+    later): without it a storage cannot be moved into a block with every view
+    following, so CPU tensors outside a DataLoader take torch's own way."""
+    return callable(getattr(torch_module().UntypedStorage, "_swap_data_ptr_", None))
 
 
 def _warn_once(reason: str, why: str) -> None:

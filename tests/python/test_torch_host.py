@@ -25,6 +25,23 @@ from vmmipc import _torch_host
 
 pytestmark = conftest.needs_torch("these tests")
 
+
+def _torch_moves_storages() -> bool:
+    try:
+        return _torch_host.can_move_in_place()
+    except ImportError:
+        return True  # no torch: needs_torch skips every test anyway
+
+
+# The host arena moves a storage in place (UntypedStorage._swap_data_ptr_,
+# torch 2.12 and later); on older torch CPU tensors take torch's own way,
+# which test_an_older_torch_keeps_its_own_sharing_and_says_so checks.
+moves = pytest.mark.skipif(
+    not _torch_moves_storages(),
+    reason="this torch has no UntypedStorage._swap_data_ptr_ (added in torch 2.12): CPU "
+           "tensors take torch's own way, as test_an_older_torch_keeps_its_own_sharing_and_says_so "
+           "checks")
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 PACKAGE_PARENT = conftest.PACKAGE_PARENT
 
@@ -92,6 +109,7 @@ SHARING = """
 """
 
 
+@moves
 @pytest.mark.parametrize("strategy", ["file_descriptor", "file_system"])
 def test_a_child_fills_a_tensor_and_its_view_and_the_parent_sees_both(strategy):
     """torch's test_fd_sharing / test_fs_sharing: a spawned child fills
@@ -115,6 +133,45 @@ def test_a_child_fills_a_tensor_and_its_view_and_the_parent_sees_both(strategy):
     # which maps one file per storage: an arena block is not one
     # (docs/dataloader.md says why and what re-sending costs).
     assert out["is_shared"] is False
+
+
+OLDER_TORCH = """
+    import json, warnings, torch, torch.multiprocessing as mp
+    if callable(getattr(torch.UntypedStorage, "_swap_data_ptr_", None)):
+        torch.UntypedStorage._swap_data_ptr_ = None  # this torch, as 2.11 and older are
+    import vmmipc.torch as vt
+    from multiprocessing.reduction import ForkingPickler
+    from _torch_host_helpers import fill_views
+    if __name__ == "__main__":
+        ctx = mp.get_context("spawn")
+        x = torch.zeros(4, 3)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                ForkingPickler.dumps([x, x[:, 1]])
+        q, back = ctx.Queue(), ctx.Queue()
+        p = ctx.Process(target=fill_views, args=(q, back)); p.start()
+        q.put([x, x[:, 1]])
+        one, child_held, _ = back.get(timeout=60); p.join(60)
+        print(json.dumps({"seen": x.tolist(), "one": one, "child_held": child_held,
+                          "is_shared": x.is_shared(), "info": vt.host_arena_info(),
+                          "warnings": [str(w.message) for w in caught]}))
+"""
+
+
+def test_an_older_torch_keeps_its_own_sharing_and_says_so():
+    """On torch without UntypedStorage._swap_data_ptr_ (2.11 and older; made
+    so here where torch has it) a storage cannot be moved into the host
+    arena with its views following: CPU tensors take torch's own reducer,
+    which moves them into its shm, with one warning that names the torch
+    and what it lacks. torch's fd_sharing shape still holds: the child
+    fills [x, x[:, 1]] and the parent sees both."""
+    out = run_script(OLDER_TORCH)
+    assert out["seen"] == [[1.0, 2.0, 1.0]] * 4 and out["one"], out
+    assert out["is_shared"] and out["child_held"] == 0, out
+    assert out["info"]["chunks"] == 0, out
+    assert len(out["warnings"]) == 1, out["warnings"]
+    assert "_swap_data_ptr_" in out["warnings"][0] and "2.12" in out["warnings"][0], out
 
 
 FORK_QUEUE = """
@@ -192,6 +249,7 @@ def test_a_storage_and_its_views_come_back_as_one_storage(vt):
     assert settle(lambda: vt.host_arena_info()["blocks_live"] == 0), vt.host_arena_info()
 
 
+@moves
 def test_a_pickle_of_many_storages_costs_one_use_of_the_library(vt, monkeypatch):
     """50 CPU tensors in one pickle: one grant of their chunk; the receiver
     imports it once (one held use) and, for the same tensors sent again,
@@ -226,6 +284,7 @@ def test_a_pickle_of_many_storages_costs_one_use_of_the_library(vt, monkeypatch)
     assert settle(lambda: vmmipc.holds() == 0 and vt.host_arena_info()["blocks_live"] == 0)
 
 
+@moves
 def test_a_received_storage_sent_on_crosses_as_a_copy(vt):
     """A storage this process received through vmmipc and sends on stays
     over its sender's memory (it keeps sharing with it): what crosses is a
@@ -244,6 +303,7 @@ def test_a_received_storage_sent_on_crosses_as_a_copy(vt):
     assert settle(lambda: vmmipc.holds() == 0 and vt.host_arena_info()["blocks_live"] == 0)
 
 
+@moves
 def test_damaged_pickles_get_clear_errors_and_hold_nothing(vt):
     """A CPU storage's pickle with a range outside its chunk, a ticket that
     is not one, or a load that is not a LoadUses: a clear error, and no use
@@ -279,6 +339,7 @@ def test_a_non_leaf_tensor_is_refused_in_torchs_words(vt):
     assert got.tolist() == [0.0, 1.0, 2.0]
 
 
+@moves
 def test_the_sender_keeps_a_block_while_a_receiver_holds_it(vt):
     """The lifetime rule: the sender drops its tensor right after sending;
     its block stays (not reused) while the receiver holds the use, and goes
@@ -299,6 +360,7 @@ def test_the_sender_keeps_a_block_while_a_receiver_holds_it(vt):
     assert settle(lambda: vmmipc.holds() == 0 and vt.host_arena_info()["blocks_live"] == 0)
 
 
+@moves
 def test_a_backlog_of_pickles_is_never_cut(vt):
     """1500 pickles made before any is received (a Queue's backlog, blobs
     kept for later) all arrive: a chunk's grants waiting for receivers are
@@ -314,6 +376,7 @@ def test_a_backlog_of_pickles_is_never_cut(vt):
     assert settle(lambda: vmmipc.holds() == 0 and vt.host_arena_info()["blocks_live"] == 0)
 
 
+@moves
 def test_a_storage_larger_than_a_chunk_gets_one_of_its_own_given_back_after(vt):
     """A storage larger than CHUNK_BYTES gets a chunk of its own size, which
     goes back (its anchor ends) once its block is free; the first chunk of
@@ -362,6 +425,7 @@ KILLED = """
 """
 
 
+@moves
 def test_a_receiver_killed_gives_the_block_back():
     """A receiver SIGKILLed while it holds a tensor: its hold ends with it
     (its lease's lock goes), and the sender's block goes back to the arena."""
@@ -481,6 +545,7 @@ MANY = """
 """
 
 
+@moves
 @pytest.mark.parametrize("limit", [1024, 64])
 def test_a_receiver_keeping_1100_cpu_tensors_at_the_descriptor_limit(limit):
     """The issue's failure shape outside a DataLoader: a receiver keeps
@@ -523,6 +588,7 @@ LOADER = """
 """
 
 
+@moves
 def test_a_plain_dataloader_with_spawn_workers_at_64_descriptors(tmp_path):
     """A DataLoader without loader_options() whose workers are spawned:
     its batches cross through each worker's host arena (the workers run
