@@ -12,6 +12,7 @@ torch is not installed."""
 import gc
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -407,29 +408,34 @@ def test_the_mode_a_process_starts_with_comes_from_the_environment():
 
 
 KILLED = """
-    import gc, json, os, signal, time, torch, torch.multiprocessing as mp, vmmipc, vmmipc.torch as vt
+    import gc, json, os, signal, sys, time, torch, torch.multiprocessing as mp, vmmipc, vmmipc.torch as vt
     from _torch_host_helpers import hold_forever
     if __name__ == "__main__":
+        how = getattr(signal, sys.argv[1])
         ctx = mp.get_context("spawn")
         q, back = ctx.Queue(), ctx.Queue()
         p = ctx.Process(target=hold_forever, args=(q, back)); p.start()
         q.put(torch.full((1000,), 5.0))  # dropped here at once
         seen, child_holds = back.get(timeout=60)
         held = (vmmipc.holds(), vt.host_arena_info()["blocks_live"])
-        os.kill(p.pid, signal.SIGKILL); p.join(60)
+        os.kill(p.pid, how); p.join(60)
         deadline = time.monotonic() + 10
         while (vmmipc.holds() or vt.host_arena_info()["blocks_live"]) and time.monotonic() < deadline:
             gc.collect(); time.sleep(0.02)
         print(json.dumps({"seen": seen, "child_holds": child_holds, "held": held,
+                          "exitcode": p.exitcode,
                           "after": (vmmipc.holds(), vt.host_arena_info()["blocks_live"])}))
 """
 
 
 @moves
-def test_a_receiver_killed_gives_the_block_back():
-    """A receiver SIGKILLed while it holds a tensor: its hold ends with it
-    (its lease's lock goes), and the sender's block goes back to the arena."""
-    out = run_script(KILLED)
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
+def test_a_receiver_killed_gives_the_block_back(how):
+    """A receiver SIGKILLed or SIGTERMed while it holds a tensor: its hold
+    ends with it (its lease's lock goes), and the sender's block goes back
+    to the arena."""
+    out = run_script(KILLED, how)
+    assert out["exitcode"] == -getattr(signal, how), out
     assert out["seen"] == [5.0, 5.0, 5.0] and out["child_holds"] == 1, out
     assert out["held"] == [1, 1], out
     assert out["after"] == [0, 0], out
