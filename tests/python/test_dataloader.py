@@ -171,7 +171,7 @@ def test_every_start_method_and_epoch_verified(vt, method, persistent):
                 kept.append(b)
             assert len(kept) == 6 * (epoch + 1)
     x = kept[0]["x"]
-    x.add_(1)  # writable, in place, in the main process's own mapping
+    x.add_(1)  # writable, in place: in the main process's own mapping (or the pinned copy)
     assert float(x[0, 0, 0]) == 1.0
     assert not x.is_shared()  # torch's is_shared asks for its own shm allocators: not ours
     if pinned:  # every block goes back once the pin thread has copied it
