@@ -78,8 +78,8 @@ func acquired(key string, l *clientLease) {
 }
 
 // connectHeld is connect (tail included) for a use held on this process's
-// lease to t's exporter: it names the lease, or asks for one, and asks once more for a
-// new one when the exporter no longer knows the one named. The lease
+// lease to t's exporter: it names the lease, or asks for one, and asks once
+// more for a new one when the exporter no longer knows the one named. The lease
 // returned counts the use in flight: the caller settles it (useDone,
 // useLost).
 func connectHeld(t *Ticket, timeout time.Duration, flags uint64, tail []byte) (*conn, transcript, *clientLease, error) {

@@ -121,3 +121,31 @@ func TestACarriedReleaseOnARefusedUse(t *testing.T) {
 		t.Fatalf("left: %d leases here, %d holds at the exporter", GetCacheInfo().HolderSessions, f.s.Holds())
 	}
 }
+
+// TestReleaseAndLingerDefaults: with the defaults the guarantees cite
+// (releaseDelay 2 ms, leaseLinger 250 ms), a release with no held use to
+// ride on reaches the exporter on its own well within a second, the lease
+// stays for the next use for most of its linger, and then ends.
+func TestReleaseAndLingerDefaults(t *testing.T) {
+	if releaseDelay != 2*time.Millisecond || leaseLinger != 250*time.Millisecond {
+		t.Fatalf("releaseDelay %v, leaseLinger %v: docs/guarantees.md says 2ms and 250ms", releaseDelay, leaseLinger)
+	}
+	f := newHoldFixture(t)
+	g := heldImport(t, f)
+	start := time.Now()
+	if err := Release(g); err != nil {
+		t.Fatal(err)
+	}
+	if err := f.s.Wait(g, time.Second); err != nil {
+		t.Fatalf("a lone release did not reach the exporter within a second of a %v delay: %v", releaseDelay, err)
+	}
+	if took := time.Since(start); took < releaseDelay {
+		t.Fatalf("the release went after %v, before its delay of %v (nothing waited for a use to carry it)", took, releaseDelay)
+	}
+	if n := GetCacheInfo().HolderSessions; n != 1 && time.Since(start) < leaseLinger/2 {
+		t.Fatalf("the lease ended %v after its release, before half its linger (%v)", time.Since(start), leaseLinger)
+	}
+	if !waitUntil(leaseLinger+5*time.Second, func() bool { return GetCacheInfo().HolderSessions == 0 }) {
+		t.Fatal("the lease outlived its linger")
+	}
+}

@@ -158,7 +158,7 @@ func (g *registration) claim(cancel func()) (*claim, error) {
 		if g.ended != "" {
 			return nil, Errorf(ENOENT, "%s", g.why())
 		}
-		if g.uses != 0 && g.consumed >= g.uses {
+		if g.usedUpLocked() {
 			// Used up, if not yet ended (that waits for the last
 			// receiver's answer): the same words either way.
 			return nil, Errorf(ENOENT, "registration %d %s", g.id, usedUpWhy(g))
@@ -204,6 +204,12 @@ func (g *registration) spend(c *claim) (usedUp bool) {
 	// claim now, and one woken would be refused as "used up" although the
 	// use comes back if this last send fails (unspend). The end, or the
 	// session's drop, wakes them.
+	return g.usedUpLocked()
+}
+
+// usedUpLocked reports whether every use of g is spent. Called with g.mu
+// held.
+func (g *registration) usedUpLocked() bool {
 	return g.uses != 0 && g.consumed >= g.uses
 }
 
@@ -328,5 +334,5 @@ func (g *registration) live() bool {
 func (g *registration) canServe() bool {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	return g.ended == "" && (g.uses == 0 || g.consumed < g.uses)
+	return g.ended == "" && !g.usedUpLocked()
 }
