@@ -11,8 +11,8 @@ torch.multiprocessing too) and ForkingPickler bytes through vmmipc instead:
 no pidfd_getfd, one descriptor at a time. VMM memory that does not allow
 POSIX-fd export raises InvalidError, saying why. CPU tensors and storages
 cross as views of the sender's host arena, held by the receiver, with no
-descriptor per storage (set_cpu_sharing; docs/dataloader.md, "CPU tensors
-between any processes"). Every other tensor and storage (meta, the legacy
+descriptor per storage, on torch 2.12 and later (set_cpu_sharing;
+docs/dataloader.md, "CPU tensors between any processes"). Every other tensor and storage (meta, the legacy
 cudaMalloc allocator, sparse, nested, quantized, empty) keeps torch's own
 reducer, unchanged.
 

@@ -28,10 +28,8 @@ pytestmark = conftest.needs_torch("these tests")
 
 
 def _torch_moves_storages() -> bool:
-    try:
-        return _torch_host.can_move_in_place()
-    except ImportError:
-        return True  # no torch: needs_torch skips every test anyway
+    # without torch, needs_torch skips every test anyway
+    return not conftest.HAVE_TORCH or _torch_host.can_move_in_place()
 
 
 # The host arena moves a storage in place (UntypedStorage._swap_data_ptr_,
