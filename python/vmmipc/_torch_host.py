@@ -262,8 +262,7 @@ class HostArena:
         """Whether a wholly free chunk stays (self._lock held): the first
         one of the standard size does, for the next sends; a larger one
         (one storage's) and further ones go."""
-        standard = [c for c in self.chunks if c.size == self.chunk_bytes]
-        return bool(standard) and standard[0] is chunk
+        return next((c for c in self.chunks if c.size == self.chunk_bytes), None) is chunk
 
     def info(self) -> dict:
         with self._lock:
