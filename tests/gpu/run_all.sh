@@ -44,7 +44,7 @@ for s in "${suites[@]}"; do
     fault) run fault 180 sh tests/gpu/run_fault.sh ;;
     peer) run peer 60 sh tests/gpu/run_peer.sh ;;
     python) run python 240 python3 tests/gpu/test_python_cuda.py ;;
-    pytest) run pytest 180 python3 -m pytest -q -p no:cacheprovider tests/python ;;
+    pytest) run pytest 420 python3 -m pytest -q -p no:cacheprovider tests/python ;;
     torch) run torch 300 sh tests/gpu/run_torch.sh ;;
     torch-model) run torch-model 540 env TORCH_TEST=tests/gpu/test_torch_model.py sh tests/gpu/run_torch.sh ;;
     torch-mp) run torch-mp 1800 env TORCH_TEST=tests/gpu/test_torch_mp.py sh tests/gpu/run_torch.sh ;;
