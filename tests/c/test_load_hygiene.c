@@ -4,8 +4,9 @@
  *
  * Built twice: without LINKED it dlopen()s the library given as argv[1];
  * with LINKED it is linked against it, and the parent run (argv[1] =
- * "parent") sets the limit and an ignored signal, then execs itself so the
- * check runs at the start of main(), after the library's constructors. */
+ * "parent") sets the limit, every disposition to its default and SIGINT to
+ * ignored, then execs itself so the check runs at the start of main(),
+ * after the library's constructors. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <fcntl.h>
@@ -98,6 +99,11 @@ int main(int argc, char **argv) {
     getrlimit(RLIMIT_NOFILE, &r);
     r.rlim_cur = r.rlim_max > 200 ? 200 : r.rlim_max;
     setrlimit(RLIMIT_NOFILE, &r);
+    /* Exec keeps an ignored signal ignored: start the child from a known
+     * state whatever this process inherited (nohup ignores SIGHUP, a
+     * background job of a non-interactive shell SIGINT and SIGQUIT). */
+    for (int s = 1; s < NSIGS; s++)
+      if (s != SIGKILL && s != SIGSTOP && (s < 32 || s >= SIGRTMIN)) signal(s, SIG_DFL);
     signal(SIGINT, SIG_IGN); /* survives exec */
     char cur[32];
     snprintf(cur, sizeof cur, "%llu", (unsigned long long)r.rlim_cur);
