@@ -542,6 +542,20 @@ def call(function: str, *args) -> int:
     return check(function, fn(*args))
 
 
+_DEFAULTS: list[bytes] = []
+
+
+def _defaults() -> bytes:
+    """The library's vmmipc_options_init output, asked for once: it is the
+    same on every call (the library's defaults), and asking costs a call into
+    Go on every import and grant."""
+    if not _DEFAULTS:
+        o = vmmipc_options()
+        call("vmmipc_options_init", ctypes.byref(o), ctypes.sizeof(o))
+        _DEFAULTS.append(bytes(o))
+    return _DEFAULTS[0]
+
+
 def options(function: str, *, uses=None, ttl=None, timeout=None, window=None,
             memory_kind=None, access_devices=(), import_flags: int = 0,
             register_flags: int = 0) -> vmmipc_options:
@@ -566,8 +580,7 @@ def options(function: str, *, uses=None, ttl=None, timeout=None, window=None,
         fields["memory_kind"] = _args.u32(memory_kind, "memory_kind", function)
     devs = _args.integers(access_devices or (), "access_devices", _args.I32_MIN, _args.I32_MAX,
                           function, MAX_ACCESS_DEVICES)
-    o = vmmipc_options()
-    call("vmmipc_options_init", ctypes.byref(o), ctypes.sizeof(o))
+    o = vmmipc_options.from_buffer_copy(_defaults())
     for name, value in fields.items():
         setattr(o, name, value)
     if devs:
