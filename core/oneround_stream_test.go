@@ -1,6 +1,7 @@
 package core
 
 import (
+	"strings"
 	"testing"
 
 	"golang.org/x/sys/unix"
@@ -43,12 +44,9 @@ func TestAHostImportInOneRound(t *testing.T) {
 }
 
 func describeAll(ms []rawMsg) string {
-	out := ""
+	names := make([]string, len(ms))
 	for i, m := range ms {
-		if i > 0 {
-			out += ", "
-		}
-		out += msgName(m.Type)
+		names[i] = msgName(m.Type)
 	}
-	return "[" + out + "]"
+	return "[" + strings.Join(names, ", ") + "]"
 }

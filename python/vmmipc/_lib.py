@@ -36,6 +36,7 @@ object shares: Closeable, the `with` protocol of an object with a close().
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import sys
 import threading
@@ -542,18 +543,14 @@ def call(function: str, *args) -> int:
     return check(function, fn(*args))
 
 
-_DEFAULTS: list[bytes] = []
-
-
+@functools.cache
 def _defaults() -> bytes:
     """The library's vmmipc_options_init output, asked for once: it is the
     same on every call (the library's defaults), and asking costs a call into
-    Go on every import and grant."""
-    if not _DEFAULTS:
-        o = vmmipc_options()
-        call("vmmipc_options_init", ctypes.byref(o), ctypes.sizeof(o))
-        _DEFAULTS.append(bytes(o))
-    return _DEFAULTS[0]
+    Go on every import and grant. A failed call is not cached."""
+    o = vmmipc_options()
+    call("vmmipc_options_init", ctypes.byref(o), ctypes.sizeof(o))
+    return bytes(o)
 
 
 def options(function: str, *, uses=None, ttl=None, timeout=None, window=None,

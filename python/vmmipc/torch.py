@@ -12,9 +12,9 @@ no pidfd_getfd, one descriptor at a time. VMM memory that does not allow
 POSIX-fd export raises InvalidError, saying why. CPU tensors and storages
 cross as views of the sender's host arena, held by the receiver, with no
 descriptor per storage, on torch 2.12 and later (set_cpu_sharing;
-docs/dataloader.md, "CPU tensors between any processes"). Every other tensor and storage (meta, the legacy
-cudaMalloc allocator, sparse, nested, quantized, empty) keeps torch's own
-reducer, unchanged.
+docs/dataloader.md, "CPU tensors between any processes"). Every other
+tensor and storage (meta, the legacy cudaMalloc allocator, sparse, nested,
+quantized, empty) keeps torch's own reducer, unchanged.
 
     import vmmipc.torch                      # before the first put
     q = torch.multiprocessing.get_context("spawn").Queue()
