@@ -72,6 +72,7 @@ type CacheInfo struct {
 	LimitBytes, Entries, ReferencedBytes, UnreferencedBytes uint64
 	Hits, Misses, Evictions, Invalidations                  uint64
 	ConfirmsPending, ConfirmsFailed                         uint64 // confirm.go
+	TableHits                                               uint64 // hits the grant table vouched for (granttable.go)
 	Holds, HolderSessions                                   uint64 // holder.go: uses held, live leases
 }
 
@@ -143,11 +144,16 @@ func (c *importCache) hit(key cacheKey, t *Ticket, opts ImportOptions) (Ref, boo
 		c.stats.Hits++
 		ref := c.newRef(e) // the pin becomes the caller's reference
 		c.mu.Unlock()
-		confirms.add(t, timeout)
+		confirms.add(t, timeout, nil)
 		return ref, true, nil
 	}
 	c.mu.Unlock()
 
+	if !opts.Hold {
+		if ref, done, err := c.hitOnTable(e, t, timeout); done {
+			return ref, true, err
+		}
+	}
 	spendUse := confirm
 	if opts.Hold {
 		spendUse = useHeld
@@ -171,6 +177,57 @@ func (c *importCache) hit(key cacheKey, t *Ticket, opts ImportOptions) (Ref, boo
 	ref := c.newRef(e) // the pin becomes the caller's reference
 	c.mu.Unlock()
 	return ref, true, nil
+}
+
+// hitOnTable answers a hit (e pinned) from the exporter's grant table
+// (granttable.go) where the table vouches for t: the reference at once,
+// the use spent by the confirmer, which settles it; or, where this process
+// has taken t's last use already, the exporter's own refusal of a used-up
+// grant. done is false where the table cannot tell: ask the exporter.
+func (c *importCache) hitOnTable(e *entry, t *Ticket, timeout time.Duration) (ref Ref, done bool, err error) {
+	switch answer, record := vouch(t); answer {
+	case tableVouched:
+		if checkExporterAlive(t) != nil { // read /proc unlocked
+			settle(t, record, false)
+			return Ref{}, false, nil // the exporter's answer (none) says so
+		}
+		c.mu.Lock()
+		c.stats.Hits++
+		c.stats.TableHits++
+		ref = c.newRef(e) // the pin becomes the caller's reference
+		c.mu.Unlock()
+		confirms.add(t, timeout, func(lives bool, err error) {
+			// Asked and not answered (EIO): the record stays, for the
+			// exporter to spend should this process exit first.
+			settle(t, record, err != nil && CodeOf(err) == EIO)
+			if err == nil && !lives {
+				c.bufferEnded(e)
+			}
+		})
+		return ref, true, nil
+	case tableSpentHere:
+		c.mu.Lock()
+		victims := c.unref(e)
+		c.mu.Unlock()
+		undoAll(victims)
+		return Ref{}, true, Errorf(ENOENT, "import (cached mapping at %#x): registration %d was used up: this process has spent its last use already", e.base, t.RegID)
+	}
+	return Ref{}, false, nil
+}
+
+// bufferEnded is a table hit's late answer that the buffer ended with its
+// use: e is not kept once unreferenced, as after a confirmation that said
+// so on the caller's path.
+func (c *importCache) bufferEnded(e *entry) {
+	c.mu.Lock()
+	e.lives = false
+	var victims []*entry
+	if e.refs == 0 && e.elem != nil { // kept unreferenced meanwhile
+		c.forget(e)
+		victims = []*entry{e}
+	}
+	c.mu.Unlock()
+	undoAll(victims)
 }
 
 // sameGrant reports whether ticket t names the memory a mapping was
@@ -280,6 +337,7 @@ func (c *importCache) unindex(e *entry) []*entry {
 // invalidateExporter invalidates every mapping of one exporter. Called with
 // c.mu held.
 func (c *importCache) invalidateExporter(exporter string) []*entry {
+	dropTable(exporter)
 	var victims []*entry
 	for e := range c.all {
 		if e.key.exporter == exporter {
@@ -339,6 +397,9 @@ func (c *importCache) check(es []*entry) {
 		errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ENOENT))
 	if err != nil && !gone {
 		return // busy or slow: ask again next time
+	}
+	if gone {
+		dropTable(t.exporterKey())
 	}
 	c.mu.Lock()
 	var victims []*entry

@@ -43,7 +43,7 @@ func TestCacheEvictionUnderBound(t *testing.T) {
 		}
 		unmapRef(t, r)
 	}
-	expectCache(t, "3 hits", before, CacheInfo{Entries: 3, UnreferencedBytes: 3 * cacheSize, Hits: 3, Misses: 5, Evictions: 2})
+	expectCache(t, "3 hits", before, CacheInfo{Entries: 3, UnreferencedBytes: 3 * cacheSize, Hits: 3, TableHits: 3, Misses: 5, Evictions: 2})
 	// Buffer 4 is now the least recently used: importing buffer 0 again
 	// (a miss) evicts it.
 	r := importHost(t, regs[0].tk, ImportOptions{})
@@ -51,7 +51,7 @@ func TestCacheEvictionUnderBound(t *testing.T) {
 		t.Fatal(err)
 	}
 	unmapRef(t, r)
-	expectCache(t, "an evicted buffer again", before, CacheInfo{Entries: 3, UnreferencedBytes: 3 * cacheSize, Hits: 3, Misses: 6, Evictions: 3})
+	expectCache(t, "an evicted buffer again", before, CacheInfo{Entries: 3, UnreferencedBytes: 3 * cacheSize, Hits: 3, TableHits: 3, Misses: 6, Evictions: 3})
 	r = importHost(t, regs[4].tk, ImportOptions{})
 	unmapRef(t, r)
 	if got := cacheDelta(before); got.Misses != 7 {
@@ -61,7 +61,7 @@ func TestCacheEvictionUnderBound(t *testing.T) {
 	if err := SetCacheLimit(cacheSize); err != nil {
 		t.Fatal(err)
 	}
-	expectCache(t, "bound lowered to one buffer", before, CacheInfo{Entries: 1, UnreferencedBytes: cacheSize, Hits: 3, Misses: 7, Evictions: 6})
+	expectCache(t, "bound lowered to one buffer", before, CacheInfo{Entries: 1, UnreferencedBytes: cacheSize, Hits: 3, TableHits: 3, Misses: 7, Evictions: 6})
 	expectMapped(t, "bound lowered to one buffer", cacheSize)
 }
 
@@ -160,10 +160,10 @@ func TestCacheMisses(t *testing.T) {
 	if err := SetCacheLimit(cacheSize - 1); err != nil {
 		t.Fatal(err)
 	}
-	expectCache(t, "a bound smaller than the kept mapping", before, CacheInfo{Hits: 1, Misses: 3, Evictions: 1})
+	expectCache(t, "a bound smaller than the kept mapping", before, CacheInfo{Hits: 1, TableHits: 1, Misses: 3, Evictions: 1})
 	big := registerCounting(t, s, cacheSize, 7, RegisterOptions{})
 	unmapRef(t, importHost(t, big.tk, ImportOptions{}))
-	expectCache(t, "larger than the bound", before, CacheInfo{Hits: 1, Misses: 4, Evictions: 1})
+	expectCache(t, "larger than the bound", before, CacheInfo{Hits: 1, TableHits: 1, Misses: 4, Evictions: 1})
 	expectMapped(t, "larger than the bound", 0)
 	// Off: nothing is kept or hit.
 	if err := SetCacheLimit(0); err != nil {
@@ -176,7 +176,7 @@ func TestCacheMisses(t *testing.T) {
 	}
 	unmapRef(t, a)
 	unmapRef(t, b)
-	expectCache(t, "cache off", before, CacheInfo{Hits: 1, Misses: 6, Evictions: 1})
+	expectCache(t, "cache off", before, CacheInfo{Hits: 1, TableHits: 1, Misses: 6, Evictions: 1})
 	expectMapped(t, "cache off", 0)
 }
 

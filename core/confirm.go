@@ -44,18 +44,20 @@ type confirmer struct {
 type pendingConfirm struct {
 	t       *Ticket
 	timeout time.Duration
+	then    func(lives bool, err error) // with the answer, if not nil
 }
 
 var confirms = &confirmer{queues: map[string][]pendingConfirm{}}
 
 // add queues a confirmation of t and starts the exporter's worker if it
-// has none.
-func (c *confirmer) add(t *Ticket, timeout time.Duration) {
+// has none; then (if not nil) gets the answer: whether the buffer lives on,
+// or the error.
+func (c *confirmer) add(t *Ticket, timeout time.Duration, then func(lives bool, err error)) {
 	key := t.exporterKey()
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	q, running := c.queues[key]
-	c.queues[key] = append(q, pendingConfirm{t: t, timeout: timeout})
+	c.queues[key] = append(q, pendingConfirm{t: t, timeout: timeout, then: then})
 	c.pending++
 	if !running {
 		go c.work(key)
@@ -76,7 +78,10 @@ func (c *confirmer) work(key string) {
 		c.queues[key] = q[1:]
 		c.mu.Unlock()
 
-		_, err := confirm(p.t, p.timeout)
+		lives, err := confirm(p.t, p.timeout)
+		if p.then != nil {
+			p.then(lives, err)
+		}
 
 		c.mu.Lock()
 		c.pending--

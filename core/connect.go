@@ -9,7 +9,8 @@ import (
 )
 
 // The start of a receiver's session, shared by a stream (stream.go) and a
-// confirmation (confirm.go), held or not (holder.go): the
+// confirmation (confirm.go), held or not (holder.go), which may bring the
+// exporter's grant table (granttable_view.go): the
 // receiver's half of the handshake (handshake.go; the server's half is in
 // session.go), on a connection dial.go made, bound by sockends.go.
 // connect runs the start of a session: reachability and liveness, dial,
@@ -34,6 +35,9 @@ func connect(t *Ticket, timeout time.Duration, flags uint64, ask *holdAsk, tail 
 	// One round trip first, for a confirmation, and for a stream where the
 	// exporter says it takes one (handshake.go).
 	oneRound := (flags&helloConfirm != 0 || t.OneRound) && oneRoundWorks(t) && !twoRoundsOnly(t)
+	if wantTable(t) {
+		flags |= helloTable // once per exporter: later hits read it (granttable.go)
+	}
 	deadline := time.Now().Add(timeout)
 	for backoff := time.Millisecond; ; backoff = min(2*backoff, 50*time.Millisecond) {
 		c, err := dialConn(t, deadline, timeout)
@@ -115,11 +119,15 @@ func handshake(c *conn, t *Ticket, digest [32]byte, flags uint64, ask *holdAsk, 
 	first = append(first, helloMsg{RegID: t.RegID, Flags: flags, Nonce: nr}.encode()...)
 	oneRound := flags&helloOneRound != 0
 	// tail goes with our last message: the proof, or leased when the
-	// session brings a lease (the exporter reads leased before anything).
-	var proofTail, leasedTail []byte
-	if flags&helloLease != 0 {
+	// session brings a lease, or the spend log when it brings a grant
+	// table (the exporter reads those before anything).
+	var proofTail, leasedTail, tableTail []byte
+	switch {
+	case flags&helloLease != 0:
 		leasedTail = tail
-	} else {
+	case flags&helloTable != 0:
+		tableTail = tail
+	default:
 		proofTail = tail
 	}
 	if oneRound {
@@ -168,6 +176,11 @@ func handshake(c *conn, t *Ticket, digest [32]byte, flags uint64, ask *holdAsk, 
 	}
 	if flags&helloLease != 0 {
 		if ask.got, err = takeSessionLease(c, t, leasedTail); err != nil {
+			return tr, err
+		}
+	}
+	if flags&helloTable != 0 {
+		if err := recvTable(c, t, tableTail); err != nil {
 			return tr, err
 		}
 	}

@@ -25,7 +25,8 @@ const (
 // pid, start time and SO_PEERCRED all check out and only the handshake
 // stands between the receiver and whatever it is sent. Mode bit 3 makes
 // the receiver a one-round confirmation (its proof comes with its hello)
-// instead of Open. Without the right server proof, Open (or confirm) must
+// instead of Open; bit 4 leaves the answer to a request for the grant
+// table to the fuzzed bytes (else it is "none"). Without the right server proof, Open (or confirm) must
 // fail, the receiver must not send its own proof
 // (or anything else after its hello), and every descriptor it was sent must
 // be closed. With it, the receiver's proof must check out, and the stream
@@ -54,6 +55,11 @@ func FuzzReceiverHandshake(f *testing.F) {
 	// Bit 3: the receiver confirms in one round trip (handshake.go).
 	doneAck := doneAckMsg{Flags: ackBufferLives}.encode()
 	f.Add(uint8(answerGood|8), []byte{}, cat(welcome, doneAck), []byte{})
+	// Bit 4: the fuzzed bytes answer the table request too.
+	table := tableMsg{Slots: tableSlots, FD: 3}.encode()
+	f.Add(uint8(answerGood|16), []byte{}, cat(table, good), append([]byte{0, 0, 1}, shiftPlan(goodPlan, len(table))...))
+	f.Add(uint8(answerGood|8|16), []byte{}, cat(table, welcome, doneAck), []byte{0, 0, 1})
+	f.Add(uint8(answerGood|8|16), []byte{}, cat(tableMsg{}.encode(), welcome, doneAck), []byte{0, 0, 2})
 	f.Add(uint8(answerGood|8), []byte{}, cat(welcome, doneAck), []byte{0, 0, 1})
 	f.Add(uint8(answerGood|8), []byte{}, doneAck, []byte{})
 	f.Add(uint8(answerGood|8), []byte{}, errorMsg{Code: ENOENT, Text: "used up"}.encode(), []byte{})
@@ -87,7 +93,9 @@ func FuzzReceiverHandshake(f *testing.F) {
 			if oneRound {
 				wantFlags = helloConfirm | helloOneRound
 			}
-			if err != nil || hello.RegID != tk.RegID || hello.Flags != wantFlags {
+			// A receiver asks for the grant table of an exporter it has
+			// none of (granttable_view.go), within its bounds.
+			if err != nil || hello.RegID != tk.RegID || hello.Flags&^helloTable != wantFlags {
 				t.Errorf("the receiver's hello %+v, %v", hello, err)
 				return
 			}
@@ -116,6 +124,12 @@ func FuzzReceiverHandshake(f *testing.F) {
 				})
 			}
 			plan := parseFDPlan(rawPlan, len(data))
+			if hello.Flags&helloTable != 0 && mode&16 == 0 {
+				// "None"; with mode bit 4 the fuzzed bytes answer it
+				// (table messages, with whatever descriptors the plan adds).
+				data = cat(tableMsg{}.encode(), data)
+				plan = shiftPlan2(plan, headerSize+tableMsgSize)
+			}
 			switch answer := mode & 3; {
 			case answer == answerFuzzed:
 				send(data, plan)
@@ -179,7 +193,8 @@ func FuzzReceiverHandshake(f *testing.F) {
 			if msgs, _ := splitMessages(after); len(after) > 0 {
 				t.Fatalf("the receiver sent %d bytes (%d messages, first %s) after its hello to an exporter that did not prove itself", len(after), len(msgs), firstName(msgs))
 			}
-		} else if oneRound && len(after) > 0 {
+		} else if msgs, _ := splitMessages(after); oneRound && len(after) > 0 && !(len(msgs) == 1 && msgs[0].Type == msgSpendLog) {
+			// Its answer to a table (mode bit 4) is all it may send.
 			t.Fatalf("a one-round confirmation sent %d bytes after its hello and proof", len(after))
 		} else if !proofChecked && !t.Failed() {
 			t.Fatal("the fake exporter never checked the receiver's proof")

@@ -199,6 +199,9 @@ func FuzzServerHandshake(f *testing.F) {
 		f.Add(uint8(proofNearlyGood), uint64(0), []byte{how}, full)
 	}
 	f.Add(uint8(proofGood), helloConfirm, []byte{}, []byte{})
+	f.Add(uint8(proofGood), helloConfirm|helloTable, []byte{}, spendLogMsg{}.encode())
+	f.Add(uint8(proofGood), helloTable, []byte{}, cat(spendLogMsg{}.encode(), full))
+	f.Add(uint8(proofGood), helloTable, []byte{}, cat(spendLogMsg{Records: spendRecords}.encode(), full))
 	f.Add(uint8(proofNearlyGood), helloConfirm, []byte{2}, []byte{})
 	f.Add(uint8(proofRaw), uint64(0), statusMsg{BufferID: 1}.encode(), full)
 	f.Add(uint8(proofRaw), uint64(0), pullMsg{0, 4}.encode(), full)
@@ -267,7 +270,29 @@ func FuzzServerHandshake(f *testing.F) {
 		}
 		checkRawReply(t, r, authed, flags&helloConfirm != 0)
 		if authed {
-			if msgs, _ := splitMessages(r.Data); len(msgs) == 0 || msgs[0].Type != msgWelcome {
+			msgs, _ := splitMessages(r.Data)
+			// Asked for its table, the server waits for the client's
+			// answer to it (a spend-log) before the welcome: fuzzed bytes
+			// that are none get a refusal.
+			if len(msgs) > 0 && msgs[0].Type == msgTable && flags&helloTable != 0 {
+				tm, _ := parseTable(msgs[0].Body)
+				msgs = msgs[1:]
+				if tm.Slots != 0 {
+					// The client can send no descriptor: only "no log"
+					// (0 records) is an answer; anything else is refused.
+					if !noSpendLog(tail) {
+						if len(msgs) > 1 || (len(msgs) == 1 && msgs[0].Type != msgError) {
+							t.Fatalf("a table answered with %q got %s, want a refusal or nothing", tail, describeAll(msgs))
+						}
+						msgs = []rawMsg{{Type: msgWelcome}} // refused for the answer, not the proof
+					} else if len(msgs) == 0 || msgs[0].Type != msgLogAck {
+						t.Fatalf("no log-ack after the client's answer to the table: %s", describeAll(msgs))
+					} else {
+						msgs = msgs[1:]
+					}
+				}
+			}
+			if len(msgs) == 0 || msgs[0].Type != msgWelcome {
 				t.Fatalf("the right proof was not welcomed (%d messages)", len(msgs))
 			}
 		}
@@ -395,4 +420,19 @@ func nearMissProof(tr transcript, secret Secret, role byte, how []byte) [proofSi
 		tr.StartTime++ // a stale start time (or, in two rounds, the other form)
 	}
 	return tr.proof(secret, role)
+}
+
+// noSpendLog reports whether b begins with a whole spend-log message
+// saying "no log" (a client's answer to the grant table without a
+// descriptor).
+func noSpendLog(b []byte) bool {
+	if len(b) < headerSize {
+		return false
+	}
+	h, err := parseHeader(b[:headerSize])
+	if err != nil || h.Type != msgSpendLog || len(b) < headerSize+int(h.Len) {
+		return false
+	}
+	m, err := parseSpendLog(b[headerSize : headerSize+int(h.Len)])
+	return err == nil && m.Records == 0
 }

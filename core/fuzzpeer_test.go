@@ -172,14 +172,15 @@ func fuzzServer(t testing.TB) (*Server, *Ticket) {
 // checkServerReply checks a server's messages after the handshake part the
 // client did by hand. Unauthenticated, a client may get status answers, one
 // challenge and a final error, and nothing else: no welcome, no chunk, no
-// done-ack. Authenticated, it gets a welcome, chunks 0.. in order, then at
+// done-ack. Authenticated, it gets its grant table if it asked, a welcome,
+// chunks 0.. in order, then at
 // most one done-ack (after every chunk, or at once for a confirm), then
 // only use-acks (further uses, helloMore), or one error, which ends the
 // reply.
 func checkServerReply(t *testing.T, msgs []rawMsg, authed, confirm bool) {
 	t.Helper()
 	next := uint64(0)
-	challenged, acked := false, false
+	challenged, acked, tabled, logAcked := false, false, false, false
 	for i, m := range msgs {
 		last := i == len(msgs)-1
 		switch {
@@ -206,8 +207,18 @@ func checkServerReply(t *testing.T, msgs []rawMsg, authed, confirm bool) {
 			t.Fatalf("the server sent %s (message %d) to a client that never proved it knows the secret", msgName(m.Type), i)
 		case acked && m.Type != msgUseAck:
 			t.Fatalf("the server sent %s (message %d) after the done-ack", msgName(m.Type), i)
+		case m.Type == msgTable: // asked for (helloTable): before the welcome
+			if tm, err := parseTable(m.Body); i != 0 || err != nil || (tm.Slots != 0 && tm.Slots != tableSlots) {
+				t.Fatalf("table %+v as message %d (%v)", tm, i, err)
+			}
+			tabled = true
+		case m.Type == msgLogAck: // after the table, once the receiver answered it with its log
+			if _, err := parseLogAck(m.Body); !tabled || i != 1 || err != nil {
+				t.Fatalf("log-ack as message %d (%v)", i, err)
+			}
+			logAcked = true
 		case m.Type == msgWelcome:
-			if i != 0 {
+			if i != 0 && !(i == 1 && tabled) && !(i == 2 && logAcked) {
 				t.Fatalf("welcome as message %d", i)
 			}
 		case m.Type == msgChunk:

@@ -112,6 +112,16 @@ func helperSender(t *testing.T, out *lineWriter) error {
 			id = tk.RegID
 			idMu.Unlock()
 			out.printf("ticket %s", ticketHex(t, tk))
+		case len(f) == 3 && f[0] == "again": // again <ticket hex> <uses>: a grant of that registration's memory
+			uses, err := strconv.ParseUint(f[2], 10, 32)
+			if err != nil {
+				return err
+			}
+			tk, err := s.RegisterAgain(decodeTicketHex(t, f[1]), RegisterOptions{Uses: uint32(uses)})
+			if err != nil {
+				return err
+			}
+			out.printf("ticket %s", ticketHex(t, tk))
 		case len(f) == 1 && f[0] == "live":
 			out.printf("live %d", s.Live())
 		case len(f) == 1 && f[0] == "holds":

@@ -38,6 +38,7 @@ const (
 	partHoldMany    = "holdmany"    // holds a use of each of many tickets at a low RLIMIT_NOFILE
 	partHoldFork    = "holdfork"    // holds a use, then forks a child that shuts every socket down
 	partLeaseHog    = "leasehog"    // asks an exporter for leases and sessions in a loop
+	partTableHit    = "tablehit"    // imports a ticket, then takes table hits' uses without their confirmations, and waits to be killed
 )
 
 // Environment of the helpers.
@@ -91,6 +92,8 @@ func TestHelperProcess(t *testing.T) {
 		err = helperHoldFork(out)
 	case partLeaseHog:
 		err = helperLeaseHog(out)
+	case partTableHit:
+		err = helperTableHit(t, out)
 	default:
 		err = fmt.Errorf("unknown part %q", part)
 	}

@@ -58,7 +58,7 @@ func Confirm(t *Ticket, opts ImportOptions) error {
 	opts.OpenOptions = opts.OpenOptions.withDefaults()
 	switch {
 	case opts.ConfirmLater:
-		confirms.add(t, opts.Timeout)
+		confirms.add(t, opts.Timeout, nil)
 		return nil
 	case opts.Hold:
 		_, err := useHeld(t, opts.Timeout)

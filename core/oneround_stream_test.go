@@ -28,18 +28,21 @@ func TestAHostImportInOneRound(t *testing.T) {
 	}
 	toServer, toReceiver := proxy.recorded(t)
 	sent, err := splitMessages(toServer)
-	if err != nil || len(sent) != 3 || sent[0].Type != msgHello || sent[1].Type != msgProof || sent[2].Type != msgPullRun {
-		t.Fatalf("the receiver sent %s (%v), want hello, proof, pull-run", describeAll(sent), err)
+	// The table is answered with the spend log, which the pull-run follows.
+	if err != nil || len(sent) != 4 || sent[0].Type != msgHello || sent[1].Type != msgProof || sent[2].Type != msgSpendLog || sent[3].Type != msgPullRun {
+		t.Fatalf("the receiver sent %s (%v), want hello, proof, spend-log, pull-run", describeAll(sent), err)
 	}
 	if h, err := parseHello(sent[0].Body); err != nil || h.Flags&helloOneRound == 0 {
 		t.Fatalf("the hello's flags %#x (%v) do not ask for one round", h.Flags, err)
 	}
 	got, err := splitMessages(toReceiver)
-	if err != nil || len(got) != 4 || got[0].Type != msgChallenge || got[1].Type != msgWelcome || got[2].Type != msgRun || got[3].Type != msgDoneAck {
-		t.Fatalf("the exporter sent %s (%v), want challenge, welcome, run, done-ack", describeAll(got), err)
+	// This process meets the exporter for the first time: the session
+	// brings its grant table (granttable.go), one descriptor more.
+	if err != nil || len(got) != 6 || got[0].Type != msgChallenge || got[1].Type != msgTable || got[2].Type != msgLogAck || got[3].Type != msgWelcome || got[4].Type != msgRun || got[5].Type != msgDoneAck {
+		t.Fatalf("the exporter sent %s (%v), want challenge, table, log-ack, welcome, run, done-ack", describeAll(got), err)
 	}
-	if n := proxy.descriptors(); n != 1 {
-		t.Fatalf("%d descriptors crossed, want the run's one", n)
+	if n := proxy.descriptors(); n != 3 {
+		t.Fatalf("%d descriptors crossed, want the table's, the spend log's and the run's", n)
 	}
 }
 

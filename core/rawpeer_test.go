@@ -153,13 +153,16 @@ func splitMessages(b []byte) ([]rawMsg, error) {
 }
 
 // checkFDsOnChunks fails unless every received descriptor arrived on the
-// first byte of a chunk (or run) message, one per such message and none
-// elsewhere.
+// first byte of a chunk (or run) message, or of a table message that says
+// it has one, one per such message and none elsewhere.
 func checkFDsOnChunks(msgs []rawMsg, fdAt []int) error {
 	onChunk := map[int]bool{}
 	for _, m := range msgs {
 		if m.Type == msgChunk || m.Type == msgRun {
 			onChunk[m.At] = true
+		}
+		if tm, err := parseTable(m.Body); m.Type == msgTable && err == nil && tm.Slots != 0 {
+			onChunk[m.At] = true // the grant table's one read-only descriptor
 		}
 	}
 	seen := map[int]bool{}

@@ -120,6 +120,7 @@ type registration struct {
 	onRelease     func()
 	lendsExporter bool
 	holdable      bool // RegisterOptions.Hold: a holder's use is a hold (holds.go)
+	published     bool // in the registry's grant table (granttable.go)
 
 	mu       sync.Mutex
 	uses     uint32 // 0 = unlimited
@@ -200,11 +201,20 @@ func (g *registration) spend(c *claim) (usedUp bool) {
 	c.spent = true
 	g.claimed--
 	g.consumed++
+	g.tableSpent()
 	// No waiter is woken: consumed+claimed is unchanged, so none could
 	// claim now, and one woken would be refused as "used up" although the
 	// use comes back if this last send fails (unspend). The end, or the
 	// session's drop, wakes them.
 	return g.usedUpLocked()
+}
+
+// tableSpent shows g's spent uses in the grant table, before the receiver
+// that spent one hears so. Called with g.mu held.
+func (g *registration) tableSpent() {
+	if g.published {
+		g.reg.table.spent(g.id, g.uses, g.consumed)
+	}
 }
 
 // usedUpLocked reports whether every use of g is spent. Called with g.mu
@@ -223,6 +233,7 @@ func (g *registration) unspend(c *claim) {
 	c.spent = false
 	g.consumed--
 	g.claimed++
+	g.tableSpent()
 	g.notifySettled()
 }
 
@@ -250,6 +261,9 @@ func (g *registration) end(why string) bool {
 		return false
 	}
 	g.ended = why
+	if g.published {
+		g.reg.table.withdraw(g.id) // before anyone can learn that it ended
+	}
 	g.notifySettled()
 	if g.timer != nil {
 		g.timer.Stop()

@@ -1,6 +1,7 @@
 package core
 
 import (
+	"crypto/hmac"
 	"crypto/subtle"
 	"fmt"
 	"sync"
@@ -26,6 +27,8 @@ type Registry struct {
 	buffers   map[uint64]*buffer       // buffers with live registrations
 	byKey     map[string]*buffer
 	leases    *leaseTable // receivers' leases, on which their holds live (holds.go)
+	table     grantTable  // the live grants that hold nothing, for receivers' hits (granttable.go)
+	spends    spendLogs   // receivers' spend logs, drained when they exit (spendlogs.go)
 
 	holds atomic.Int64 // receivers' holds on spent uses (holds.go): counted off mu
 }
@@ -33,12 +36,14 @@ type Registry struct {
 const rememberEnded = 4096
 
 func newRegistry(addr string, pid uint32, start uint64, ns Namespaces) *Registry {
-	return &Registry{
+	r := &Registry{
 		addr: addr, pid: pid, start: start, ns: ns, nextReg: 1, nextBuf: 1,
 		live: map[uint64]*registration{}, releasing: map[uint64]*registration{},
 		ended: map[uint64]string{}, buffers: map[uint64]*buffer{}, byKey: map[string]*buffer{},
 		leases: newLeaseTable(),
 	}
+	r.spends.spend, r.spends.published = r.spendRecorded, r.table.anyPublished
+	return r
 }
 
 // add records a registration of spec's memory: of a live buffer with the
@@ -114,6 +119,13 @@ func (r *Registry) newRegistration(b *buffer, opts RegisterOptions) (*registrati
 	}
 	if g.digest, err = g.ticket.Digest(); err != nil {
 		return nil, err
+	}
+	if !opts.Hold {
+		var deadline uint64
+		if opts.TTL > 0 {
+			deadline = monotonicNanos() + uint64(opts.TTL)
+		}
+		g.published = r.table.publish(g.id, opts.Uses, deadline, g.digest)
 	}
 	r.nextReg++
 	r.live[g.id] = g
@@ -257,3 +269,28 @@ func (r *Registry) holdsChanged(d int64) { r.holds.Add(d) }
 
 // Holds counts the uses receivers hold now, over every registration.
 func (r *Registry) Holds() int64 { return r.holds.Load() }
+
+// spendRecorded spends the use a dead receiver's record names, as its
+// confirmation would have: only a live grant that holds nothing, only with
+// the proof its secret makes.
+func (r *Registry) spendRecorded(id uint64, proof [32]byte) {
+	r.mu.Lock()
+	g := r.live[id]
+	r.mu.Unlock()
+	if g == nil || g.holdable {
+		return
+	}
+	want := spendProof(g.secret, id)
+	if !hmac.Equal(want[:], proof[:]) {
+		return
+	}
+	cl, err := g.claim(func() {})
+	if err != nil {
+		return
+	}
+	usedUp := g.spend(cl)
+	g.drop(cl)
+	if usedUp {
+		g.end(usedUpWhy(g))
+	}
+}

@@ -97,6 +97,7 @@ func NewServer(dir string) (*Server, error) {
 		reg: newRegistry(addr, pid, selfStartTime(), ns), ln: ln, addr: addr, files: files,
 		pid: pid, uid: os.Getuid(), adm: newAdmission(),
 	}
+	s.reg.table.ready() // its one descriptor now, not with some later registration; none is fine too
 	go acceptLoop(s.ln, s.uid, s.adm, s.reg)
 	return s, nil
 }
@@ -189,6 +190,8 @@ func (s *Server) Close() error {
 	s.adm.close()
 	err := s.ln.Close()
 	s.reg.leases.close()
+	s.reg.table.close()
+	s.reg.spends.close()
 	if s.files != nil {
 		s.files.release()
 	}

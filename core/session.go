@@ -92,6 +92,9 @@ func (ss *session) run() {
 			return
 		}
 	}
+	if hello.Flags&helloTable != 0 && !ss.sendTable() {
+		return
+	}
 	if ss.serveUse(g, hello, l) && hello.Flags&helloMore != 0 {
 		ss.serveMoreUses(l)
 	}
@@ -162,6 +165,72 @@ func (ss *session) serveUse(g *registration, hello helloMsg, l *lease) bool {
 	}
 	acked = ss.c.send(doneAckMsg{Flags: ss.ackFlags(g, usedUp, held)}.encode(), -1) == nil
 	return acked
+}
+
+// sendTable answers helloTable: a read-only descriptor of the grant table
+// (granttable.go), or word that there is none; after a table, it takes the
+// receiver's spend log (spendlog.go) and says whether it did (with the
+// welcome).
+func (ss *session) sendTable() bool {
+	fd, own, err := ss.reg.table.readOnly()
+	m := tableMsg{Slots: tableSlots, FD: uint64(own)}
+	if err != nil {
+		m = tableMsg{}
+	}
+	err = ss.c.send(m.encode(), fd)
+	closeFD(&fd)
+	if err != nil || m.Slots == 0 {
+		return err == nil
+	}
+	f, err := ss.c.recv() // the one message a receiver sends a descriptor with
+	if err != nil {
+		closeFD(&f.FD)
+		if CodeOf(err) == EINVAL {
+			ss.refuse(err)
+		}
+		return false
+	}
+	defer closeFD(&f.FD)
+	if f.Type != msgSpendLog {
+		ss.refuse(Errorf(EINVAL, "protocol: expected spend-log after the table, got %s", msgName(f.Type)))
+		return false
+	}
+	lm, err := parseSpendLog(f.Body)
+	if err == nil && lm.Records != 0 && lm.Records != spendRecords {
+		err = Errorf(EINVAL, "protocol: a spend log of %d records, want %d", lm.Records, spendRecords)
+	}
+	if err == nil && (lm.Records != 0) != (f.FD >= 0) {
+		err = Errorf(EINVAL, "protocol: a spend-log of %d records came with %s", lm.Records, map[bool]string{true: "a descriptor", false: "none"}[f.FD >= 0])
+	}
+	if err != nil {
+		ss.refuse(err)
+		return false
+	}
+	taken := false
+	if f.FD >= 0 {
+		pid, start := ss.peerProcess()
+		taken = ss.reg.spends.adopt(f.FD, pid, start)
+	}
+	ss.c.queue(logAckMsg{Taken: taken}.encode())
+	return true
+}
+
+// peerProcess is the receiver's pid and start time: as the one-round
+// handshake proved them, or as the kernel and /proc say (0, 0 if they
+// cannot).
+func (ss *session) peerProcess() (uint32, uint64) {
+	if ss.tr.Flags&helloOneRound != 0 {
+		return uint32(ss.tr.Socket), ss.tr.StartTime
+	}
+	pid := ss.peerPid()
+	if pid <= 0 {
+		return 0, 0
+	}
+	start, err := processStartTime(int(pid))
+	if err != nil {
+		return 0, 0
+	}
+	return uint32(pid), start
 }
 
 // authenticate runs the server's half of the handshake (handshake.go) and

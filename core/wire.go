@@ -90,6 +90,9 @@ const (
 	msgLeaseGone  uint8 = 20 // server: the lease named is not (or no longer) one of this exporter's
 	msgUse        uint8 = 21 // receiver, after a done-ack (helloMore): spend a use of another registration
 	msgUseAck     uint8 = 22 // server: registration id, status, done-ack flags, text
+	msgTable      uint8 = 23 // server, after the proof (and lease): its grant table's slots and descriptor number (+ 1 descriptor), or 0 (granttable.go)
+	msgSpendLog   uint8 = 24 // receiver, after a table: its spend log's records (+ 1 descriptor), or 0 (spendlog.go)
+	msgLogAck     uint8 = 25 // server: whether it took the spend log
 )
 
 // Hello flags.
@@ -99,7 +102,8 @@ const (
 	helloLease    uint64 = 1 << 2 // give me a lease and hold this use on it (holds.go)
 	helloMore     uint64 = 1 << 3 // uses of other registrations follow the done-ack (confirm_many.go)
 	helloOneRound uint64 = 1 << 4 // the proof follows at once, bound to the receiver's pid and start time (handshake.go)
-	helloKnown           = helloConfirm | helloPidBound | helloLease | helloMore | helloOneRound
+	helloTable    uint64 = 1 << 5 // send me your grant table (granttable.go)
+	helloKnown           = helloConfirm | helloPidBound | helloLease | helloMore | helloOneRound | helloTable
 )
 
 // Done-ack flags.
@@ -133,6 +137,9 @@ const (
 	useSize         = 8 + 8 + proofSize
 	useAckHead      = 8 + 8 + 8
 	maxMoreUses     = 512 // uses that may follow a session's first (helloMore)
+	tableMsgSize    = 16
+	spendLogMsgSize = 8
+	logAckSize      = 8
 )
 
 var bodySizes = map[uint8]int{
@@ -142,7 +149,8 @@ var bodySizes = map[uint8]int{
 	msgStatus: statusSize, msgStatusAck: statusAckSize,
 	msgPullRun: pullSize, msgRun: runMsgSize,
 	msgHoldOn: leaseRefSize, msgLease: leaseRefSize, msgLeased: 0, msgReleaseAck: releaseAckSize,
-	msgRelease: -1, msgLeaseGone: 0, msgUse: useSize, msgUseAck: -1,
+	msgRelease: -1, msgLeaseGone: 0, msgUse: useSize, msgUseAck: -1, msgTable: tableMsgSize,
+	msgSpendLog: spendLogMsgSize, msgLogAck: logAckSize,
 }
 
 var msgNames = map[uint8]string{
@@ -152,6 +160,7 @@ var msgNames = map[uint8]string{
 	msgPullRun: "pull-run", msgRun: "run",
 	msgHoldOn: "hold-on", msgLease: "lease", msgLeased: "leased", msgReleaseAck: "release-ack",
 	msgRelease: "release", msgLeaseGone: "lease-gone", msgUse: "use", msgUseAck: "use-ack",
+	msgTable: "table", msgSpendLog: "spend-log", msgLogAck: "log-ack",
 }
 
 func msgName(t uint8) string {

@@ -226,3 +226,61 @@ func parseError(body []byte) (errorMsg, error) {
 	}
 	return m, nil
 }
+
+// tableMsg answers helloTable: the slots of the grant table whose read-only
+// descriptor comes with it, or 0 (no descriptor) when the exporter has none,
+// and the number of the exporter's own descriptor of it, which receivers
+// look for in /proc to tell that this process image still has it.
+type tableMsg struct{ Slots, FD uint64 }
+
+func (m tableMsg) encode() []byte { return fields{}.u64(m.Slots).u64(m.FD).msg(msgTable) }
+
+func parseTable(body []byte) (m tableMsg, err error) {
+	r, err := readBody(msgTable, body)
+	if err != nil {
+		return m, err
+	}
+	m.Slots, m.FD = r.u64(), r.u64()
+	return m, nil
+}
+
+// spendLogMsg follows a table the receiver took: the records of the spend
+// log whose descriptor comes with it, or 0 (no descriptor) for none.
+type spendLogMsg struct{ Records uint64 }
+
+func (m spendLogMsg) encode() []byte { return fields{}.u64(m.Records).msg(msgSpendLog) }
+
+func parseSpendLog(body []byte) (m spendLogMsg, err error) {
+	r, err := readBody(msgSpendLog, body)
+	if err != nil {
+		return m, err
+	}
+	m.Records = r.u64()
+	return m, nil
+}
+
+// logAckMsg says whether the exporter took the receiver's spend log.
+type logAckMsg struct{ Taken bool }
+
+func (m logAckMsg) encode() []byte {
+	v := uint64(0)
+	if m.Taken {
+		v = 1
+	}
+	return fields{}.u64(v).msg(msgLogAck)
+}
+
+func parseLogAck(body []byte) (m logAckMsg, err error) {
+	r, err := readBody(msgLogAck, body)
+	if err != nil {
+		return m, err
+	}
+	switch r.u64() {
+	case 0:
+	case 1:
+		m.Taken = true
+	default:
+		return m, Errorf(EINVAL, "protocol: a log-ack that is neither 0 nor 1")
+	}
+	return m, nil
+}

@@ -149,7 +149,9 @@
  *   authenticated receivers out. Peers of a foreign uid are told why and
  *   dropped at once (at most 64 at a time; beyond that, without a word).
  *   Holds cost a sender one descriptor in all, its lease file, whatever the
- *   number of receivers holding from it, and no connection stays open for
+ *   number of receivers holding from it, and its grant table one more (see
+ *   vmmipc_import), whatever the number of grants and receivers; no
+ *   connection stays open for
  *   them (see "Holds"): a held use or a release is a short connection,
  *   counted as any other while it runs. A receiver process may have at
  *   most 4 leases at one sender (a fifth is refused with VMMIPC_EIO), so
@@ -369,7 +371,8 @@ typedef struct vmmipc_options {
  *     exporters at 64 with at most 4 more than from one).
  *   - A registration made without VMMIPC_REGISTER_HOLD says so in its
  *     tickets, and a receiver asks for no lease for it: the flag then costs
- *     nothing.
+ *     nothing. Only such registrations enter the exporter's grant table, so
+ *     a held hit is never believed from the table (see vmmipc_import).
  *   - Bounds: at most 4 live leases per receiver process at one exporter
  *     (threads of one process share one; a fifth is refused with
  *     VMMIPC_EIO saying so), 4096 in all, 2^20 holds per lease. A lease
@@ -790,20 +793,46 @@ typedef struct vmmipc_mapping {
  * the access devices, while the exporter says the buffer lives on after
  * this use. Importing a ticket of a buffer that is mapped here already (a
  * hit: the same ticket again, vmmipc_register_again, or the sender
- * registering the same memory again) still connects, proves the secret both
- * ways, spends one use and has the exporter confirm that the registration
- * lives (one round trip after connecting in the exporter's PID namespace:
- * see vmmipc_confirm); then it returns another reference to the same
+ * registering the same memory again) returns another reference to the same
  * mapping, at the same address, with no descriptor and no driver call (the
- * device is resolved
- * from a table read once per process). A stale hit cannot
- * happen: a buffer id names one set of allocations (or one memfd) that the
- * exporter holds references to for as long as any registration of it
- * lives, ids are never reused within the exporter's life, the exporter's
- * identity includes its start time, the hit is confirmed by an
- * authenticated answer for this very ticket, and the cached mapping holds
- * its own references to that same memory, so it is the memory the exporter
- * would send again. The sender's in-place writes are seen through it.
+ * device is resolved from a table read once per process), once the ticket
+ * is vouched for in one of two ways:
+ *   - The grant table, for a registration made without
+ *     VMMIPC_REGISTER_HOLD whose exporter is in this process's PID and time
+ *     namespaces. Each exporter publishes its live grants that hold nothing
+ *     in a memfd that it alone can write (sealed F_SEAL_FUTURE_WRITE,
+ *     against resizing and further seals): per grant its id, uses and uses
+ *     spent, ttl deadline and a hash of the whole ticket. A receiver gets a
+ *     read-only descriptor of it in its first session with that exporter
+ *     (one message more), maps it (256 KiB of address space, MADV_DONTFORK)
+ *     and closes the descriptor. A hit then makes no round trip: the grant
+ *     must be published with this very ticket (a ticket changed in any byte
+ *     is no table hit), within its ttl, with a use left that this process
+ *     has not taken already (else VMMIPC_ENOENT, as the exporter would
+ *     answer), and the exporter alive: its pid's start time, and its own
+ *     descriptor of the table still open (/proc/<pid>/fd; an exec or exit
+ *     closes it). The use is spent right after, by a library thread, as
+ *     with VMMIPC_IMPORT_CONFIRM_LATER (vmmipc_cache_info counts table_hits,
+ *     and confirms_pending and confirms_failed for these too): a receiver
+ *     killed before that leaves the grant pending until its ttl or the
+ *     exporter's end, as a ticket never received does, and two processes
+ *     that each map the buffer may both hit the last use of one ticket at
+ *     the same instant (the later spend fails; neither gets memory it did
+ *     not have).
+ *   - Otherwise (a held registration, no table, another namespace, or
+ *     anything the table cannot vouch for) the hit connects, proves the
+ *     secret both ways, spends one use and has the exporter confirm that
+ *     the registration lives (one round trip after connecting in the
+ *     exporter's PID namespace: see vmmipc_confirm), and returns after that
+ *     answer, an error included.
+ * A stale hit cannot happen: a buffer id names one set of allocations (or
+ * one memfd) that the exporter holds references to for as long as any
+ * registration of it lives, ids are never reused within the exporter's
+ * life, the exporter's identity includes its start time, the hit is vouched
+ * for by the exporter's own table or an authenticated answer for this very
+ * ticket, and the cached mapping holds its own references to that same
+ * memory, so it is the memory the exporter would send again. The sender's
+ * in-place writes are seen through it.
  * Mappings no longer referenced stay mapped, least recently used first out,
  * within a byte bound (VMMIPC_CACHE_BYTES, or vmmipc_cache_set_limit;
  * default 32 GiB; 0 turns the cache off) and are unmapped when the exporter
@@ -977,8 +1006,9 @@ typedef struct vmmipc_cache_info {
                                   when the cache was turned off */
   uint64_t invalidations;      /* mappings undone because the buffer ended
                                   or the exporter exited */
-  uint64_t confirms_pending;   /* VMMIPC_IMPORT_CONFIRM_LATER confirmations
-                                  queued or in flight */
+  uint64_t confirms_pending;   /* uses of hits that are spent after the hit
+                                  returned (VMMIPC_IMPORT_CONFIRM_LATER,
+                                  and table hits) queued or in flight */
   uint64_t confirms_failed;    /* ...that failed (the exporter refused the
                                   ticket, or could not be reached) */
   uint64_t holds;              /* uses this process holds as a receiver
@@ -987,6 +1017,9 @@ typedef struct vmmipc_cache_info {
                                   exporters (one a page mapped, no
                                   descriptor; see "Holds"). The name is
                                   kept from when these were connections */
+  uint64_t table_hits;         /* hits that the exporter's grant table
+                                  vouched for, without a round trip (see
+                                  vmmipc_import) */
 } vmmipc_cache_info;
 
 /* vmmipc_cache_set_limit sets this process's bound on the bytes of

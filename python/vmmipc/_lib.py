@@ -138,6 +138,7 @@ class vmmipc_cache_info(Structure):
         ("confirms_failed", c_uint64),
         ("holds", c_uint64),
         ("holder_sessions", c_uint64),
+        ("table_hits", c_uint64),
     ]
 
 

@@ -323,10 +323,11 @@ class CacheInfo(NamedTuple):
     misses: int              # imports that mapped anew
     evictions: int           # unreferenced mappings undone for room
     invalidations: int       # mappings undone because the buffer ended or the exporter exited
-    confirms_pending: int    # confirm_later confirmations queued or in flight
+    confirms_pending: int    # uses of hits spent after the hit returned (confirm_later, table hits), queued or in flight
     confirms_failed: int     # ...that failed
     holds: int               # uses this process holds (hold=True), not yet released
     holder_sessions: int     # live leases at exporters (a page mapped each, no descriptor)
+    table_hits: int          # hits the exporter's grant table vouched for, without a round trip
 
 
 def set_cache_limit(nbytes: int) -> None:
@@ -346,7 +347,8 @@ def cache_info() -> CacheInfo:
 
 
 # How long a process that is exiting waits for the confirmations its cache
-# hits queued (confirm_later: import_stream, confirm, HostBuffer.from_ticket).
+# hits queued (confirm_later: import_stream, confirm, HostBuffer.from_ticket;
+# and the hits the senders' grant tables vouched for).
 # They run on a library thread; were the process to end first, each
 # sender's grant would stay pending, keeping what it lends alive until its
 # ttl. One confirmation takes about a millisecond; the bound is for a sender

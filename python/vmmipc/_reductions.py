@@ -85,13 +85,15 @@ def reduce_host_buffer(hb: HostBuffer):
 
 def rebuild_host_buffer(ticket, chunk_size):
     """Unpickling side of a HostBuffer: map the sender's memory. A buffer
-    mapped here already (the import cache) spends its ticket's use before
-    this returns, on a connection of its own that proves the whole ticket
-    (a changed byte is refused, an ended grant raises NotFoundError as for a
-    new receiver): a receiver killed right after unpickling cannot leave the
-    sender's grant pending. Nothing is held: a HostBuffer's memfd is its
-    own, and its pages live as long as any mapping of them (holds are for
-    memory handed out again, vmmipc.h "Holds")."""
+    mapped here already (the import cache) is a hit that the sender's grant
+    table vouches for without a round trip: the whole ticket is compared (a
+    changed byte is no hit, and the sender refuses it), and an ended,
+    expired or used-up grant raises NotFoundError as for a new receiver;
+    its use is spent right after by a library thread (vmmipc.h,
+    vmmipc_import; at exit this process waits for those). Nothing is held:
+    a HostBuffer's memfd is its own, and its pages live as long as any
+    mapping of them (holds are for memory handed out again, vmmipc.h
+    "Holds")."""
     return HostBuffer.from_ticket(ticket, chunk_size)
 
 

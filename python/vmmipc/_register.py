@@ -211,7 +211,8 @@ def register_again(ticket, *, uses: int = 1, ttl: float | None = None,
     """A new registration of the memory named by `ticket`, a live
     registration of this process (vmmipc_register_again): a new ticket with
     its own uses, ttl and secret and the same buffer identity, so a receiver
-    that has the buffer cached imports it in one round trip. Opens no
+    that has the buffer cached imports it at once (without hold, the grant
+    table vouches for it; with hold, in one round trip). Opens no
     descriptor and makes no driver call. The memory stays exported while any
     registration made from it lives, even after `ticket` itself has ended.
     hold=True (VMMIPC_REGISTER_HOLD): a receiver that imports or confirms

@@ -61,7 +61,9 @@ def test_a_hostbuffer_asks_for_no_hold():
 
 def test_a_hit_has_spent_its_use_when_unpickling_returns():
     """64 pickles unpickled back to back (a map, then hits) by a child that
-    dies by SIGKILL right after: every grant has ended."""
+    dies by SIGKILL right after: every grant ends, spent by the hits'
+    confirmations or, where the child died before they ran, by the sender
+    from the child's spend log (vmmipc.h, vmmipc_import)."""
     ctx = mp.get_context("spawn")
     for _ in range(5):
         live = vmmipc.live_registrations()
@@ -74,6 +76,25 @@ def test_a_hit_has_spent_its_use_when_unpickling_returns():
         hb.close()
         left = settled(live)
         assert left == 0, f"{left} of 64 grants still live after their receiver died"
+
+
+def test_a_hit_is_vouched_by_the_senders_table():
+    """A pickle of a buffer mapped here is a hit that the sender's grant
+    table vouches for (no round trip), and its use is spent right after."""
+    hb = marked_buffer()
+    first = _reductions.rebuild_host_buffer(hb.grant(), hb.chunk_size)
+    try:
+        before = vmmipc.cache_info()
+        t = hb.grant()
+        second = _reductions.rebuild_host_buffer(t, hb.chunk_size)
+        after = vmmipc.cache_info()
+        assert (after.hits - before.hits, after.table_hits - before.table_hits) == (1, 1)
+        assert bytes(second[:1]) == bytes(first[:1])
+        second.close()
+        assert t.wait(5), "the table hit's use was not spent"
+    finally:
+        first.close()
+        hb.close()
 
 
 def test_a_hit_on_an_ended_grant_raises_not_found():

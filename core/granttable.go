@@ -1,0 +1,258 @@
+package core
+
+import (
+	"crypto/sha256"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// The grant table: how a receiver that has a buffer mapped already (a cache
+// hit) checks a new grant of it without a round trip to the exporter.
+//
+// Each exporter publishes its live grants that hold nothing (registrations
+// without RegisterOptions.Hold) in one memfd: a slot per grant, at
+// 1 + RegID mod tableSlots, with the grant's id, uses, uses spent, ttl
+// deadline (CLOCK_MONOTONIC) and a tag of the whole ticket. The exporter
+// maps it writable and then seals it against writing (F_SEAL_FUTURE_WRITE),
+// growing, shrinking and further seals; a receiver gets a read-only
+// description of it once, in its first session with that exporter
+// (helloTable), maps it read-only and closes the descriptor. A hit then
+// reads the grant's slot: published, same id, same tag (so a ticket changed
+// in any byte is no hit), within its ttl, a use left, and the exporter
+// alive: its pid's start time, as before every dial, and its own descriptor
+// of the table still open (an exec closes it). What the table does not vouch for
+// goes to the exporter as before; the exporter stays the judge of every
+// use, since the hit's use is then spent by a library thread (confirm.go).
+// Held grants are never published: a hold is believed only once the
+// exporter granted it (holder.go).
+//
+// A slot is a seqlock: the writer makes the sequence odd, writes, and makes
+// it even again; a reader that sees it odd or changed does not believe what
+// it read. Every word is written and read with atomics (the two sides are
+// different mappings of one file, often in different processes).
+
+const (
+	tableSlotSize = 64
+	tableSlots    = 4095 // after the header slot: 256 KiB, faulted in as slots are used
+	tableSize     = (tableSlots + 1) * tableSlotSize
+	tableMagic    = 0x5447_4d56 // "VMGT"
+	tableVersion  = 1
+)
+
+// Offsets in a slot. Slot 0 is the header: magic (u32), version (u32),
+// slots (u64).
+const (
+	slotSeq      = 0  // u32: odd while written
+	slotState    = 4  // u32: slotPublished or 0
+	slotRegID    = 8  // u64
+	slotUses     = 16 // u64: uses (low 32 bits, 0 = unlimited), spent (high 32)
+	slotDeadline = 24 // u64: CLOCK_MONOTONIC nanoseconds; 0 = no ttl
+	slotTag      = 32 // 32 bytes: grantTag of the ticket
+)
+
+const slotPublished = 1
+
+// grantTag is what a slot holds of a ticket: a hash of its digest (which
+// covers every byte of the ticket, secret included) under a label of its
+// own, so that nothing read from the table can stand for a digest or a
+// proof anywhere else.
+func grantTag(digest [32]byte) [32]byte {
+	h := sha256.New()
+	h.Write([]byte("vmmipc grant table v1\x00"))
+	h.Write(digest[:])
+	var out [32]byte
+	copy(out[:], h.Sum(nil))
+	return out
+}
+
+func slotIndex(regID uint64) uint64 { return 1 + regID%tableSlots }
+
+func word32(mem []byte, off uint64) *uint32 { return (*uint32)(unsafe.Pointer(&mem[off])) }
+func word64(mem []byte, off uint64) *uint64 { return (*uint64)(unsafe.Pointer(&mem[off])) }
+
+// monotonicNanos is CLOCK_MONOTONIC, which both sides read alike in one
+// time namespace.
+func monotonicNanos() uint64 {
+	var ts unix.Timespec
+	if unix.ClockGettime(unix.CLOCK_MONOTONIC, &ts) != nil {
+		return 0
+	}
+	return uint64(ts.Nano())
+}
+
+// grantTable is the exporter's side: made on first use, kept for the
+// process's life (one descriptor, to open read-only descriptions of it for
+// receivers).
+type grantTable struct {
+	once sync.Once
+	err  error
+	fd   int
+	mem  []byte
+
+	mu     sync.Mutex
+	closed bool                   // unmapped (Server.Close): nothing is written or handed out
+	count  int                    // grants published
+	owner  [tableSlots + 1]uint64 // the registration published in each slot; 0 = free
+}
+
+// ready makes the table on first use and reports whether there is one.
+func (gt *grantTable) ready() bool {
+	gt.once.Do(func() { gt.err = gt.create() })
+	return gt.err == nil
+}
+
+func (gt *grantTable) create() error {
+	fd, err := unix.MemfdCreate("vmmipc-grants", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
+	if err != nil {
+		return Errorf(ioCode(err), "grant table: memfd_create: %w", err)
+	}
+	fail := func(what string, err error) error {
+		closeFD(&fd)
+		return Errorf(EINTERNAL, "grant table: %s: %w", what, err)
+	}
+	if err := unix.Ftruncate(fd, tableSize); err != nil {
+		return fail("ftruncate", err)
+	}
+	mem, err := unix.Mmap(fd, 0, tableSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		return fail("mmap", err)
+	}
+	// A forked child (a DataLoader worker) gets no writable table.
+	if err := unix.Madvise(mem, unix.MADV_DONTFORK); err != nil {
+		_ = unix.Munmap(mem)
+		return fail("MADV_DONTFORK", err)
+	}
+	// Our mapping stays writable; nobody can make another, write, or
+	// change the size from now on.
+	seals := unix.F_SEAL_GROW | unix.F_SEAL_SHRINK | unix.F_SEAL_FUTURE_WRITE | unix.F_SEAL_SEAL
+	if _, err := unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, seals); err != nil {
+		_ = unix.Munmap(mem)
+		return fail("sealing", err)
+	}
+	atomic.StoreUint32(word32(mem, 0), tableMagic)
+	atomic.StoreUint32(word32(mem, 4), tableVersion)
+	atomic.StoreUint64(word64(mem, 8), tableSlots)
+	gt.fd, gt.mem = fd, mem
+	return nil
+}
+
+// readOnly opens a read-only description of the table for one receiver
+// (the caller closes it once sent), and gives the number of our own
+// descriptor of it.
+func (gt *grantTable) readOnly() (fd, own int, err error) {
+	if !gt.ready() {
+		return -1, -1, gt.err
+	}
+	gt.mu.Lock()
+	defer gt.mu.Unlock()
+	if gt.closed {
+		return -1, -1, Errorf(EIO, "grant table: the server has closed")
+	}
+	fd, err = unix.Open(fmt.Sprintf("/proc/self/fd/%d", gt.fd), unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return -1, -1, Errorf(ioCode(err), "grant table: reopening it read-only: %w", err)
+	}
+	return fd, gt.fd, nil
+}
+
+// publish puts a grant that holds nothing in its slot and reports whether
+// it did: not when the slot is taken (by a grant that lives longer than the
+// tableSlots registered after it) or there is no table. Hits on a grant
+// not published ask the exporter.
+func (gt *grantTable) publish(id uint64, uses uint32, deadline uint64, digest [32]byte) bool {
+	if !gt.ready() {
+		return false
+	}
+	i := slotIndex(id)
+	tag := grantTag(digest)
+	gt.mu.Lock()
+	defer gt.mu.Unlock()
+	if gt.closed || gt.owner[i] != 0 {
+		return false
+	}
+	gt.owner[i] = id
+	gt.count++
+	gt.write(i, func(off uint64) {
+		atomic.StoreUint64(word64(gt.mem, off+slotRegID), id)
+		atomic.StoreUint64(word64(gt.mem, off+slotUses), uint64(uses))
+		atomic.StoreUint64(word64(gt.mem, off+slotDeadline), deadline)
+		for k := uint64(0); k < 32; k += 8 {
+			atomic.StoreUint64(word64(gt.mem, off+slotTag+k), *(*uint64)(unsafe.Pointer(&tag[k])))
+		}
+		atomic.StoreUint32(word32(gt.mem, off+slotState), slotPublished)
+	})
+	return true
+}
+
+// spent records that published grant id has spent `spent` of its uses (a
+// use spent, or given back): hits check it before they believe a use is
+// left.
+func (gt *grantTable) spent(id uint64, uses, spent uint32) {
+	gt.update(id, func(off uint64) {
+		atomic.StoreUint64(word64(gt.mem, off+slotUses), uint64(uses)|uint64(spent)<<32)
+	})
+}
+
+// withdraw takes an ended published grant out of the table.
+func (gt *grantTable) withdraw(id uint64) {
+	gt.update(id, func(off uint64) {
+		atomic.StoreUint32(word32(gt.mem, off+slotState), 0)
+		atomic.StoreUint64(word64(gt.mem, off+slotRegID), 0)
+	})
+	gt.mu.Lock()
+	if i := slotIndex(id); gt.owner[i] == id {
+		gt.owner[i] = 0
+		gt.count--
+	}
+	gt.mu.Unlock()
+}
+
+// anyPublished reports whether any grant is published.
+func (gt *grantTable) anyPublished() bool {
+	gt.mu.Lock()
+	defer gt.mu.Unlock()
+	return gt.count > 0
+}
+
+// update rewrites id's slot if id is published there.
+func (gt *grantTable) update(id uint64, f func(off uint64)) {
+	if !gt.ready() {
+		return
+	}
+	i := slotIndex(id)
+	gt.mu.Lock()
+	defer gt.mu.Unlock()
+	if !gt.closed && gt.owner[i] == id {
+		gt.write(i, f)
+	}
+}
+
+// close unmaps the table and closes its descriptor (Server.Close);
+// receivers' mappings of it stay valid.
+func (gt *grantTable) close() {
+	gt.once.Do(func() { gt.err = Errorf(EIO, "grant table: the server has closed") })
+	if gt.err != nil {
+		return
+	}
+	gt.mu.Lock()
+	defer gt.mu.Unlock()
+	if !gt.closed {
+		gt.closed = true
+		_ = unix.Munmap(gt.mem)
+		closeFD(&gt.fd)
+	}
+}
+
+// write runs f on slot i inside its seqlock. Called with gt.mu held.
+func (gt *grantTable) write(i uint64, f func(off uint64)) {
+	off := i * tableSlotSize
+	seq := word32(gt.mem, off+slotSeq)
+	s := atomic.LoadUint32(seq)
+	atomic.StoreUint32(seq, s+1)
+	f(off)
+	atomic.StoreUint32(seq, s+2)
+}

@@ -1,0 +1,343 @@
+package core
+
+import (
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// A receiver's side of the grant table (granttable.go): the tables of the
+// exporters whose buffers it has mapped, each mapped read-only (no
+// descriptor kept), and the uses it took on table hits that the exporter
+// has not answered yet.
+
+const (
+	maxTables  = 64          // exporters whose tables one process maps at once
+	tableRetry = time.Second // an exporter whose table did not come is asked again after this
+)
+
+type tableView struct {
+	mem  []byte
+	mine map[uint64]uint32 // registration id → uses this process took on the table, not yet answered
+	// Where the exporter's own descriptor of the table is, and the file's
+	// identity: the exporter's image that made it lives while /proc shows
+	// that file there (CLOEXEC: an exec closes it, as the exit does).
+	holder   string
+	dev, ino uint64
+	// This process's spend log at that exporter (spendlog.go), nil until
+	// the exporter took it: no hit is believed from the table without it.
+	log  []byte
+	used [spendRecords + 1]bool // records written, not yet cleared
+}
+
+var tables = struct {
+	mu    sync.Mutex
+	m     map[string]*tableView // by exporter (Ticket.exporterKey)
+	asked map[string]time.Time
+}{m: map[string]*tableView{}, asked: map[string]time.Time{}}
+
+// tableUsable reports whether this process can check t's grant in its
+// exporter's table: a grant that holds nothing, of an exporter in our PID
+// namespace (its liveness is read in /proc) and time namespace (the ttl
+// deadline is CLOCK_MONOTONIC).
+func tableUsable(t *Ticket) bool {
+	return !t.Holds && t.NS.pidNS() == nsSame && sameClock(t)
+}
+
+// wantTable reports whether a session with t's exporter should ask for its
+// table (helloTable), and notes that it asked.
+func wantTable(t *Ticket) bool {
+	if !tableUsable(t) {
+		return false
+	}
+	key := t.exporterKey()
+	now := time.Now()
+	tables.mu.Lock()
+	defer tables.mu.Unlock()
+	if len(tables.m) >= maxTables {
+		sweepTables()
+	}
+	if tables.m[key] != nil || len(tables.m) >= maxTables {
+		return false
+	}
+	if at, ok := tables.asked[key]; ok && now.Sub(at) < tableRetry {
+		return false
+	}
+	if len(tables.asked) >= 4*maxTables {
+		for k, at := range tables.asked {
+			if now.Sub(at) >= tableRetry {
+				delete(tables.asked, k)
+			}
+		}
+		if len(tables.asked) >= 4*maxTables {
+			return false
+		}
+	}
+	tables.asked[key] = now
+	return true
+}
+
+// recvTable reads the exporter's answer to helloTable: its table, or none;
+// a table is answered with a spend log (sendSpendLog), which tail follows.
+// A table this process cannot use (a broken or hostile exporter's) is left
+// unused; only a message out of order fails the session.
+func recvTable(c *conn, t *Ticket, tail []byte) error {
+	f, err := c.recv()
+	if err != nil {
+		return err
+	}
+	if f.Type != msgTable {
+		closeFD(&f.FD)
+		if f.Type == msgError {
+			return remoteError(f.Body, beforeChunks)
+		}
+		return Errorf(EINVAL, "protocol: expected table, got %s", msgName(f.Type))
+	}
+	m, err := parseTable(f.Body)
+	if err != nil {
+		closeFD(&f.FD)
+		return err
+	}
+	if m.Slots == 0 {
+		closeFD(&f.FD)
+		if len(tail) > 0 {
+			return c.send(tail, -1)
+		}
+		return nil // none: asked again after tableRetry
+	}
+	key := t.exporterKey()
+	taken := false
+	if f.FD >= 0 && m.Slots == tableSlots && m.FD <= 1<<31 {
+		taken = takeTable(key, f.FD, fmt.Sprintf("/proc/%d/fd/%d", t.Pid, m.FD)) == nil
+	}
+	closeFD(&f.FD)
+	return sendSpendLog(c, key, taken, tail)
+}
+
+// sendSpendLog answers the exporter's table with this process's spend log
+// for it (or none, when the table was not taken or no log can be made)
+// and reads whether the exporter took it: only then are hits believed
+// from the table. tail goes out with it.
+func sendSpendLog(c *conn, key string, taken bool, tail []byte) error {
+	fd, mem := -1, []byte(nil)
+	if taken {
+		var err error
+		if fd, mem, err = newSpendLog(); err != nil {
+			fd, mem = -1, nil
+		}
+	}
+	m := spendLogMsg{}
+	if fd >= 0 {
+		m.Records = spendRecords
+	}
+	err := c.send(append(m.encode(), tail...), fd)
+	closeFD(&fd)
+	var ack logAckMsg
+	if err == nil {
+		var f frame
+		if f, err = recvControl(c, "log-ack"); err == nil {
+			ack, err = parseLogAck(f.Body)
+		}
+	}
+	if mem == nil {
+		return err
+	}
+	tables.mu.Lock()
+	defer tables.mu.Unlock()
+	if v := tables.m[key]; err == nil && ack.Taken && v != nil && v.log == nil {
+		v.log = mem
+		return nil
+	}
+	_ = unix.Munmap(mem)
+	return err
+}
+
+// takeTable maps the grant table fd (the caller's, to close) for exporter
+// key, after checking that it is what granttable.go makes: a file of
+// tableSize bytes that cannot shrink (a mapping past its end would kill
+// us with SIGBUS) and that nobody but its exporter can write. holder is
+// where /proc shows the exporter's own descriptor of it.
+func takeTable(key string, fd int, holder string) error {
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFREG || st.Size != tableSize {
+		return Errorf(EINVAL, "protocol: the exporter's grant table is not a file of %d bytes", tableSize)
+	}
+	need := unix.F_SEAL_SHRINK | unix.F_SEAL_GROW | unix.F_SEAL_FUTURE_WRITE
+	if seals, err := unix.FcntlInt(uintptr(fd), unix.F_GET_SEALS, 0); err != nil || seals&need != need {
+		return Errorf(EINVAL, "protocol: the exporter's grant table is not sealed against resizing and writing")
+	}
+	mem, err := unix.Mmap(fd, 0, tableSize, unix.PROT_READ, unix.MAP_SHARED)
+	if err != nil {
+		return Errorf(ioCode(err), "grant table: mapping it: %w", err)
+	}
+	_ = unix.Madvise(mem, unix.MADV_DONTFORK) // a forked child has no Go to read it
+	if atomic.LoadUint32(word32(mem, 0)) != tableMagic || atomic.LoadUint32(word32(mem, 4)) != tableVersion ||
+		atomic.LoadUint64(word64(mem, 8)) != tableSlots {
+		_ = unix.Munmap(mem)
+		return Errorf(EINVAL, "protocol: the exporter's grant table is of another version")
+	}
+	tables.mu.Lock()
+	defer tables.mu.Unlock()
+	if tables.m[key] != nil || len(tables.m) >= maxTables {
+		_ = unix.Munmap(mem)
+		return Errorf(EIO, "grant table: no room for another")
+	}
+	tables.m[key] = &tableView{mem: mem, mine: map[uint64]uint32{}, holder: holder, dev: st.Dev, ino: st.Ino}
+	return nil
+}
+
+// sweepTables unmaps the tables whose exporters' images have gone (exited,
+// or exec'd), to make room. Called with tables.mu held.
+func sweepTables() {
+	for key, v := range tables.m {
+		if !v.held() {
+			v.unmap()
+			delete(tables.m, key)
+		}
+	}
+}
+
+// unmap unmaps the table and the spend log. Called with tables.mu held.
+func (v *tableView) unmap() {
+	_ = unix.Munmap(v.mem)
+	if v.log != nil {
+		_ = unix.Munmap(v.log)
+	}
+}
+
+// dropTable unmaps the table of an exporter that has exited.
+func dropTable(key string) {
+	tables.mu.Lock()
+	defer tables.mu.Unlock()
+	if v := tables.m[key]; v != nil {
+		v.unmap()
+		delete(tables.m, key)
+	}
+}
+
+// tableAnswer is what the table says of a hit's ticket.
+type tableAnswer int
+
+const (
+	tableAsk       tableAnswer = iota // it cannot vouch for it: ask the exporter
+	tableVouched                      // a use is taken on it: spend it with the exporter, then settle
+	tableSpentHere                    // this process has taken every use left already
+)
+
+// vouch checks t's grant in its exporter's table and, when it is published
+// with this very ticket, within its ttl and with a use left that this
+// process has not taken, and the exporter's image that made the table
+// still has it open, takes that use: it writes it to its spend log (record
+// `record`, which settle clears once the exporter answered). That the pid
+// is still the exporter's (its start time) is the caller's to check.
+func vouch(t *Ticket) (answer tableAnswer, record int) {
+	if !tableUsable(t) {
+		return tableAsk, 0
+	}
+	digest, err := t.Digest()
+	if err != nil {
+		return tableAsk, 0
+	}
+	tag := grantTag(digest)
+	now := monotonicNanos()
+	tables.mu.Lock()
+	defer tables.mu.Unlock()
+	v := tables.m[t.exporterKey()]
+	if v == nil || v.log == nil {
+		return tableAsk, 0
+	}
+	s, ok := v.read(slotIndex(t.RegID))
+	if !ok || s.state != slotPublished || s.regID != t.RegID || s.tag != tag ||
+		(s.deadline != 0 && (now == 0 || now >= s.deadline)) {
+		return tableAsk, 0
+	}
+	if !v.held() {
+		return tableAsk, 0
+	}
+	mine := v.mine[t.RegID]
+	if s.uses != 0 && uint64(s.spent)+uint64(mine) >= uint64(s.uses) {
+		if mine > 0 {
+			return tableSpentHere, 0
+		}
+		return tableAsk, 0
+	}
+	record = 0
+	for i := 1; i <= spendRecords && record == 0; i++ {
+		if !v.used[i] {
+			record = i
+		}
+	}
+	if record == 0 {
+		return tableAsk, 0 // every record waits for an answer: ask the exporter
+	}
+	v.used[record] = true
+	writeRecord(v.log, record, t.RegID, spendProof(t.Secret, t.RegID))
+	v.mine[t.RegID] = mine + 1
+	return tableVouched, record
+}
+
+// settle gives back the use vouch took, once the exporter has answered for
+// it (the table shows it spent from then on). The record is cleared unless
+// the exporter could not be asked (keep: then it spends the use should this
+// process exit first).
+func settle(t *Ticket, record int, keep bool) {
+	tables.mu.Lock()
+	defer tables.mu.Unlock()
+	v := tables.m[t.exporterKey()]
+	if v == nil {
+		return
+	}
+	if n := v.mine[t.RegID]; n > 1 {
+		v.mine[t.RegID] = n - 1
+	} else {
+		delete(v.mine, t.RegID)
+	}
+	if !keep && record > 0 && v.log != nil {
+		clearRecord(v.log, record)
+		v.used[record] = false
+	}
+}
+
+// held reports whether the exporter's image that made the table still has
+// it open where it said: one stat through /proc, which follows the
+// descriptor to its file. An exec or exit closed it; a pid handed out
+// again cannot show this file, which our mapping keeps from being reused,
+// unless a receiver of the exporter kept a descriptor of it there (the
+// caller's start-time check is for that).
+func (v *tableView) held() bool {
+	var st unix.Stat_t
+	return unix.Stat(v.holder, &st) == nil && st.Dev == v.dev && st.Ino == v.ino
+}
+
+// slotRead is one slot as read.
+type slotRead struct {
+	state       uint32
+	regID       uint64
+	uses, spent uint32
+	deadline    uint64
+	tag         [32]byte
+}
+
+// read reads slot i inside its seqlock; false if it was being written.
+func (v *tableView) read(i uint64) (slotRead, bool) {
+	off := i * tableSlotSize
+	seq := word32(v.mem, off+slotSeq)
+	s1 := atomic.LoadUint32(seq)
+	if s1&1 != 0 {
+		return slotRead{}, false
+	}
+	var r slotRead
+	r.state = atomic.LoadUint32(word32(v.mem, off+slotState))
+	r.regID = atomic.LoadUint64(word64(v.mem, off+slotRegID))
+	u := atomic.LoadUint64(word64(v.mem, off+slotUses))
+	r.uses, r.spent = uint32(u), uint32(u>>32)
+	r.deadline = atomic.LoadUint64(word64(v.mem, off+slotDeadline))
+	for k := 0; k < 32; k += 8 {
+		*(*uint64)(unsafe.Pointer(&r.tag[k])) = atomic.LoadUint64(word64(v.mem, off+slotTag+uint64(k)))
+	}
+	return r, atomic.LoadUint32(seq) == s1
+}
