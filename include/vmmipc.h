@@ -803,22 +803,32 @@ typedef struct vmmipc_mapping {
  *     in a memfd that it alone can write (sealed F_SEAL_FUTURE_WRITE,
  *     against resizing and further seals): per grant its id, uses and uses
  *     spent, ttl deadline and a hash of the whole ticket. A receiver gets a
- *     read-only descriptor of it in its first session with that exporter
- *     (one message more), maps it (256 KiB of address space, MADV_DONTFORK)
- *     and closes the descriptor. A hit then makes no round trip: the grant
+ *     read-only descriptor of it in its first session with that exporter,
+ *     maps it (256 KiB of address space, MADV_DONTFORK) and closes the
+ *     descriptor, and answers with a descriptor of its own spend log (one
+ *     page of a memfd, sealed against resizing, which the exporter maps
+ *     read-only and the receiver writable; one round trip more, once per
+ *     exporter). A hit then makes no round trip: the grant
  *     must be published with this very ticket (a ticket changed in any byte
  *     is no table hit), within its ttl, with a use left that this process
  *     has not taken already (else VMMIPC_ENOENT, as the exporter would
  *     answer), and the exporter alive: its pid's start time, and its own
  *     descriptor of the table still open (/proc/<pid>/fd; an exec or exit
- *     closes it). The use is spent right after, by a library thread, as
- *     with VMMIPC_IMPORT_CONFIRM_LATER (vmmipc_cache_info counts table_hits,
- *     and confirms_pending and confirms_failed for these too): a receiver
- *     killed before that leaves the grant pending until its ttl or the
- *     exporter's end, as a ticket never received does, and two processes
- *     that each map the buffer may both hit the last use of one ticket at
- *     the same instant (the later spend fails; neither gets memory it did
- *     not have).
+ *     closes it). Before it returns, the hit writes a record of the use to
+ *     its spend log (the grant's id and an HMAC that only the ticket's
+ *     secret makes); a library thread then spends the use with the
+ *     exporter, as with VMMIPC_IMPORT_CONFIRM_LATER (vmmipc_cache_info
+ *     counts table_hits, and confirms_pending and confirms_failed for these
+ *     too), and clears the record once answered. The exporter reads the
+ *     logs of receivers that have exited (pid and start time, checked every
+ *     250 ms while it has grants in its table) and spends each record with
+ *     a valid HMAC, so a receiver killed right after a hit (SIGKILL
+ *     included) leaves no grant pending. Bounds: 64 tables per receiver
+ *     process (those of exporters gone are dropped for room), 63 uses in
+ *     its log per exporter not yet answered, 256 logs per exporter; beyond
+ *     them hits ask the exporter. Two processes that each map the buffer
+ *     may both hit the last use of one ticket at the same instant (the
+ *     later spend fails; neither gets memory it did not have).
  *   - Otherwise (a held registration, no table, another namespace, or
  *     anything the table cannot vouch for) the hit connects, proves the
  *     secret both ways, spends one use and has the exporter confirm that
