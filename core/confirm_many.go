@@ -34,6 +34,10 @@ func ConfirmMany(ts []*Ticket, opts ImportOptions) []error {
 		return fail(Errorf(EINVAL, "confirm_many: VMMIPC_IMPORT_CONFIRM_LATER is for one ticket at a time (vmmipc_confirm)"))
 	}
 	opts.OpenOptions = opts.OpenOptions.withDefaults()
+	deadline := time.Now().Add(opts.Timeout)
+	for _, t := range ts { // this process's table hits of each ticket first
+		waitSpent(t, time.Until(deadline))
+	}
 	var order []string
 	byExporter := map[string][]int{}
 	for i, t := range ts {

@@ -35,10 +35,11 @@ type tableView struct {
 }
 
 var tables = struct {
-	mu    sync.Mutex
-	m     map[string]*tableView // by exporter (Ticket.exporterKey)
-	asked map[string]time.Time
-}{m: map[string]*tableView{}, asked: map[string]time.Time{}}
+	mu      sync.Mutex
+	m       map[string]*tableView // by exporter (Ticket.exporterKey)
+	asked   map[string]time.Time
+	settled chan struct{} // closed and replaced whenever a use taken on a table is answered
+}{m: map[string]*tableView{}, asked: map[string]time.Time{}, settled: make(chan struct{})}
 
 // tableUsable reports whether this process can check t's grant in its
 // exporter's table: a grant that holds nothing, of an exporter in our PID
@@ -92,8 +93,11 @@ func recvTable(c *conn, t *Ticket, tail []byte) error {
 	}
 	if f.Type != msgTable {
 		closeFD(&f.FD)
-		if f.Type == msgError {
+		switch f.Type {
+		case msgError:
 			return remoteError(f.Body, beforeChunks)
+		case msgBusy: // dropped before it counted as authenticated: connect retries
+			return errBusy
 		}
 		return Errorf(EINVAL, "protocol: expected table, got %s", msgName(f.Type))
 	}
@@ -296,6 +300,8 @@ func settle(t *Ticket, record int, keep bool) {
 	} else {
 		delete(v.mine, t.RegID)
 	}
+	close(tables.settled)
+	tables.settled = make(chan struct{})
 	if !keep && record > 0 && v.log != nil {
 		clearRecord(v.log, record)
 		v.used[record] = false
@@ -311,6 +317,33 @@ func settle(t *Ticket, record int, keep bool) {
 func (v *tableView) held() bool {
 	var st unix.Stat_t
 	return unix.Stat(v.holder, &st) == nil && st.Dev == v.dev && st.Ino == v.ino
+}
+
+// waitSpent waits, at most timeout, until the uses this process took on t's
+// grant from the table have been answered, so that a later use of t by
+// this process (a stream, a confirmation) comes after them at the
+// exporter, as it would after hits that asked the exporter.
+func waitSpent(t *Ticket, timeout time.Duration) {
+	key := t.exporterKey()
+	deadline := time.Now().Add(timeout)
+	tables.mu.Lock()
+	defer tables.mu.Unlock()
+	for {
+		v := tables.m[key]
+		left := time.Until(deadline)
+		if v == nil || v.mine[t.RegID] == 0 || left <= 0 {
+			return
+		}
+		settled := tables.settled
+		tables.mu.Unlock()
+		timer := time.NewTimer(left)
+		select {
+		case <-settled:
+		case <-timer.C:
+		}
+		timer.Stop()
+		tables.mu.Lock()
+	}
 }
 
 // slotRead is one slot as read.

@@ -56,6 +56,7 @@ func Confirm(t *Ticket, opts ImportOptions) error {
 		return err
 	}
 	opts.OpenOptions = opts.OpenOptions.withDefaults()
+	waitSpent(t, opts.Timeout) // this process's table hits of t first
 	switch {
 	case opts.ConfirmLater:
 		confirms.add(t, opts.Timeout, nil)

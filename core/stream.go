@@ -49,6 +49,7 @@ func open(t *Ticket, opts OpenOptions, hold, askRun bool) (*Stream, error) {
 		return nil, err
 	}
 	opts = opts.withDefaults()
+	waitSpent(t, opts.Timeout) // this process's table hits of t first
 	var tail []byte
 	if askRun {
 		tail = pullMsg{First: 0, Count: t.Count}.encodeRun()

@@ -251,7 +251,10 @@ typedef struct maps_entry {
   unsigned long long lo, hi;
   unsigned long ino;
   char perms[8];
-  int memfd; /* a mapping of a memfd ("/memfd:NAME") */
+  int memfd; /* a mapping of a memfd ("/memfd:NAME"), not the library's own
+                bookkeeping: a grant table and spend logs ("vmmipc-grants",
+                "vmmipc-spends", one page or 256 KiB each, kept per peer
+                process and bounded; core's tests count those) */
 } maps_entry;
 
 /* A snapshot of /proc/self/maps at one moment. */
@@ -270,7 +273,8 @@ static inline int maps_take(maps_snapshot *s) {
   while (s->n < 4096 && fgets(line, sizeof line, f)) {
     maps_entry *e = &s->e[s->n];
     if (sscanf(line, "%llx-%llx %7s %*s %*s %lu", &e->lo, &e->hi, e->perms, &e->ino) != 4) continue;
-    e->memfd = strstr(line, "/memfd:") != NULL;
+    e->memfd = strstr(line, "/memfd:") != NULL && strstr(line, "/memfd:vmmipc-grants") == NULL &&
+               strstr(line, "/memfd:vmmipc-spends") == NULL;
     s->n++;
   }
   fclose(f);
