@@ -21,8 +21,9 @@ const (
 )
 
 type tableView struct {
-	mem  []byte
-	mine map[uint64]uint32 // registration id → uses this process took on the table, not yet answered
+	mem     []byte
+	mine    map[uint64]uint32 // registration id → uses this process took on the table that the exporter has not counted yet
+	pending map[uint64]uint32 // ...of those, the ones whose spend is queued or in flight
 	// Where the exporter's own descriptor of the table is, and the file's
 	// identity: the exporter's image that made it lives while /proc shows
 	// that file there (CLOEXEC: an exec closes it, as the exit does).
@@ -190,7 +191,7 @@ func takeTable(key string, fd int, holder string) error {
 		_ = unix.Munmap(mem)
 		return Errorf(EIO, "grant table: no room for another")
 	}
-	tables.m[key] = &tableView{mem: mem, mine: map[uint64]uint32{}, holder: holder, dev: st.Dev, ino: st.Ino}
+	tables.m[key] = &tableView{mem: mem, mine: map[uint64]uint32{}, pending: map[uint64]uint32{}, holder: holder, dev: st.Dev, ino: st.Ino}
 	return nil
 }
 
@@ -281,13 +282,15 @@ func vouch(t *Ticket) (answer tableAnswer, record int) {
 	v.used[record] = true
 	writeRecord(v.log, record, t.RegID, spendProof(t.Secret, t.RegID))
 	v.mine[t.RegID] = mine + 1
+	v.pending[t.RegID]++
 	return tableVouched, record
 }
 
-// settle gives back the use vouch took, once the exporter has answered for
-// it (the table shows it spent from then on). The record is cleared unless
-// the exporter could not be asked (keep: then it spends the use should this
-// process exit first).
+// settle ends the spend of a use vouch took: answered by the exporter (the
+// table shows it spent from then on), or, with keep, not (the exporter
+// could not be asked). Kept, the use stays taken here, so this process
+// does not take it again from the table, and so does its record, which the
+// exporter spends should this process exit first.
 func settle(t *Ticket, record int, keep bool) {
 	tables.mu.Lock()
 	defer tables.mu.Unlock()
@@ -295,10 +298,9 @@ func settle(t *Ticket, record int, keep bool) {
 	if v == nil {
 		return
 	}
-	if n := v.mine[t.RegID]; n > 1 {
-		v.mine[t.RegID] = n - 1
-	} else {
-		delete(v.mine, t.RegID)
+	decrement(v.pending, t.RegID)
+	if !keep {
+		decrement(v.mine, t.RegID)
 	}
 	close(tables.settled)
 	tables.settled = make(chan struct{})
@@ -319,6 +321,14 @@ func (v *tableView) held() bool {
 	return unix.Stat(v.holder, &st) == nil && st.Dev == v.dev && st.Ino == v.ino
 }
 
+func decrement(m map[uint64]uint32, id uint64) {
+	if n := m[id]; n > 1 {
+		m[id] = n - 1
+	} else {
+		delete(m, id)
+	}
+}
+
 // waitSpent waits, at most timeout, until the uses this process took on t's
 // grant from the table have been answered, so that a later use of t by
 // this process (a stream, a confirmation) comes after them at the
@@ -331,7 +341,7 @@ func waitSpent(t *Ticket, timeout time.Duration) {
 	for {
 		v := tables.m[key]
 		left := time.Until(deadline)
-		if v == nil || v.mine[t.RegID] == 0 || left <= 0 {
+		if v == nil || v.pending[t.RegID] == 0 || left <= 0 {
 			return
 		}
 		settled := tables.settled
