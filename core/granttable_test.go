@@ -536,3 +536,30 @@ func FuzzSpendLogDrain(f *testing.F) {
 		l.close()
 	})
 }
+
+// TestSpendLogsBoundedPerReceiver: an exporter takes at most
+// maxSpendLogsPerPid logs of one receiver process (one that asks in a loop
+// cannot take every other's room), and maxSpendLogs in all.
+func TestSpendLogsBoundedPerReceiver(t *testing.T) {
+	var l spendLogs
+	l.spend, l.published = func(uint64, [32]byte) {}, func() bool { return false }
+	defer l.close()
+	take := func(pid uint32) bool {
+		fd, mem, err := newSpendLog()
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer unix.Close(fd)
+		defer unix.Munmap(mem)
+		return l.adopt(fd, pid, ourStartTime())
+	}
+	self := uint32(os.Getpid()) // alive, so never drained for room
+	for i := range 10 {
+		if got, want := take(self), i < maxSpendLogsPerPid; got != want {
+			t.Fatalf("log %d of one receiver: taken %v, want %v", i, got, want)
+		}
+	}
+	if take(0) {
+		t.Fatal("a log whose owner cannot be told was taken")
+	}
+}

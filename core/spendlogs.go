@@ -13,7 +13,10 @@ import (
 // sent, each with its owner's pid and start time, and the scanner that
 // spends the records of owners that have exited.
 
-const maxSpendLogs = 256 // receivers' logs one exporter maps at once
+const (
+	maxSpendLogs       = 256 // receivers' logs one exporter maps at once
+	maxSpendLogsPerPid = 4   // ...of one receiver process, so that one asking in a loop cannot take every other's room
+)
 
 // spendScanInterval is how often the scanner looks for exited owners while
 // grants are published; a use left in a dead receiver's log is spent
@@ -52,6 +55,15 @@ func (l *spendLogs) adopt(fd int, pid uint32, start uint64) bool {
 	}
 	defer l.mu.Unlock()
 	if l.closed || len(l.logs) >= maxSpendLogs {
+		return false
+	}
+	mine := 0
+	for _, s := range l.logs {
+		if s.pid == pid && s.start == start {
+			mine++
+		}
+	}
+	if mine >= maxSpendLogsPerPid {
 		return false
 	}
 	mem, err := mapSpendLog(fd)
