@@ -148,16 +148,20 @@ func sendSpendLog(c *conn, key string, taken bool, tail []byte) error {
 			ack, err = parseLogAck(f.Body)
 		}
 	}
-	if mem == nil {
-		return err
-	}
 	tables.mu.Lock()
 	defer tables.mu.Unlock()
-	if v := tables.m[key]; err == nil && ack.Taken && v != nil && v.log == nil {
+	v := tables.m[key]
+	if mem != nil && err == nil && ack.Taken && v != nil && v.log == nil {
 		v.log = mem
 		return nil
 	}
-	_ = unix.Munmap(mem)
+	if mem != nil {
+		_ = unix.Munmap(mem)
+	}
+	if taken && v != nil && v.log == nil { // useless without a log: asked again after tableRetry
+		v.unmap()
+		delete(tables.m, key)
+	}
 	return err
 }
 
