@@ -18,9 +18,8 @@ const (
 	maxSpendLogsPerPid = 4   // ...of one receiver process, so that one asking in a loop cannot take every other's room
 )
 
-// spendScanInterval is how often the scanner looks for exited owners while
-// grants are published; a use left in a dead receiver's log is spent
-// within about this long.
+// spendScanInterval is how often the scanner looks for exited owners: a
+// use left in a dead receiver's log is spent within about this long.
 var spendScanInterval = 250 * time.Millisecond
 
 type spendLog struct {
@@ -78,9 +77,8 @@ func (l *spendLogs) adopt(fd int, pid uint32, start uint64) bool {
 	return true
 }
 
-// scan drains the logs of exited owners, every spendScanInterval while
-// there are logs, looking only while grants are published (nothing else
-// can be spent from a log).
+// scan drains the logs of exited owners every spendScanInterval while
+// there are logs.
 func (l *spendLogs) scan() {
 	for {
 		time.Sleep(spendScanInterval)
@@ -91,14 +89,13 @@ func (l *spendLogs) scan() {
 			return
 		}
 		l.mu.Unlock()
-		if l.published() {
-			l.drainExited()
-		}
+		l.drainExited()
 	}
 }
 
-// drainExited spends the records of every log whose owner has exited, and
-// unmaps those logs.
+// drainExited spends the records of every log whose owner has exited (a
+// record can spend nothing while no grant is published), and unmaps those
+// logs.
 func (l *spendLogs) drainExited() {
 	l.mu.Lock()
 	var gone []*spendLog
@@ -113,8 +110,9 @@ func (l *spendLogs) drainExited() {
 	clear(l.logs[len(kept):])
 	l.logs = kept
 	l.mu.Unlock()
+	spendable := len(gone) > 0 && l.published()
 	for _, s := range gone {
-		for i := 1; i <= spendRecords; i++ {
+		for i := 1; spendable && i <= spendRecords; i++ {
 			if id, proof := readRecord(s.mem, i); id != 0 {
 				l.spend(id, proof)
 			}

@@ -821,9 +821,9 @@ typedef struct vmmipc_mapping {
  *     counts table_hits, and confirms_pending and confirms_failed for these
  *     too), and clears the record once answered. The exporter reads the
  *     logs of receivers that have exited (pid and start time, checked every
- *     250 ms while it has grants in its table) and spends each record with
- *     a valid HMAC, so a receiver killed right after a hit (SIGKILL
- *     included) leaves no grant pending. Bounds: 64 tables per receiver
+ *     250 ms while it has logs) and spends each record with a valid HMAC,
+ *     so a receiver killed right after a hit (SIGKILL included) leaves no
+ *     grant pending. Bounds: 64 tables per receiver
  *     process (those of exporters gone are dropped for room), 63 uses in
  *     its log per exporter not yet answered, 256 logs per exporter and 4 of
  *     one receiver process; beyond them hits ask the exporter. Two processes
