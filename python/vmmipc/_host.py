@@ -7,9 +7,9 @@ keeps its own duplicate of the memfd, so the owner's descriptor is only
 needed to map the memory. Each grant (each pickle) is a register_again of
 the anchor: no descriptor, no new buffer identity, so a receiver that has
 the buffer cached imports it without a round trip (the sender's grant
-table vouches for the pickle; vmmipc.h, vmmipc_import). The chunks cross to the
-receiver as one short-lived descriptor of the memfd (they lie back to back
-in it: one run, mapped with one mmap by vmmipc_import_stream; the
+table vouches for the pickle; vmmipc.h, vmmipc_import). The chunks cross
+to the receiver as one short-lived descriptor of the memfd (they lie back
+to back in it: one run, mapped with one mmap by vmmipc_import_stream; the
 low-level vmmipc.open() stream still gets one descriptor per chunk), so
 both sides hold about one descriptor at a time, and the receiver's writes
 are the sender's memory.

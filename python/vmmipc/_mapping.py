@@ -350,8 +350,8 @@ def cache_info() -> CacheInfo:
 # hits queued (confirm_later: import_stream, confirm, HostBuffer.from_ticket;
 # and the hits the senders' grant tables vouched for).
 # They run on a library thread; were the process to end first, each
-# sender's grant would stay pending, keeping what it lends alive until its
-# ttl. One confirmation takes about a millisecond; the bound is for a sender
+# confirm_later grant would stay pending, keeping what it lends alive until
+# its ttl (a table hit's sender spends it from this process's spend log). One confirmation takes about a millisecond; the bound is for a sender
 # that has stopped answering.
 EXIT_CONFIRM_SECONDS = 5.0
 

@@ -90,7 +90,9 @@ def rebuild_host_buffer(ticket, chunk_size):
     changed byte is no hit, and the sender refuses it), and an ended,
     expired or used-up grant raises NotFoundError as for a new receiver;
     its use is spent right after by a library thread (vmmipc.h,
-    vmmipc_import; at exit this process waits for those). Nothing is held:
+    vmmipc_import; at exit this process waits for those, and were it
+    killed first, the sender spends them from this process's spend log).
+    Nothing is held:
     a HostBuffer's memfd is its own, and its pages live as long as any
     mapping of them (holds are for memory handed out again, vmmipc.h
     "Holds")."""
