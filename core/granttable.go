@@ -23,11 +23,12 @@ import (
 // (helloTable), maps it read-only and closes the descriptor. A hit then
 // reads the grant's slot: published, same id, same tag (so a ticket changed
 // in any byte is no hit), within its ttl, a use left, and the exporter
-// alive: its pid's start time, as before every dial, and its own descriptor
-// of the table still open (an exec closes it). What the table does not vouch for
-// goes to the exporter as before; the exporter stays the judge of every
-// use, since the hit's use is then spent by a library thread (confirm.go).
-// Held grants are never published: a hold is believed only once the
+// alive: its pid's start time, as before every dial, and its own
+// descriptor of the table still open (an exec closes it). What the table
+// does not vouch for goes to the exporter as before. The exporter stays the
+// judge of every use: a hit's use is spent just after by a library thread
+// (confirm.go) or, should the receiver die first, from the record the hit
+// left in the receiver's spend log (spendlog.go). Held grants are never published: a hold is believed only once the
 // exporter granted it (holder.go).
 //
 // A slot is a seqlock: the writer makes the sequence odd, writes, and makes
