@@ -263,7 +263,10 @@ type fakeExporter struct {
 func newFakeExporter(t testing.TB, count int, total uint64, serve func(uc *net.UnixConn, tk *Ticket)) *fakeExporter {
 	t.Helper()
 	tk := sampleTicket()
-	tk.Address = "@vmmipc-fuzz-fake-" + itoa(os.Getpid()) + "-" + itoa(randIndex(1<<30))
+	// A name of its own: a receiver remembers what an exporter (its address,
+	// pid and start time) said, such as refusing one-round hellos, and a
+	// fuzzer makes hundreds of thousands of fakes (1<<30 names repeated).
+	tk.Address = "@vmmipc-fuzz-fake-" + itoa(os.Getpid()) + "-" + itoa(randIndex(1<<62))
 	tk.Pid, tk.StartTime, tk.NS = uint32(os.Getpid()), selfStartTime(), selfNamespaces()
 	tk.Count, tk.Total = uint64(count), total
 	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: tk.Address, Net: "unix"})
