@@ -48,6 +48,7 @@ def settled(live: int, timeout: float = 6) -> int:
 def test_a_hostbuffer_asks_for_no_hold():
     """Neither the registration nor the receiver holds: the receiver keeps
     no connection to the sender (holder_sessions 0) and holds nothing."""
+    live = vmmipc.live_registrations()
     hb = marked_buffer()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -60,6 +61,8 @@ def test_a_hostbuffer_asks_for_no_hold():
     assert (hits, misses) == (2, 1)
     assert (holds, sessions) == (0, 0), f"the receiver holds {holds} uses on {sessions} connections"
     assert vmmipc.holds() == 0
+    # The killed child's last hits are spent from its spend log.
+    assert settled(live) == 0, "grants left pending by the killed receiver"
 
 
 def test_a_hit_has_spent_its_use_when_unpickling_returns():
