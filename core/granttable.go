@@ -75,6 +75,21 @@ func slotIndex(regID uint64) uint64 { return 1 + regID%tableSlots }
 func word32(mem []byte, off uint64) *uint32 { return (*uint32)(unsafe.Pointer(&mem[off])) }
 func word64(mem []byte, off uint64) *uint64 { return (*uint64)(unsafe.Pointer(&mem[off])) }
 
+// store32 and load32 move 32 bytes (a tag, a proof) to and from shared
+// memory at off, as four atomic words.
+func store32(mem []byte, off uint64, b [32]byte) {
+	for k := uint64(0); k < 32; k += 8 {
+		atomic.StoreUint64(word64(mem, off+k), *(*uint64)(unsafe.Pointer(&b[k])))
+	}
+}
+
+func load32(mem []byte, off uint64) (b [32]byte) {
+	for k := uint64(0); k < 32; k += 8 {
+		*(*uint64)(unsafe.Pointer(&b[k])) = atomic.LoadUint64(word64(mem, off+k))
+	}
+	return b
+}
+
 // monotonicNanos is CLOCK_MONOTONIC, which both sides read alike in one
 // time namespace.
 func monotonicNanos() uint64 {
@@ -181,9 +196,7 @@ func (gt *grantTable) publish(id uint64, uses uint32, deadline uint64, digest [3
 		atomic.StoreUint64(word64(gt.mem, off+slotRegID), id)
 		atomic.StoreUint64(word64(gt.mem, off+slotUses), uint64(uses))
 		atomic.StoreUint64(word64(gt.mem, off+slotDeadline), deadline)
-		for k := uint64(0); k < 32; k += 8 {
-			atomic.StoreUint64(word64(gt.mem, off+slotTag+k), *(*uint64)(unsafe.Pointer(&tag[k])))
-		}
+		store32(gt.mem, off+slotTag, tag)
 		atomic.StoreUint32(word32(gt.mem, off+slotState), slotPublished)
 	})
 	return true

@@ -5,7 +5,6 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
-	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -383,8 +382,6 @@ func (v *tableView) read(i uint64) (slotRead, bool) {
 	u := atomic.LoadUint64(word64(v.mem, off+slotUses))
 	r.uses, r.spent = uint32(u), uint32(u>>32)
 	r.deadline = atomic.LoadUint64(word64(v.mem, off+slotDeadline))
-	for k := 0; k < 32; k += 8 {
-		*(*uint64)(unsafe.Pointer(&r.tag[k])) = atomic.LoadUint64(word64(v.mem, off+slotTag+uint64(k)))
-	}
+	r.tag = load32(v.mem, off+slotTag)
 	return r, atomic.LoadUint32(seq) == s1
 }

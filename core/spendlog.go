@@ -5,7 +5,6 @@ import (
 	"crypto/sha256"
 	"encoding/binary"
 	"sync/atomic"
-	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -101,9 +100,7 @@ func mapSpendLog(fd int) ([]byte, error) {
 // writeRecord fills record i (1..spendRecords) of a receiver's log.
 func writeRecord(mem []byte, i int, id uint64, proof [32]byte) {
 	off := uint64(i * spendRecordSize)
-	for k := 0; k < 32; k += 8 {
-		atomic.StoreUint64(word64(mem, off+recordProof+uint64(k)), *(*uint64)(unsafe.Pointer(&proof[k])))
-	}
+	store32(mem, off+recordProof, proof)
 	atomic.StoreUint64(word64(mem, off+recordRegID), id)
 }
 
@@ -116,8 +113,5 @@ func clearRecord(mem []byte, i int) {
 func readRecord(mem []byte, i int) (id uint64, proof [32]byte) {
 	off := uint64(i * spendRecordSize)
 	id = atomic.LoadUint64(word64(mem, off+recordRegID))
-	for k := 0; k < 32; k += 8 {
-		*(*uint64)(unsafe.Pointer(&proof[k])) = atomic.LoadUint64(word64(mem, off+recordProof+uint64(k)))
-	}
-	return id, proof
+	return id, load32(mem, off+recordProof)
 }
