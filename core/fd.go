@@ -1,6 +1,10 @@
 package core
 
-import "golang.org/x/sys/unix"
+import (
+	"strconv"
+
+	"golang.org/x/sys/unix"
+)
 
 // Descriptors this package owns: whoever holds one closes it on every path,
 // the error paths first of all. -1 marks a descriptor closed or never had.
@@ -20,4 +24,11 @@ func closeAll(fds []int) {
 	for _, fd := range fds {
 		_ = unix.Close(fd)
 	}
+}
+
+// reopen opens a new open file description of the file fd names, with
+// flags (O_CLOEXEC added): its own offset, mode and OFD locks. The caller
+// closes it.
+func reopen(fd, flags int) (int, error) {
+	return unix.Open("/proc/self/fd/"+strconv.Itoa(fd), flags|unix.O_CLOEXEC, 0)
 }

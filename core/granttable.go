@@ -2,7 +2,6 @@ package core
 
 import (
 	"crypto/sha256"
-	"fmt"
 	"sync"
 	"sync/atomic"
 	"unsafe"
@@ -168,7 +167,7 @@ func (gt *grantTable) readOnly() (fd, own int, err error) {
 	if gt.closed {
 		return -1, -1, Errorf(EIO, "grant table: the server has closed")
 	}
-	fd, err = unix.Open(fmt.Sprintf("/proc/self/fd/%d", gt.fd), unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	fd, err = reopen(gt.fd, unix.O_RDONLY)
 	if err != nil {
 		return -1, -1, Errorf(ioCode(err), "grant table: reopening it read-only: %w", err)
 	}

@@ -1,8 +1,6 @@
 package core
 
 import (
-	"fmt"
-
 	"golang.org/x/sys/unix"
 )
 
@@ -46,7 +44,7 @@ func newLeaseFile() (int, error) {
 // reopenLeaseFile opens a new description of the lease file fd, for one
 // receiver (its lock is its own: OFD locks belong to descriptions).
 func reopenLeaseFile(fd int) (int, error) {
-	nfd, err := unix.Open(fmt.Sprintf("/proc/self/fd/%d", fd), unix.O_RDWR|unix.O_CLOEXEC, 0)
+	nfd, err := reopen(fd, unix.O_RDWR)
 	if err != nil {
 		return -1, Errorf(ioCode(err), "lease file: reopening it for a receiver: %w", err)
 	}
