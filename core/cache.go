@@ -71,7 +71,7 @@ type entry struct {
 type CacheInfo struct {
 	LimitBytes, Entries, ReferencedBytes, UnreferencedBytes uint64
 	Hits, Misses, Evictions, Invalidations                  uint64
-	ConfirmsPending, ConfirmsFailed                         uint64 // confirm.go
+	ConfirmsPending, ConfirmsFailed                         uint64 // confirmer.go
 	TableHits                                               uint64 // hits the grant table vouched for (granttable.go)
 	Holds, HolderSessions                                   uint64 // holder.go: uses held, live leases
 }
@@ -126,7 +126,7 @@ func (c *importCache) enabled() (bool, error) {
 
 // hit returns another reference to the cached mapping for key, after the
 // exporter confirmed t (with opts.Hold: held on a lease, holder.go), or
-// at once with the confirmation queued (opts.ConfirmLater: confirm.go);
+// at once with the confirmation queued (opts.ConfirmLater: confirmer.go);
 // hit is false when there is none (then import anew).
 func (c *importCache) hit(key cacheKey, t *Ticket, opts ImportOptions) (Ref, bool, error) {
 	timeout := opts.Timeout

@@ -2,7 +2,7 @@ package core
 
 // The import cache's calls (cache.go has the cache): Unmap drops a
 // reference, SetCacheLimit bounds the unreferenced bytes, GetCacheInfo
-// reports the cache's counts with those of the confirmations (confirm.go)
+// reports the cache's counts with those of the confirmations (confirmer.go)
 // and holds (holder.go).
 
 // Unmap drops the reference id (whose mapping starts at base).

@@ -53,7 +53,7 @@ func ConfirmMany(ts []*Ticket, opts ImportOptions) []error {
 		go func(idx []int) {
 			defer wg.Done()
 			for len(idx) > 0 {
-				idx = idx[confirmSession(ts, idx[:min(len(idx), maxMoreUses+1)], opts, errs):]
+				idx = idx[confirmSession(ts, idx[:min(len(idx), maxMoreUses+1)], opts.Timeout, dialFor(ts, opts), errs, nil):]
 			}
 		}(byExporter[k])
 	}
@@ -61,111 +61,16 @@ func ConfirmMany(ts []*Ticket, opts ImportOptions) []error {
 	return errs
 }
 
-// confirmSession spends the uses of ts[idx...] (one exporter's) on one
-// session and returns how many it settled: all, or only the first when
-// the first was refused on its own account (the rest try again).
-func confirmSession(ts []*Ticket, idx []int, opts ImportOptions, errs []error) int {
-	first := ts[idx[0]]
-	hold := false
-	for _, i := range idx {
-		hold = hold || (opts.Hold && ts[i].Holds)
-	}
-	flags := helloConfirm
-	if len(idx) > 1 {
-		flags |= helloMore
-	}
-	var c *conn
-	var tr transcript
-	var l *clientLease
-	var err error
-	if hold {
-		c, tr, l, err = connectHeld(first, opts.Timeout, flags, nil)
-	} else {
-		c, tr, err = connect(first, opts.Timeout, flags, nil, nil)
-	}
-	if err != nil {
-		errs[idx[0]] = err
-		if code := CodeOf(err); code == ENOENT || code == EAUTH {
-			return 1 // this ticket's own trouble: the others go on
+// dialFor is how ConfirmMany's sessions start: held on this process's
+// lease (holder.go) where opts.Hold and a ticket of the session holds.
+func dialFor(ts []*Ticket, opts ImportOptions) sessionDial {
+	return func(idx []int, flags uint64) (*conn, transcript, *clientLease, error) {
+		for _, i := range idx {
+			if opts.Hold && ts[i].Holds {
+				return connectHeld(ts[idx[0]], opts.Timeout, flags, nil)
+			}
 		}
-		for _, i := range idx[1:] {
-			errs[i] = err
-		}
-		return len(idx)
+		c, tr, err := connect(ts[idx[0]], opts.Timeout, flags, nil, nil)
+		return c, tr, nil, err
 	}
-	defer c.Close()
-	c.deadline = time.Now().Add(opts.Timeout)
-	// The others' uses and done go out in one write, before any answer is
-	// read: one round trip for all. One write, not one per use: every
-	// small message takes a buffer of a socket's, and a few hundred fill
-	// it, so the exporter, answering each as it reads it, and we, still
-	// sending, would both block.
-	var batch []byte
-	sent := make([]int, 0, len(idx)-1)
-	for _, i := range idx[1:] {
-		t := ts[i]
-		digest, err := t.Digest()
-		if err != nil {
-			errs[i] = err
-			continue
-		}
-		ut := tr.forUse(t.RegID, digest)
-		batch = append(batch, useMsg{RegID: t.RegID, Proof: ut.proof(t.Secret, roleReceiver)}.encode()...)
-		sent = append(sent, i)
-	}
-	if l != nil {
-		l.moreInFlight(len(sent))
-	}
-	if len(idx) > 1 {
-		batch = append(batch, encodeMsg(msgDone, nil)...)
-		_ = c.send(batch, -1) // the answers tell what arrived
-	}
-	settle := func(i int, ackFlags uint64, err error) {
-		errs[i] = err
-		switch {
-		case l == nil:
-		case err == nil:
-			l.useDone(ts[i].RegID, ackFlags&ackHeld != 0)
-		case CodeOf(err) == EIO: // no answer: it may have been held
-			l.useLost()
-		default:
-			l.useDone(0, false)
-		}
-	}
-	ackFlags, err := readDoneAckFlags(c)
-	settle(idx[0], ackFlags, err)
-	for _, i := range sent {
-		if err != nil && CodeOf(err) == EIO { // the session broke: no more answers
-			settle(i, 0, err)
-			continue
-		}
-		var f frame
-		var ack useAckMsg
-		f, err = recvControl(c, "use-ack")
-		if err == nil {
-			ack, err = parseUseAck(f.Body)
-		}
-		switch {
-		case err != nil:
-			err = WrapErr(EIO, err, "confirm_many: waiting for the exporter's answer")
-		case ack.RegID != ts[i].RegID:
-			err = Errorf(EIO, "protocol: a use-ack for registration %d, the use sent was %d", ack.RegID, ts[i].RegID)
-		case ack.Code != OK:
-			settle(i, 0, &Error{Code: remoteCode(ack.Code), Msg: "exporter: " + ack.Text})
-			continue
-		}
-		settle(i, ack.Flags, err)
-	}
-	return len(idx)
-}
-
-// remoteCode is the status a receiver's call returns for an exporter's
-// refusal of a use: its own where the call lists it, else EIO (as
-// remoteError).
-func remoteCode(c Code) Code {
-	switch c {
-	case EINVAL, EAUTH, ENOENT, EIO:
-		return c
-	}
-	return EIO
 }

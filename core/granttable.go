@@ -26,7 +26,7 @@ import (
 // descriptor of the table still open (an exec closes it). What the table
 // does not vouch for goes to the exporter as before. The exporter stays the
 // judge of every use: a hit's use is spent just after by a library thread
-// (confirm.go) or, should the receiver die first, from the record the hit
+// (confirmer.go) or, should the receiver die first, from the record the hit
 // left in the receiver's spend log (spendlog.go). Held grants are never published: a hold is believed only once the
 // exporter granted it (holder.go).
 //

@@ -7,7 +7,7 @@ package core
 // Import maps the buffer named by t into this process and returns one
 // reference to the mapping: a cached one after an authenticated
 // confirmation (cache.go; with opts.ConfirmLater the confirmation is queued
-// instead, confirm.go), or a new one, reserved whole and then received,
+// instead, confirmer.go), or a new one, reserved whole and then received,
 // mapped and closed one chunk at a time. On any failure everything is undone
 // and the error names the chunk. A hit makes no driver call: the backend is
 // built only on a miss. gpu may be nil where CUDA is not built in.

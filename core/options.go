@@ -118,7 +118,7 @@ func CheckRegisterFlags(flags uint32) error {
 // Import flags: the bits of vmmipc_options.import_flags.
 const (
 	ImportNoCache      uint32 = 1 << 0 // neither reuse nor keep a cached mapping
-	ImportConfirmLater uint32 = 1 << 1 // a cache hit returns at once; confirm.go confirms it
+	ImportConfirmLater uint32 = 1 << 1 // a cache hit returns at once; confirmer.go confirms it
 	ImportHold         uint32 = 1 << 2 // hold the use until Release or exit (holder.go)
 	importKnownFlags          = ImportNoCache | ImportConfirmLater | ImportHold
 )
@@ -128,7 +128,7 @@ type ImportOptions struct {
 	OpenOptions
 	Access       []int32 // CUDA: extra devices given read-write access
 	NoCache      bool    // neither reuse nor keep a cached mapping
-	ConfirmLater bool    // on a hit, confirm in the background (confirm.go)
+	ConfirmLater bool    // on a hit, confirm in the background (confirmer.go)
 	Hold         bool    // hold the use until Release or exit (holder.go)
 }
 

@@ -852,8 +852,11 @@ typedef struct vmmipc_mapping {
  *
  * opts->import_flags VMMIPC_IMPORT_CONFIRM_LATER takes the confirmation off
  * the caller's path: a hit returns at once (no connection, no handshake,
- * no driver call) and the use is spent by a library thread, one
- * authenticated session per ticket, in order per exporter
+ * no driver call) and the use is spent by a library thread, in order per
+ * exporter, each use proved with its own ticket's secret and answered on
+ * its own; the uses queued together go on one session, as with
+ * vmmipc_confirm_many, and hits that come as a stream (one within 20 ms of
+ * the last session) wait up to 2 ms for others to join them
  * (vmmipc_cache_info counts those pending and failed). The reference is
  * valid whatever that answer is, since the mapping holds its own references
  * to the memory; but until it comes, the hit has trusted the ticket's
@@ -862,7 +865,7 @@ typedef struct vmmipc_mapping {
  * secret is wrong gets the mapping this process already has of that buffer,
  * and a failed confirmation). A miss streams as without the flag. Whoever
  * waits on the sender (vmmipc_wait) sees the registration end only once the
- * confirmation ran, usually within a millisecond; confirmations still
+ * confirmation ran, usually within a few milliseconds; confirmations still
  * queued when this process exits are lost (the sender's registration then
  * lives until its ttl or its process's end), so a program that may exit
  * soon after a hit waits first until vmmipc_cache_info reports

@@ -1,0 +1,123 @@
+package core
+
+import (
+	"testing"
+	"time"
+)
+
+// The confirmer (confirmer.go) spends the uses of hits that come as a stream
+// together: one session for many, each use proved and answered on its own.
+
+// TestStreamedHitsShareSessions: 60 table hits in a row, one new grant
+// each (a buffer re-sent in a loop), are all spent, with fewer sessions
+// than hits; 60 uses queued at once go on a few sessions; a lone hit later
+// is spent too.
+func TestStreamedHitsShareSessions(t *testing.T) {
+	before := cacheTest(t)
+	s := newTestServer(t)
+	anchor, first := tableGrant(t, s, 31)
+	defer unmapRef(t, first)
+	live := s.Live()
+	sessions := func() uint64 {
+		confirms.mu.Lock()
+		defer confirms.mu.Unlock()
+		return confirms.sessions
+	}
+	start := sessions()
+	const hits = 60
+	for range hits {
+		r, err := Import(again(t, s, anchor, RegisterOptions{Uses: 1}), DeviceHost, ImportOptions{}, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if r.Base != first.Base {
+			t.Fatalf("a hit at %#x, not the cached %#x", r.Base, first.Base)
+		}
+		unmapRef(t, r)
+	}
+	got := cacheDelta(before) // waits for the confirmer
+	if got.TableHits != hits || got.ConfirmsFailed != 0 {
+		t.Fatalf("%d table hits and %d failed confirmations, want %d and 0", got.TableHits, got.ConfirmsFailed, hits)
+	}
+	if !waitUntil(5*time.Second, func() bool { return s.Live() == live }) {
+		t.Fatalf("%d grants still live after their hits were confirmed", s.Live()-live)
+	}
+	if n := sessions() - start; n >= hits {
+		t.Fatalf("%d sessions for %d streamed hits: they were not gathered", n, hits)
+	}
+
+	start = sessions()
+	queued := make([]*Ticket, hits)
+	for i := range queued {
+		queued[i] = again(t, s, anchor, RegisterOptions{Uses: 1})
+	}
+	for _, tk := range queued {
+		confirms.add(tk, 5*time.Second, nil)
+	}
+	for _, tk := range queued {
+		if err := s.Wait(tk, 5*time.Second); err != nil {
+			t.Fatalf("a queued use was not spent: %v", err)
+		}
+	}
+	// The first goes at once; the rest join the next session or two.
+	if n := sessions() - start; n > 3 {
+		t.Fatalf("%d sessions for %d uses queued at once, want at most 3", n, hits)
+	}
+
+	time.Sleep(2 * confirmLinger) // the worker has gone: the next hit is a lone one
+	lone := again(t, s, anchor, RegisterOptions{Uses: 1})
+	r, err := Import(lone, DeviceHost, ImportOptions{}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	unmapRef(t, r)
+	if err := s.Wait(lone, 5*time.Second); err != nil {
+		t.Fatalf("a lone hit's use was not spent: %v", err)
+	}
+}
+
+// TestConfirmBatchAnswersEachUse: a batch whose uses include an ended
+// grant (first and in the middle) and a ticket changed in its secret
+// spends every other use, and each item gets its own answer.
+func TestConfirmBatchAnswersEachUse(t *testing.T) {
+	cacheTest(t)
+	s := newTestServer(t)
+	anchor, first := tableGrant(t, s, 32)
+	defer unmapRef(t, first)
+	ended := func() *Ticket {
+		tk := again(t, s, anchor, RegisterOptions{Uses: 1})
+		if err := s.Unregister(tk); err != nil {
+			t.Fatal(err)
+		}
+		return tk
+	}
+	forged := *again(t, s, anchor, RegisterOptions{Uses: 1})
+	forged.Secret[3] ^= 1
+	ts := []*Ticket{ended(), again(t, s, anchor, RegisterOptions{Uses: 1}), ended(), &forged,
+		again(t, s, anchor, RegisterOptions{Uses: 2})}
+	want := []Code{ENOENT, OK, ENOENT, EAUTH, OK}
+	got := make([]error, len(ts))
+	lives := make([]bool, len(ts))
+	batch := make([]pendingConfirm, len(ts))
+	for i, tk := range ts {
+		batch[i] = pendingConfirm{t: tk, timeout: 5 * time.Second, at: time.Now(),
+			then: func(l bool, err error) { lives[i], got[i] = l, err }}
+	}
+	if failed := confirms.confirmBatch(batch); failed != 3 {
+		t.Fatalf("%d failed, want 3: %v", failed, got)
+	}
+	for i := range ts {
+		if CodeOf(got[i]) != want[i] {
+			t.Fatalf("use %d: %v, want %v", i, got[i], want[i])
+		}
+		if got[i] == nil && !lives[i] {
+			t.Fatalf("use %d: the buffer was said to end, while its anchor lives", i)
+		}
+	}
+	if err := s.Wait(ts[1], 5*time.Second); err != nil {
+		t.Fatalf("the one-use grant was not spent: %v", err)
+	}
+	if s.Wait(ts[4], 100*time.Millisecond) == nil {
+		t.Fatal("the two-use grant ended after one use")
+	}
+}
