@@ -37,7 +37,7 @@ from . import _args, _errors, _exported, _lib
 from ._anchor import Anchor
 from ._mapping import import_stream
 from ._register import register_host_file, unregister
-from ._ticket import Ticket
+from ._ticket import Ticket, as_ticket
 
 PAGE_SIZE = mmap.PAGESIZE
 DEFAULT_CHUNK_SIZE = 2 << 20  # 2 MiB, the CUDA granularity, for symmetry
@@ -223,7 +223,7 @@ class HostBuffer(_exported.Buffer, _lib.Closeable):
         mapping of the sender's memory (from the import cache if this process
         has it mapped already; confirm_later and hold as for
         vmmipc.import_stream)."""
-        t = Ticket(ticket, "HostBuffer.from_ticket")
+        t = as_ticket(ticket, "HostBuffer.from_ticket")
         if chunk_size is None:
             info = t.info()
             per = -(-info.total_size // info.chunk_count)
@@ -398,7 +398,7 @@ class HostBuffer(_exported.Buffer, _lib.Closeable):
         if _exported.disarm(self) and unmap:
             if self._mapping is not None:
                 mapping, self._mapping = self._mapping, None
-                mapping.close()
+                mapping._unmap_private()  # its views were counted above
             else:
                 self._memory = None  # mm's last export (the memory's holder) goes
                 self._mmap.close()

@@ -554,14 +554,40 @@ def _defaults() -> bytes:
     return bytes(o)
 
 
+# options() results by their arguments (each with its type: True is not 1),
+# for those without access devices: a pickle or unpickle asks for the same
+# few each time. The library only reads the struct, so one may serve every
+# call and thread; nobody writes to what options() returns.
+_options_made: dict[tuple, vmmipc_options] = {}
+
+
 def options(function: str, *, uses=None, ttl=None, timeout=None, window=None,
             memory_kind=None, access_devices=(), import_flags: int = 0,
             register_flags: int = 0) -> vmmipc_options:
     """A vmmipc_options filled with the library's defaults, then the given
-    fields. Every field is checked before the library is touched (errors
-    name the parameter and `function`). ttl and timeout are seconds; None
-    keeps the default (never, 30 s). access_devices is kept alive by the
-    returned struct (``_keep``)."""
+    fields, never to be written to (it may be shared). Every field is
+    checked before the library is touched (errors name the parameter and
+    `function`). ttl and timeout are seconds; None keeps the default (never,
+    30 s). access_devices is kept alive by the returned struct (``_keep``)."""
+    key = None
+    if not access_devices:
+        values = (uses, ttl, timeout, window, memory_kind, import_flags, register_flags)
+        key = tuple((type(v), v) for v in values)
+        try:
+            made = _options_made.get(key)
+        except TypeError:  # unhashable: _make_options says what is wrong with it
+            key = made = None
+        if made is not None:
+            return made
+    o = _make_options(function, uses, ttl, timeout, window, memory_kind, access_devices,
+                      import_flags, register_flags)
+    if key is not None and len(_options_made) < 64:
+        _options_made[key] = o
+    return o
+
+
+def _make_options(function, uses, ttl, timeout, window, memory_kind, access_devices,
+                  import_flags, register_flags) -> vmmipc_options:
     fields = {}
     if uses is not None:
         fields["uses"] = _args.u32(uses, "uses", function, "0 = unlimited")

@@ -209,6 +209,15 @@ class Mapping(_exported.Buffer, _lib.Closeable):
         self._finalizer()
         self._memory = None
 
+    def _unmap_private(self) -> None:
+        """Drop the reference now, for an owner that never let this Mapping
+        out (an imported HostBuffer: its own object is the buffer users
+        hold) and found no view of its memory alive: nothing else can read
+        through this object's address, so it needs no disarm() (close()'s
+        zero pages), and it goes with the owner's reference."""
+        self._finalizer()
+        self._memory = None
+
     def __repr__(self) -> str:
         kind = "host" if self.is_host else f"cuda device {self.device}"
         state = "closed" if self.closed else f"addr={self._addr:#x}"

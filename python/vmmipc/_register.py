@@ -98,7 +98,7 @@ def _registered(rec: _Record | None, do_register) -> Ticket:
     out = _lib.vmmipc_ticket()
     if rec is None:
         do_register(_NO_RELEASE, None, ctypes.byref(out))
-        return Ticket(bytes(out.bytes))
+        return Ticket._made(out.bytes)
     key = next(_keys)
     _records[key] = rec
     try:
@@ -106,7 +106,7 @@ def _registered(rec: _Record | None, do_register) -> Ticket:
     except BaseException:
         del _records[key]
         raise
-    ticket = Ticket(bytes(out.bytes))
+    ticket = Ticket._made(out.bytes)
     rec.ticket = ticket
     return ticket
 
@@ -180,7 +180,7 @@ def share(dptr: int, size: int, *, uses: int = 1, ttl: float | None = None) -> T
     opts = _lib.options(fn, uses=uses, ttl=ttl)
     out = _lib.vmmipc_ticket()
     _lib.call(fn, dptr, size, ctypes.byref(opts), ctypes.byref(out))
-    return Ticket(bytes(out.bytes))
+    return Ticket._made(out.bytes)
 
 
 register_cuda = share  # the header's name
