@@ -16,6 +16,19 @@ import (
 // beyond which hits ask the exporter; and two processes hitting the last
 // use of one ticket.
 
+// hitGrant imports a new one-use grant of anchor (whose buffer this
+// process has mapped: a hit) and lets go of it; it returns the mapping's
+// address.
+func hitGrant(t *testing.T, s *Server, anchor *Ticket) uint64 {
+	t.Helper()
+	r, err := Import(again(t, s, anchor, RegisterOptions{Uses: 1}), DeviceHost, ImportOptions{}, nil)
+	if err != nil {
+		t.Fatalf("a hit on a new grant: %v", err)
+	}
+	unmapRef(t, r)
+	return r.Base
+}
+
 // TestTablesBoundedAndSwept: with 64 tables mapped (of exporters whose
 // images still hold them: one server and stand-ins), a new exporter's table is not
 // taken and its hits ask it; once those exporters are gone, the next
@@ -72,11 +85,7 @@ func TestTablesBoundedAndSwept(t *testing.T) {
 	}
 	hits := func() uint64 { return cacheDelta(before).TableHits }
 	base := hits()
-	r, err := Import(again(t, s2, anchor2, RegisterOptions{Uses: 1}), DeviceHost, ImportOptions{}, nil)
-	if err != nil {
-		t.Fatalf("a hit without a table (none taken for want of room): %v", err)
-	}
-	unmapRef(t, r)
+	hitGrant(t, s2, anchor2) // no table taken for want of room: it asks the exporter
 	if n := hits() - base; n != 0 {
 		t.Fatalf("%d table hits on an exporter whose table was not taken", n)
 	}
@@ -86,11 +95,7 @@ func TestTablesBoundedAndSwept(t *testing.T) {
 
 	unix.Close(pin) // the stand-ins' exporters are gone
 	pin = -1
-	r, err = Import(again(t, s2, anchor2, RegisterOptions{Uses: 1}), DeviceHost, ImportOptions{}, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	unmapRef(t, r)
+	hitGrant(t, s2, anchor2)
 	if !tableMapped(anchor2) {
 		t.Fatal("the tables of exporters gone were not swept for the new one")
 	}
@@ -105,12 +110,7 @@ func TestTablesBoundedAndSwept(t *testing.T) {
 	if left != 0 {
 		t.Fatalf("%d tables of exporters gone are still mapped", left)
 	}
-	// The table came with that session: the next hit is vouched by it.
-	r, err = Import(again(t, s2, anchor2, RegisterOptions{Uses: 1}), DeviceHost, ImportOptions{}, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	unmapRef(t, r)
+	hitGrant(t, s2, anchor2) // the table came with that session: it vouches for this hit
 	if n := hits() - base; n != 1 {
 		t.Fatalf("%d table hits after the sweep, want 1", n)
 	}
@@ -238,10 +238,5 @@ func TestTwoProcessesHitTheLastUse(t *testing.T) {
 	if n := s.Live(); n != live {
 		t.Fatalf("reading the dead receiver's record of a spent grant changed the live registrations: %d, was %d", n, live)
 	}
-	// The anchor lives on, unharmed: another grant still hits.
-	r, err = Import(again(t, s, anchor, RegisterOptions{Uses: 1}), DeviceHost, ImportOptions{}, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	unmapRef(t, r)
+	hitGrant(t, s, anchor) // the anchor lives on, unharmed
 }
