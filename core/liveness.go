@@ -46,7 +46,15 @@ func checkReachable(t *Ticket) error {
 	return nil
 }
 
-// processStartTime reads pid's start time from /proc.
+// errZombie is a process that has exited and waits for its parent to reap
+// it: /proc still shows its pid and start time, but nothing runs there. A
+// zombie exporter answers no one (though a forked child of it may still
+// hold its listening socket, so a connection would wait out its timeout),
+// and a zombie receiver writes nothing more: both count as exited.
+var errZombie = fmt.Errorf("the process has exited and waits to be reaped by its parent (a zombie): %w", fs.ErrNotExist)
+
+// processStartTime reads pid's start time from /proc (errZombie, an
+// fs.ErrNotExist, for a process that has exited but is not reaped yet).
 func processStartTime(pid int) (uint64, error) {
 	return startTimeIn(fmt.Sprintf("/proc/%d/stat", pid))
 }
@@ -89,6 +97,9 @@ func startTimeIn(path string) (uint64, error) {
 	if len(fields) <= startTimeField {
 		return 0, fmt.Errorf("%s: %d fields after the name, want more than %d", path, len(fields), startTimeField)
 	}
+	if state := string(fields[0]); state == "Z" || state == "X" { // field 3: zombie, dead
+		return 0, &fs.PathError{Op: "read", Path: path, Err: errZombie}
+	}
 	return strconv.ParseUint(string(fields[startTimeField]), 10, 64)
 }
 
@@ -121,6 +132,8 @@ func checkPidAlive(t *Ticket) error {
 	}
 	st, err := processStartTime(int(t.Pid))
 	switch {
+	case errors.Is(err, errZombie):
+		return Errorf(EIO, "open: the exporter (pid %d) has exited: its parent has not reaped it yet", t.Pid)
 	case errors.Is(err, fs.ErrNotExist):
 		return Errorf(EIO, "open: the exporter (pid %d) has exited, %s: no process has that pid any more", t.Pid, orDamaged)
 	case err != nil || t.StartTime == 0 || !sameClock(t):

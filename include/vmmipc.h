@@ -386,7 +386,9 @@ typedef struct vmmipc_options {
  *   - fork: a forked child inherits no lease (MADV_DONTFORK) and no
  *     connection, so nothing it does can end or prolong its parent's
  *     holds; an exporter's death is seen by its receivers' next call (pid
- *     and start time), even while children it forked live on.
+ *     and start time; a killed exporter its parent has not reaped yet, a
+ *     zombie, has exited too), even while children it forked live on and
+ *     hold its socket.
  *   vmmipc_holds counts the holds on this process's registrations;
  *   vmmipc_cache_info counts those this process holds as a receiver. */
 

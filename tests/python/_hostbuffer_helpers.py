@@ -41,3 +41,26 @@ def unpickle_all_and_die(blobs, results=None) -> None:
         results.close()
         results.join_thread()  # the message is out before we die
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def grant_fork_and_wait(results, n: int) -> None:
+    """A sender that forks: make a buffer, put n pickles of it on results,
+    fork a child that only sleeps (it inherits every descriptor: the grant
+    table's too, but no mapping of it), put the child's pid and whether the
+    child maps the table, then wait to be killed."""
+    from multiprocessing.reduction import ForkingPickler
+    hb = vmmipc.HostBuffer(4 << 20, chunk_size=1 << 20)
+    hb.view[0], hb.view[-1] = 1, 2
+    results.put([bytes(ForkingPickler.dumps(hb)) for _ in range(n)])
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # no call into the library here: its runtime did not come along
+        os.close(r)
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+        os.write(w, b"mapped" if "vmmipc-grants" in maps else b"none")
+        time.sleep(3600)
+        os._exit(0)
+    os.close(w)
+    results.put((pid, os.read(r, 16).decode()))
+    time.sleep(3600)

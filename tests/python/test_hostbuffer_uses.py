@@ -15,6 +15,7 @@ Pool test below, and the hit test here."""
 
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import time
 from multiprocessing.reduction import ForkingPickler
@@ -187,3 +188,45 @@ def test_receivers_killed_after_cache_hits_leave_nothing_pending():
         done.close()
     left = settled(live)
     assert left == 0, f"{left} registrations still live 6 s after the receivers died"
+
+
+def test_a_sender_that_forked_and_died_gives_no_table_hit():
+    """A sender forks (a fork-based Pool or DataLoader would) and is killed;
+    its child lives on with every descriptor it inherited, the grant
+    table's and the listening socket's included, and the dead sender stays
+    a zombie until its parent (this test) reaps it. A pickle of the dead
+    sender's buffer, mapped here already, is refused at once (a zombie has
+    exited; without that, the connection the child's socket accepts would
+    wait out the whole timeout), not a hit; the child maps no table
+    (MADV_DONTFORK)."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    p = ctx.Process(target=hh.grant_fork_and_wait, args=(results, 2))
+    p.start()
+    child = None
+    try:
+        blobs = results.get(timeout=TIMEOUT)
+        first = pickle.loads(blobs[0])  # maps it, and brings the sender's table
+        child, child_maps = results.get(timeout=TIMEOUT)
+        assert child_maps == "none", "the sender's forked child maps its grant table"
+        os.kill(p.pid, signal.SIGKILL)
+        assert h.wait_for(lambda: zombie(p.pid), timeout=TIMEOUT), "the killed sender is not a zombie"
+        before = vmmipc.cache_info()
+        start = time.monotonic()
+        with pytest.raises(vmmipc.VmmipcError) as refused:
+            pickle.loads(blobs[1])
+        took = time.monotonic() - start
+        assert took < 5, f"the refusal took {took:.1f} s: {refused.value}"
+        assert vmmipc.cache_info().table_hits == before.table_hits
+        first.close()
+    finally:
+        if child is not None:
+            os.kill(child, signal.SIGKILL)
+        if p.is_alive():
+            p.kill()
+        p.join(TIMEOUT)
+
+
+def zombie(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "Z"
