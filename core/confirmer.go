@@ -130,20 +130,20 @@ func (c *confirmer) confirmBatch(batch []pendingConfirm) (failed int) {
 		timeout = min(timeout, p.timeout)
 	}
 	errs := make([]error, len(batch))
-	flags := make([]uint64, len(batch))
-	dial := func(idx []int, flags uint64) (*conn, transcript, *clientLease, error) {
-		c, tr, err := connect(ts[idx[0]], timeout, flags, nil, nil)
-		return c, tr, nil, err
+	acks := make([]uint64, len(batch))
+	dial := func(idx []int, hello uint64) (*conn, transcript, *clientLease, error) {
+		cn, tr, err := connect(ts[idx[0]], timeout, hello, nil, nil)
+		return cn, tr, nil, err
 	}
 	for len(idx) > 0 {
-		idx = idx[confirmSession(ts, idx, timeout, dial, errs, flags):]
+		idx = idx[confirmSession(ts, idx, timeout, dial, errs, acks):]
 		c.mu.Lock()
 		c.sessions++
 		c.mu.Unlock()
 	}
 	for i, p := range batch {
 		if p.then != nil {
-			p.then(flags[i]&ackBufferLives != 0, errs[i])
+			p.then(acks[i]&ackBufferLives != 0, errs[i])
 		}
 		if errs[i] != nil {
 			failed++
