@@ -45,9 +45,10 @@ def unpickle_all_and_die(blobs, results=None) -> None:
 
 def grant_fork_and_wait(results, n: int) -> None:
     """A sender that forks: make a buffer, put n pickles of it on results,
-    fork a child that only sleeps (it inherits every descriptor: the grant
-    table's too, but no mapping of it), put the child's pid and whether the
-    child maps the table, then wait to be killed."""
+    fork a child that only sleeps, at most a minute (it inherits every
+    descriptor: the grant table's too, but no mapping of it), put the
+    child's pid and whether the child maps the table, then wait to be
+    killed."""
     from multiprocessing.reduction import ForkingPickler
     hb = vmmipc.HostBuffer(4 << 20, chunk_size=1 << 20)
     hb.view[0], hb.view[-1] = 1, 2
@@ -59,7 +60,7 @@ def grant_fork_and_wait(results, n: int) -> None:
         with open("/proc/self/maps") as f:
             maps = f.read()
         os.write(w, b"mapped" if "vmmipc-grants" in maps else b"none")
-        time.sleep(3600)
+        time.sleep(60)  # outlives its parent; the test kills it, or it goes by itself
         os._exit(0)
     os.close(w)
     results.put((pid, os.read(r, 16).decode()))
