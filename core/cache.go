@@ -73,6 +73,7 @@ type CacheInfo struct {
 	Hits, Misses, Evictions, Invalidations                  uint64
 	ConfirmsPending, ConfirmsFailed                         uint64 // confirmer.go
 	TableHits                                               uint64 // hits the grant table vouched for (granttable.go)
+	TableImports                                            uint64 // misses mapped from the file the table names (tablemiss.go)
 	Holds, HolderSessions                                   uint64 // holder.go: uses held, live leases
 }
 
@@ -215,9 +216,10 @@ func (c *importCache) hitOnTable(e *entry, t *Ticket, timeout time.Duration) (re
 	return Ref{}, false, nil
 }
 
-// bufferEnded is a table hit's late answer that the buffer ended with its
-// use: e is not kept once unreferenced, as after a confirmation that said
-// so on the caller's path.
+// bufferEnded is a table hit's (or table import's) late answer that the
+// buffer ended with its use: e is not kept once unreferenced, as after a
+// confirmation that said so on the caller's path (no invalidation: the
+// use itself ended it).
 func (c *importCache) bufferEnded(e *entry) {
 	c.mu.Lock()
 	e.lives = false
@@ -253,6 +255,16 @@ func (c *importCache) add(e *entry, cacheable bool) Ref {
 	}
 	e.refs = 1
 	return c.newRef(e)
+}
+
+// addFromTable is add for a miss mapped from the file the grant table
+// names (tablemiss.go), counted as such too.
+func (c *importCache) addFromTable(e *entry, cacheable bool) Ref {
+	ref := c.add(e, cacheable)
+	c.mu.Lock()
+	c.stats.TableImports++
+	c.mu.Unlock()
+	return ref
 }
 
 // newRef hands out a reference to e, whose refs already counts it.

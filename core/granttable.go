@@ -10,7 +10,9 @@ import (
 )
 
 // The grant table: how a receiver that has a buffer mapped already (a cache
-// hit) checks a new grant of it without a round trip to the exporter.
+// hit) checks a new grant of it without a round trip to the exporter, and
+// how one that has not maps a host file's new buffer without one
+// (tablemiss.go: each slot's file entry names the file).
 //
 // Each exporter publishes its live grants that hold nothing (registrations
 // without RegisterOptions.Hold) in one memfd: a slot per grant, at
@@ -38,9 +40,10 @@ import (
 const (
 	tableSlotSize = 64
 	tableSlots    = 4095 // after the header slot: 256 KiB, faulted in as slots are used
-	tableSize     = (tableSlots + 1) * tableSlotSize
+	tableFileSize = 32   // each slot's file entry, after the slots: 128 KiB
+	tableSize     = (tableSlots + 1) * (tableSlotSize + tableFileSize)
 	tableMagic    = 0x5447_4d56 // "VMGT"
-	tableVersion  = 1
+	tableVersion  = 2
 )
 
 // Offsets in a slot. Slot 0 is the header: magic (u32), version (u32),
@@ -55,6 +58,27 @@ const (
 )
 
 const slotPublished = 1
+
+// Offsets in a slot's file entry (fileEntry), written and read inside the
+// slot's seqlock: the file that holds the grant's whole buffer from offset
+// 0, where the exporter has one (a host-file registration), so that a
+// receiver with the table may open it through /proc/<pid>/fd instead of
+// asking for it (tablemiss.go).
+const (
+	fileFD  = 0  // u32: the exporter's descriptor number + 1; 0 = none
+	fileDev = 8  // u64
+	fileIno = 16 // u64
+)
+
+func fileEntry(i uint64) uint64 { return (tableSlots+1)*tableSlotSize + i*tableFileSize }
+
+// backingFile is a file entry: fd < 0 for none.
+type backingFile struct {
+	fd       int
+	dev, ino uint64
+}
+
+var noFile = backingFile{fd: -1}
 
 // grantTag is what a slot holds of a ticket: a hash of its digest (which
 // covers every byte of the ticket, secret included) under a label of its
@@ -178,7 +202,7 @@ func (gt *grantTable) readOnly() (fd, own int, err error) {
 // it did: not when the slot is taken (by a grant that lives longer than the
 // tableSlots registered after it) or there is no table. Hits on a grant
 // not published ask the exporter.
-func (gt *grantTable) publish(id uint64, uses uint32, deadline uint64, digest [32]byte) bool {
+func (gt *grantTable) publish(id uint64, uses uint32, deadline uint64, digest [32]byte, file backingFile) bool {
 	if !gt.ready() {
 		return false
 	}
@@ -196,6 +220,10 @@ func (gt *grantTable) publish(id uint64, uses uint32, deadline uint64, digest [3
 		atomic.StoreUint64(word64(gt.mem, off+slotUses), uint64(uses))
 		atomic.StoreUint64(word64(gt.mem, off+slotDeadline), deadline)
 		store32(gt.mem, off+slotTag, tag)
+		fe := fileEntry(i)
+		atomic.StoreUint32(word32(gt.mem, fe+fileFD), uint32(file.fd+1))
+		atomic.StoreUint64(word64(gt.mem, fe+fileDev), file.dev)
+		atomic.StoreUint64(word64(gt.mem, fe+fileIno), file.ino)
 		atomic.StoreUint32(word32(gt.mem, off+slotState), slotPublished)
 	})
 	return true
@@ -215,6 +243,7 @@ func (gt *grantTable) withdraw(id uint64) {
 	gt.update(id, func(off uint64) {
 		atomic.StoreUint32(word32(gt.mem, off+slotState), 0)
 		atomic.StoreUint64(word64(gt.mem, off+slotRegID), 0)
+		atomic.StoreUint32(word32(gt.mem, fileEntry(off/tableSlotSize)+fileFD), 0)
 	})
 	gt.mu.Lock()
 	if i := slotIndex(id); gt.owner[i] == id {

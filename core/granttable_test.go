@@ -304,6 +304,7 @@ func FuzzGrantTableSlot(f *testing.F) {
 	f.Add(make([]byte, tableSlotSize), uint8(0), uint8(0), uint8(0))
 	f.Add([]byte{2, 0, 0, 0, 1}, uint8(1), uint8(3), uint8(0x80))
 	f.Add([]byte{}, uint8(2), uint8(200), uint8(1))
+	f.Add(make([]byte, tableSlotSize+tableFileSize), uint8(4), uint8(0), uint8(0))
 	s := newTestServer(f)
 	fd := newMemfd(f, 4096, pattern(4096, 1))
 	defer unix.Close(fd)
@@ -338,9 +339,21 @@ func FuzzGrantTableSlot(f *testing.F) {
 			clear(gt.mem[off : off+tableSlotSize]) // as the exporter left it before the fuzzed bytes
 			gt.mu.Unlock()
 		}()
+		fe := fileEntry(i)
+		named := *(*[tableFileSize]byte)(gt.mem[fe : fe+tableFileSize])
+		defer func() {
+			gt.mu.Lock()
+			copy(gt.mem[fe:fe+tableFileSize], named[:])
+			gt.mu.Unlock()
+		}()
 		if how&1 != 0 { // fuzzed bytes over the slot, as a hostile writer would leave it
 			gt.mu.Lock()
 			copy(gt.mem[off:off+tableSlotSize], raw)
+			gt.mu.Unlock()
+		}
+		if how&4 != 0 { // and over its file entry
+			gt.mu.Lock()
+			copy(gt.mem[fe:fe+tableFileSize], raw[min(len(raw), tableSlotSize):])
 			gt.mu.Unlock()
 		}
 		b, err := tk.Marshal()
@@ -375,6 +388,19 @@ func FuzzGrantTableSlot(f *testing.F) {
 		gt.mu.Unlock()
 		if how&3 == 0 && published && got != tableVouched {
 			t.Fatalf("a live grant's own ticket and slot: %v", got)
+		}
+		// A miss mapped from the file the table names (tablemiss.go) maps
+		// the anchor's file or nothing.
+		key := cacheKey{exporter: changed.exporterKey(), buffer: changed.BufferID, placement: hostPlacement}
+		r, ok, err := importFromTable(changed, key, ImportOptions{OpenOptions: OpenOptions{Timeout: time.Second}}, false)
+		if ok && err == nil {
+			if !right {
+				t.Fatalf("mapped from the table for slot %+v and ticket %s", slot, changed)
+			}
+			if err := verifyRef(r, 1); err != nil {
+				t.Fatalf("the file mapped from the table: %v", err)
+			}
+			Unmap(r.ID, r.Base)
 		}
 	})
 }

@@ -243,12 +243,20 @@ const (
 // `record`, which settle clears once the exporter answered). That the pid
 // is still the exporter's (its start time) is the caller's to check.
 func vouch(t *Ticket) (answer tableAnswer, record int) {
+	answer, record, _ = vouchFor(t, false)
+	return answer, record
+}
+
+// vouchFor is vouch; with needFile, only for a grant whose slot names the
+// file that holds its buffer (returned), which a miss opens (tablemiss.go).
+func vouchFor(t *Ticket, needFile bool) (answer tableAnswer, record int, file backingFile) {
+	answer, record, file = tableAsk, 0, noFile
 	if !tableUsable(t) {
-		return tableAsk, 0
+		return
 	}
 	digest, err := t.Digest()
 	if err != nil {
-		return tableAsk, 0
+		return
 	}
 	tag := grantTag(digest)
 	now := monotonicNanos()
@@ -256,22 +264,22 @@ func vouch(t *Ticket) (answer tableAnswer, record int) {
 	defer tables.mu.Unlock()
 	v := tables.m[t.exporterKey()]
 	if v == nil || v.log == nil {
-		return tableAsk, 0
+		return
 	}
 	s, ok := v.read(slotIndex(t.RegID))
 	if !ok || s.state != slotPublished || s.regID != t.RegID || s.tag != tag ||
-		(s.deadline != 0 && (now == 0 || now >= s.deadline)) {
-		return tableAsk, 0
+		(s.deadline != 0 && (now == 0 || now >= s.deadline)) || (needFile && s.file.fd < 0) {
+		return
 	}
 	if !v.held() {
-		return tableAsk, 0
+		return
 	}
 	mine := v.mine[t.RegID]
 	if s.uses != 0 && uint64(s.spent)+uint64(mine) >= uint64(s.uses) {
 		if mine > 0 {
-			return tableSpentHere, 0
+			answer = tableSpentHere
 		}
-		return tableAsk, 0
+		return
 	}
 	record = 0
 	for i := 1; i <= spendRecords && record == 0; i++ {
@@ -280,13 +288,13 @@ func vouch(t *Ticket) (answer tableAnswer, record int) {
 		}
 	}
 	if record == 0 {
-		return tableAsk, 0 // every record waits for an answer: ask the exporter
+		return // every record waits for an answer: ask the exporter
 	}
 	v.used[record] = true
 	writeRecord(v.log, record, t.RegID, spendProof(t.Secret, t.RegID))
 	v.mine[t.RegID] = mine + 1
 	v.pending[t.RegID]++
-	return tableVouched, record
+	return tableVouched, record, s.file
 }
 
 // settle ends the spend of a use vouch took: answered by the exporter (the
@@ -366,6 +374,7 @@ type slotRead struct {
 	uses, spent uint32
 	deadline    uint64
 	tag         [32]byte
+	file        backingFile
 }
 
 // read reads slot i inside its seqlock; false if it was being written.
@@ -383,5 +392,8 @@ func (v *tableView) read(i uint64) (slotRead, bool) {
 	r.uses, r.spent = uint32(u), uint32(u>>32)
 	r.deadline = atomic.LoadUint64(word64(v.mem, off+slotDeadline))
 	r.tag = load32(v.mem, off+slotTag)
+	fe := fileEntry(i)
+	r.file = backingFile{fd: int(atomic.LoadUint32(word32(v.mem, fe+fileFD))) - 1,
+		dev: atomic.LoadUint64(word64(v.mem, fe+fileDev)), ino: atomic.LoadUint64(word64(v.mem, fe+fileIno))}
 	return r, atomic.LoadUint32(seq) == s1
 }

@@ -112,6 +112,22 @@ func helperSender(t *testing.T, out *lineWriter) error {
 			id = tk.RegID
 			idMu.Unlock()
 			out.printf("ticket %s", ticketHex(t, tk))
+		case len(f) == 3 && f[0] == "file": // file <size> <seed>: a plain host-file registration (FileBacked), unlimited uses
+			size, err := strconv.Atoi(f[1])
+			if err != nil {
+				return err
+			}
+			seed, err := strconv.Atoi(f[2])
+			if err != nil {
+				return err
+			}
+			fd := newMemfd(t, size, pattern(size, byte(seed)))
+			tk, err := s.RegisterHostFile(fd, uint64(size), 4096, RegisterOptions{})
+			unix.Close(fd)
+			if err != nil {
+				return err
+			}
+			out.printf("ticket %s", ticketHex(t, tk))
 		case len(f) == 3 && f[0] == "again": // again <ticket hex> <uses>: a grant of that registration's memory
 			uses, err := strconv.ParseUint(f[2], 10, 32)
 			if err != nil {

@@ -17,6 +17,7 @@ import (
 type FileExporter struct {
 	fd        int // ours; closed by Release
 	chunkSize uint64
+	dev, ino  uint64 // the file's identity (FileBacked)
 }
 
 // HostFile validates a memfd registration of bytes [0, size) in chunks of
@@ -53,7 +54,7 @@ func HostFile(fd int, size, chunkSize uint64) (BufferSpec, error) {
 	}
 	return BufferSpec{
 		Sizes: sizes, Kind: MemoryHost,
-		Exporter: &FileExporter{fd: dup, chunkSize: chunkSize},
+		Exporter: &FileExporter{fd: dup, chunkSize: chunkSize, dev: st.Dev, ino: st.Ino},
 		// While our duplicate keeps the inode alive, no other file can
 		// have its number on that device: equal keys are the same file.
 		Key: fmt.Sprintf("memfd:%d:%d:%d:%d", st.Dev, st.Ino, size, chunkSize),
@@ -154,6 +155,10 @@ func (e *FileExporter) ExportRun(first, max uint64) (int, uint64, uint64, error)
 	fd, off, err := e.ExportChunk(first)
 	return fd, off, max, err
 }
+
+// BackingFile is our duplicate's number and the file's identity: the
+// chunks lie back to back from offset 0.
+func (e *FileExporter) BackingFile() (fd int, dev, ino uint64) { return e.fd, e.dev, e.ino }
 
 // Release closes our duplicate.
 func (e *FileExporter) Release() {

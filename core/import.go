@@ -34,6 +34,9 @@ func Import(t *Ticket, device int32, opts ImportOptions, gpu GPU) (Ref, error) {
 			return ref, err
 		}
 	}
+	if ref, ok, err := importFromTable(t, key, opts, useCache); ok || err != nil {
+		return ref, err
+	}
 	imp, err := newImporter(t, device, opts.Access, gpu)
 	if err != nil {
 		return Ref{}, err

@@ -125,7 +125,7 @@ func (r *Registry) newRegistration(b *buffer, opts RegisterOptions) (*registrati
 		if opts.TTL > 0 {
 			deadline = monotonicNanos() + uint64(opts.TTL)
 		}
-		g.published = r.table.publish(g.id, opts.Uses, deadline, g.digest)
+		g.published = r.table.publish(g.id, opts.Uses, deadline, g.digest, fileOf(b))
 	}
 	r.nextReg++
 	r.live[g.id] = g
@@ -293,4 +293,15 @@ func (r *Registry) spendRecorded(id uint64, proof [32]byte) {
 	if usedUp {
 		g.end(usedUpWhy(g))
 	}
+}
+
+// fileOf is the file that holds b whole from offset 0, if its exporter has
+// one (FileBacked), for the grant table.
+func fileOf(b *buffer) backingFile {
+	if fb, ok := b.exporter.(FileBacked); ok {
+		if fd, dev, ino := fb.BackingFile(); fd >= 0 {
+			return backingFile{fd: fd, dev: dev, ino: ino}
+		}
+	}
+	return noFile
 }

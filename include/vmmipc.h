@@ -782,6 +782,21 @@ typedef struct vmmipc_mapping {
  * time, as vmmipc_confirm's), else two. All or nothing: on any failure everything mapped so far is unmapped, the
  * reservation is released, the descriptor in hand is closed, and the
  * message names the chunk and the call that failed.
+ * A first import of host memory needs no round trip where the exporter's
+ * grant table (below) is mapped here already and vouches for the ticket
+ * as it would for a hit, and names the file that holds the buffer (a
+ * vmmipc_register_host_file registration): the receiver opens that file
+ * itself through /proc/<pid>/fd/<n> (the kernel allows it only to a
+ * process that may read the exporter's memory anyway: its uid, unless the
+ * exporter made itself non-dumpable, or CAP_SYS_PTRACE), checks that it is
+ * the very file the table names (device and inode) and a memfd it would
+ * accept from a stream, maps it whole with one mmap and closes it. Its use
+ * is recorded and spent as a table hit's (below); vmmipc_cache_info counts
+ * it among misses. Anything else (no table yet, a held registration,
+ * /proc refusing the descriptor, another file) streams as above, and the
+ * exporter judges the ticket. As with hits, two processes that hold one
+ * ticket may both map it at once (the later spend fails); each could read
+ * that exporter's memory anyway.
  *   device = VMMIPC_DEVICE_HOST for host tickets (read-write shared mapping;
  *   each chunk must be a memfd sealed with F_SEAL_SHRINK, as "Host memory"
  *   says);
@@ -806,7 +821,7 @@ typedef struct vmmipc_mapping {
  *     against resizing and further seals): per grant its id, uses and uses
  *     spent, ttl deadline and a hash of the whole ticket. A receiver gets a
  *     read-only descriptor of it in its first session with that exporter,
- *     maps it (256 KiB of address space, MADV_DONTFORK) and closes the
+ *     maps it (384 KiB of address space, MADV_DONTFORK) and closes the
  *     descriptor, and answers with a descriptor of its own spend log (one
  *     page of a memfd, sealed against resizing, which the exporter maps
  *     read-only and the receiver writable; one round trip more, once per

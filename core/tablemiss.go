@@ -1,0 +1,84 @@
+package core
+
+import (
+	"fmt"
+
+	"golang.org/x/sys/unix"
+)
+
+// A miss that the grant table vouches for: host memory new to this
+// process, mapped without a round trip to the exporter. Where the
+// exporter's table (granttable.go) vouches for the ticket as for a hit and
+// names the file that holds the buffer (a host-file registration: one
+// memfd, chunks back to back from offset 0), the receiver opens that file
+// itself through /proc/<pid>/fd/<n>, which the kernel allows only a
+// process that may read the exporter's memory anyway (its uid, or
+// CAP_SYS_PTRACE; not a non-dumpable exporter), checks it is the very file
+// the table names (device and inode: a descriptor number handed out again
+// is refused) and the memfd a stream would send (HostImporter.Map's
+// checks), maps it whole and closes it. The use is taken, recorded and
+// spent as a table hit's (cache.go hitOnTable). Anything else streams, and
+// the exporter judges the ticket.
+
+// importFromTable maps t's buffer from the file its exporter's table
+// names; ok is false where it cannot (then stream: nothing was kept).
+func importFromTable(t *Ticket, key cacheKey, opts ImportOptions, cacheable bool) (ref Ref, ok bool, err error) {
+	if t.Kind != MemoryHost || opts.Hold {
+		return Ref{}, false, nil
+	}
+	answer, record, file := vouchFor(t, true)
+	switch answer {
+	case tableSpentHere:
+		return Ref{}, true, Errorf(ENOENT, "import: registration %d was used up: this process has spent its last use already", t.RegID)
+	case tableAsk:
+		return Ref{}, false, nil
+	}
+	imp := &HostImporter{}
+	if err := mapBackingFile(t, file, imp); err != nil {
+		settle(t, record, false) // not spent: the stream takes the use
+		return Ref{}, false, nil
+	}
+	e := &entry{key: key, exporter: t, base: uint64(uintptr(imp.base)), size: t.Total, kind: t.Kind,
+		device: DeviceHost, imp: imp, lives: true}
+	ref = imports.addFromTable(e, cacheable)
+	confirms.add(t, opts.Timeout, func(lives bool, err error) {
+		// Asked and not answered (EIO): the record stays, for the exporter
+		// to spend should this process exit first.
+		settle(t, record, err != nil && CodeOf(err) == EIO)
+		if err == nil && !lives {
+			imports.bufferEnded(e)
+		}
+	})
+	return ref, true, nil
+}
+
+// mapBackingFile reserves t's range and maps the exporter's file there,
+// once the exporter is known alive and the file opened is the one named.
+func mapBackingFile(t *Ticket, file backingFile, imp *HostImporter) error {
+	if !procShowsOurPIDs() {
+		return Errorf(EIO, "this /proc is not of our PID namespace")
+	}
+	if err := checkExporterAlive(t); err != nil {
+		return err
+	}
+	if checkAddressSpace(t.Total, "", "") != nil {
+		return Errorf(ENOMEM, "no address space for %d bytes", t.Total)
+	}
+	fd, err := unix.Open(fmt.Sprintf("/proc/%d/fd/%d", t.Pid, file.fd), unix.O_RDWR|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return Errorf(ioCode(err), "opening the exporter's file: %w", err)
+	}
+	defer unix.Close(fd)
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil || st.Dev != file.dev || st.Ino != file.ino {
+		return Errorf(EIO, "the exporter's descriptor %d is not the file its table names", file.fd)
+	}
+	if _, err := imp.Reserve(t.Total); err != nil {
+		return err
+	}
+	if err := imp.Map(Chunk{FD: fd, Offset: 0, FileOffset: 0, Size: t.Total}); err != nil {
+		_ = imp.Unmap()
+		return err
+	}
+	return nil
+}

@@ -1,0 +1,146 @@
+package core
+
+import (
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// A miss that the grant table vouches for (tablemiss.go): host memory new
+// to this process, mapped from the file the exporter's table names.
+
+// registerPattern registers a memfd of pattern(seed) as a plain host file
+// (its exporter FileBacked: the table names its file) with opts.
+func registerPattern(t *testing.T, s *Server, size int, seed byte, opts RegisterOptions) *Ticket {
+	t.Helper()
+	fd := newMemfd(t, size, pattern(size, seed))
+	defer unix.Close(fd)
+	return registerFile(t, s, fd, uint64(size), 4096, opts)
+}
+
+func tableImports(before CacheInfo) uint64 { return GetCacheInfo().TableImports - before.TableImports }
+
+// TestMissFromTheTable: once this process has the exporter's table, a new
+// buffer of it is mapped from the file the table names: its bytes, no
+// descriptor left open, its use spent just after; a held registration's,
+// and one that ended, are not (they stream, and the exporter answers).
+func TestMissFromTheTable(t *testing.T) {
+	before := cacheTest(t)
+	s := newTestServer(t)
+	_, first := tableGrant(t, s, 51) // brings the exporter's table
+	defer unmapRef(t, first)
+	tk := registerPattern(t, s, cacheSize, 52, RegisterOptions{Uses: 1})
+	fds := ourFDs().now(t) // the exporter's duplicate of the file included, until the buffer ends
+	r, err := Import(tk, DeviceHost, ImportOptions{}, nil)
+	if err != nil {
+		t.Fatalf("a new buffer of an exporter whose table is here: %v", err)
+	}
+	if n := tableImports(before); n != 1 {
+		t.Fatalf("%d misses mapped from the table's file, want 1", n)
+	}
+	if err := verifyRef(r, 52); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Wait(tk, 5*time.Second); err != nil {
+		t.Fatalf("its use was not spent: %v", err)
+	}
+	unmapRef(t, r)
+	if n := ourFDs().now(t); n > fds {
+		t.Fatalf("%d descriptors after the import, %d before", n, fds)
+	}
+
+	held := registerPattern(t, s, cacheSize, 53, RegisterOptions{Uses: 1, Hold: true})
+	r, err = Import(held, DeviceHost, ImportOptions{}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := verifyRef(r, 53); err != nil {
+		t.Fatal(err)
+	}
+	unmapRef(t, r)
+	ended := registerPattern(t, s, cacheSize, 54, RegisterOptions{Uses: 1})
+	if err := s.Unregister(ended); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := Import(ended, DeviceHost, ImportOptions{}, nil); CodeOf(err) != ENOENT {
+		t.Fatalf("an ended grant: %v, want ENOENT", err)
+	}
+	if n := tableImports(before); n != 1 {
+		t.Fatalf("%d misses mapped from the table's file, want still 1 (a held and an ended grant stream)", n)
+	}
+}
+
+// TestMissFromTheTableChecksTheFile: a file entry that names another file
+// than the one opened (a descriptor number handed out again, here a
+// changed inode) is no table import: the buffer streams, with its own
+// bytes, and nothing is left mapped or taken.
+func TestMissFromTheTableChecksTheFile(t *testing.T) {
+	before := cacheTest(t)
+	s := newTestServer(t)
+	_, first := tableGrant(t, s, 55)
+	defer unmapRef(t, first)
+	tk := registerPattern(t, s, cacheSize, 56, RegisterOptions{Uses: 1})
+	gt := &s.reg.table
+	ino := word64(gt.mem, fileEntry(slotIndex(tk.RegID))+fileIno)
+	atomic.AddUint64(ino, 1)
+	r, err := Import(tk, DeviceHost, ImportOptions{}, nil)
+	if err != nil {
+		t.Fatalf("a buffer whose table entry names another file: %v (it should stream)", err)
+	}
+	if n := tableImports(before); n != 0 {
+		t.Fatalf("a file that is not the one named was mapped (%d)", n)
+	}
+	if err := verifyRef(r, 56); err != nil {
+		t.Fatal(err)
+	}
+	unmapRef(t, r)
+	if err := s.Wait(tk, 5*time.Second); err != nil {
+		t.Fatalf("the streamed use was not spent: %v", err)
+	}
+}
+
+// TestMissFromTheTableOfAnotherProcess: the file of another process's
+// buffer is opened through /proc as well (the kernel allows it to a
+// process that may read that exporter's memory: its uid, or root; a
+// non-dumpable exporter's only to root); an entry naming a descriptor the
+// exporter has not open is no table import: the buffer streams.
+func TestMissFromTheTableOfAnotherProcess(t *testing.T) {
+	before := cacheTest(t)
+	sender := startHelper(t, partSender, helperOpts{})
+	anchor := sender.register(4, 4096, 0, -1, 57)
+	first := importHost(t, anchor, ImportOptions{})
+	defer unmapRef(t, first)
+	sender.send("file 65536 58")
+	tk := decodeTicketHex(t, sender.expect("ticket ", 10*time.Second))
+	r, err := Import(tk, DeviceHost, ImportOptions{}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := tableImports(before); n != 1 {
+		t.Fatalf("%d misses of another process's file mapped from the table, want 1", n)
+	}
+	if err := verifyRef(r, 58); err != nil {
+		t.Fatal(err)
+	}
+	unmapRef(t, r)
+
+	s := newTestServer(t)
+	_, mine := tableGrant(t, s, 59)
+	defer unmapRef(t, mine)
+	closed := registerPattern(t, s, cacheSize, 60, RegisterOptions{Uses: 1})
+	fd := word32(s.reg.table.mem, fileEntry(slotIndex(closed.RegID))+fileFD)
+	atomic.StoreUint32(fd, 1<<20) // a descriptor nobody has open
+	r, err = Import(closed, DeviceHost, ImportOptions{}, nil)
+	if err != nil {
+		t.Fatalf("a buffer whose table entry names no open descriptor: %v (it should stream)", err)
+	}
+	if n := tableImports(before); n != 1 {
+		t.Fatalf("%d table imports, want still 1", n)
+	}
+	if err := verifyRef(r, 60); err != nil {
+		t.Fatal(err)
+	}
+	unmapRef(t, r)
+}
