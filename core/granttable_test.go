@@ -401,6 +401,10 @@ func FuzzGrantTableSlot(f *testing.F) {
 				t.Fatalf("the file mapped from the table: %v", err)
 			}
 			Unmap(r.ID, r.Base)
+			// Its use is spent by the confirmer: wait, so that its record
+			// is free again (a log of records waiting would send the next
+			// iterations' hits to the exporter).
+			waitUntil(5*time.Second, func() bool { pending, _ := confirms.counts(); return pending == 0 })
 		}
 	})
 }

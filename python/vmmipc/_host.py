@@ -10,7 +10,9 @@ the buffer cached imports it without a round trip (the sender's grant
 table vouches for the pickle; vmmipc.h, vmmipc_import). The chunks cross
 to the receiver as one short-lived descriptor of the memfd (they lie back
 to back in it: one run, mapped with one mmap by vmmipc_import_stream; the
-low-level vmmipc.open() stream still gets one descriptor per chunk), so
+low-level vmmipc.open() stream still gets one descriptor per chunk), or,
+where the receiver has the sender's grant table already, the receiver
+opens the memfd itself through /proc (vmmipc.h, vmmipc_import_stream), so
 both sides hold about one descriptor at a time, and the receiver's writes
 are the sender's memory.
 
