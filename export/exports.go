@@ -569,6 +569,7 @@ func vmmipcgo_cache_get_info(out *C.vmmipc_cache_info, size C.size_t) C.int {
 			holds:              C.uint64_t(i.Holds),
 			holder_sessions:    C.uint64_t(i.HolderSessions),
 			table_hits:         C.uint64_t(i.TableHits),
+			table_imports:      C.uint64_t(i.TableImports),
 		}
 		copyOut(out, &full, size)
 		return nil

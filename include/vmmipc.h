@@ -792,11 +792,11 @@ typedef struct vmmipc_mapping {
  * the very file the table names (device and inode) and a memfd it would
  * accept from a stream, maps it whole with one mmap and closes it. Its use
  * is recorded and spent as a table hit's (below); vmmipc_cache_info counts
- * it among misses. Anything else (no table yet, a held registration,
- * /proc refusing the descriptor, another file) streams as above, and the
- * exporter judges the ticket. As with hits, two processes that hold one
- * ticket may both map it at once (the later spend fails); each could read
- * that exporter's memory anyway.
+ * it among misses and in table_imports. Anything else (no table yet, a
+ * held registration, /proc refusing the descriptor, another file) streams
+ * as above, and the exporter judges the ticket. As with hits, two
+ * processes that hold one ticket may both map it at once (the later spend
+ * fails); each could read that exporter's memory anyway.
  *   device = VMMIPC_DEVICE_HOST for host tickets (read-write shared mapping;
  *   each chunk must be a memfd sealed with F_SEAL_SHRINK, as "Host memory"
  *   says);
@@ -1051,6 +1051,9 @@ typedef struct vmmipc_cache_info {
   uint64_t table_hits;         /* hits that the exporter's grant table
                                   vouched for, without a round trip (see
                                   vmmipc_import) */
+  uint64_t table_imports;      /* misses mapped from the file the grant
+                                  table names, without a round trip (see
+                                  vmmipc_import_stream); among misses */
 } vmmipc_cache_info;
 
 /* vmmipc_cache_set_limit sets this process's bound on the bytes of

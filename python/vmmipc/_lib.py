@@ -139,6 +139,7 @@ class vmmipc_cache_info(Structure):
         ("holds", c_uint64),
         ("holder_sessions", c_uint64),
         ("table_hits", c_uint64),
+        ("table_imports", c_uint64),
     ]
 
 

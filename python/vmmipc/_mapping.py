@@ -337,6 +337,7 @@ class CacheInfo(NamedTuple):
     holds: int               # uses this process holds (hold=True), not yet released
     holder_sessions: int     # live leases at exporters (a page mapped each, no descriptor)
     table_hits: int          # hits the exporter's grant table vouched for, without a round trip
+    table_imports: int       # misses mapped from the file the table names, without a round trip (among misses)
 
 
 def set_cache_limit(nbytes: int) -> None:

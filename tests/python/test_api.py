@@ -98,7 +98,7 @@ def test_struct_layout_matches_header(tmp_path):
         "vmmipc_cache_info": ["limit_bytes", "entries", "referenced_bytes",
                               "unreferenced_bytes", "hits", "misses", "evictions",
                               "invalidations", "confirms_pending", "confirms_failed", "holds",
-                              "holder_sessions", "table_hits"],
+                              "holder_sessions", "table_hits", "table_imports"],
         "vmmipc_arena_block": ["region", "slot", "generation", "offset", "nbytes"],
         "vmmipc_arena_info": ["regions", "regions_owned", "slots", "region_bytes",
                               "blocks_writing", "blocks_sent", "blocks_held", "blocks_free",
