@@ -430,7 +430,11 @@ static inline int try_open(const vmmipc_ticket *t, int want, const char *needle)
   if (rc == VMMIPC_OK) vmmipc_unmap(&m);
   CHECK(rc == want, "import returned %d, want %d: %s", rc, want, vmmipc_last_error());
   CHECK(!needle || strstr(vmmipc_last_error(), needle), "import's message lacks \"%s\": %s", needle, vmmipc_last_error());
-  CHECK(count_fds(0) == base, "fds %d, baseline %d", count_fds(0), base);
+  /* No descriptor arrived or stayed. A library thread's short connection
+   * (the cache's status poll, a hit's late confirmation) may have been
+   * open at the baseline or be open now for a moment: wait for it. */
+  for (int i = 0; i < 100 && count_fds(0) > base; i++) usleep(10000);
+  CHECK(count_fds(0) <= base, "fds %d, baseline %d", count_fds(0), base);
   return 0;
 }
 
