@@ -29,6 +29,16 @@ func hitGrant(t *testing.T, s *Server, anchor *Ticket) uint64 {
 	return r.Base
 }
 
+// mappedSender starts a sender helper with a buffer of pattern(seed) that
+// this process maps (the miss that brings the sender's table and takes
+// this process's spend log); the caller unmaps the mapping.
+func mappedSender(t *testing.T, seed byte) (*helper, *Ticket, Ref) {
+	t.Helper()
+	sender := startHelper(t, partSender, helperOpts{})
+	anchor := sender.register(4, 4096, 0, -1, seed)
+	return sender, anchor, importHost(t, anchor, ImportOptions{})
+}
+
 // TestTablesBoundedAndSwept: with 64 tables mapped (of exporters whose
 // images still hold them: one server and stand-ins), a new exporter's table is not
 // taken and its hits ask it; once those exporters are gone, the next
@@ -126,9 +136,7 @@ func TestTablesBoundedAndSwept(t *testing.T) {
 // vouched by the table again.
 func TestSpendLogFullAsksTheExporter(t *testing.T) {
 	before := cacheTest(t)
-	sender := startHelper(t, partSender, helperOpts{})
-	anchor := sender.register(4, 4096, 0, -1, 43)
-	first := importHost(t, anchor, ImportOptions{})
+	sender, anchor, first := mappedSender(t, 43)
 	defer unmapRef(t, first)
 	grants := make([]*Ticket, spendRecords+2)
 	for i := range grants {

@@ -22,6 +22,23 @@ func registerPattern(t *testing.T, s *Server, size int, seed byte, opts Register
 
 func tableImports(before CacheInfo) uint64 { return GetCacheInfo().TableImports - before.TableImports }
 
+// importPattern imports tk, checks its bytes (pattern(seed)) and that
+// tableImports(before) is then want, and unmaps it.
+func importPattern(t *testing.T, tk *Ticket, seed byte, before CacheInfo, want uint64, what string) {
+	t.Helper()
+	r, err := Import(tk, DeviceHost, ImportOptions{}, nil)
+	if err != nil {
+		t.Fatalf("%s: %v", what, err)
+	}
+	if n := tableImports(before); n != want {
+		t.Fatalf("%s: %d misses mapped from the table's file, want %d", what, n, want)
+	}
+	if err := verifyRef(r, seed); err != nil {
+		t.Fatalf("%s: %v", what, err)
+	}
+	unmapRef(t, r)
+}
+
 // TestMissFromTheTable: once this process has the exporter's table, a new
 // buffer of it is mapped from the file the table names: its bytes, no
 // descriptor left open, its use spent just after; a held registration's,
@@ -52,14 +69,7 @@ func TestMissFromTheTable(t *testing.T) {
 	}
 
 	held := registerPattern(t, s, cacheSize, 53, RegisterOptions{Uses: 1, Hold: true})
-	r, err = Import(held, DeviceHost, ImportOptions{}, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := verifyRef(r, 53); err != nil {
-		t.Fatal(err)
-	}
-	unmapRef(t, r)
+	importPattern(t, held, 53, before, 1, "a held grant (it streams)")
 	ended := registerPattern(t, s, cacheSize, 54, RegisterOptions{Uses: 1})
 	if err := s.Unregister(ended); err != nil {
 		t.Fatal(err)
@@ -68,7 +78,7 @@ func TestMissFromTheTable(t *testing.T) {
 		t.Fatalf("an ended grant: %v, want ENOENT", err)
 	}
 	if n := tableImports(before); n != 1 {
-		t.Fatalf("%d misses mapped from the table's file, want still 1 (a held and an ended grant stream)", n)
+		t.Fatalf("%d misses mapped from the table's file, want still 1 (an ended grant streams)", n)
 	}
 }
 
@@ -85,17 +95,7 @@ func TestMissFromTheTableChecksTheFile(t *testing.T) {
 	gt := &s.reg.table
 	ino := word64(gt.mem, fileEntry(slotIndex(tk.RegID))+fileIno)
 	atomic.AddUint64(ino, 1)
-	r, err := Import(tk, DeviceHost, ImportOptions{}, nil)
-	if err != nil {
-		t.Fatalf("a buffer whose table entry names another file: %v (it should stream)", err)
-	}
-	if n := tableImports(before); n != 0 {
-		t.Fatalf("a file that is not the one named was mapped (%d)", n)
-	}
-	if err := verifyRef(r, 56); err != nil {
-		t.Fatal(err)
-	}
-	unmapRef(t, r)
+	importPattern(t, tk, 56, before, 0, "a buffer whose table entry names another file (it streams)")
 	if err := s.Wait(tk, 5*time.Second); err != nil {
 		t.Fatalf("the streamed use was not spent: %v", err)
 	}
@@ -108,23 +108,11 @@ func TestMissFromTheTableChecksTheFile(t *testing.T) {
 // exporter has not open is no table import: the buffer streams.
 func TestMissFromTheTableOfAnotherProcess(t *testing.T) {
 	before := cacheTest(t)
-	sender := startHelper(t, partSender, helperOpts{})
-	anchor := sender.register(4, 4096, 0, -1, 57)
-	first := importHost(t, anchor, ImportOptions{})
+	sender, _, first := mappedSender(t, 57)
 	defer unmapRef(t, first)
 	sender.send("file 65536 58")
 	tk := decodeTicketHex(t, sender.expect("ticket ", 10*time.Second))
-	r, err := Import(tk, DeviceHost, ImportOptions{}, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if n := tableImports(before); n != 1 {
-		t.Fatalf("%d misses of another process's file mapped from the table, want 1", n)
-	}
-	if err := verifyRef(r, 58); err != nil {
-		t.Fatal(err)
-	}
-	unmapRef(t, r)
+	importPattern(t, tk, 58, before, 1, "another process's file")
 
 	s := newTestServer(t)
 	_, mine := tableGrant(t, s, 59)
@@ -132,15 +120,5 @@ func TestMissFromTheTableOfAnotherProcess(t *testing.T) {
 	closed := registerPattern(t, s, cacheSize, 60, RegisterOptions{Uses: 1})
 	fd := word32(s.reg.table.mem, fileEntry(slotIndex(closed.RegID))+fileFD)
 	atomic.StoreUint32(fd, 1<<20) // a descriptor nobody has open
-	r, err = Import(closed, DeviceHost, ImportOptions{}, nil)
-	if err != nil {
-		t.Fatalf("a buffer whose table entry names no open descriptor: %v (it should stream)", err)
-	}
-	if n := tableImports(before); n != 1 {
-		t.Fatalf("%d table imports, want still 1", n)
-	}
-	if err := verifyRef(r, 60); err != nil {
-		t.Fatal(err)
-	}
-	unmapRef(t, r)
+	importPattern(t, closed, 60, before, 1, "a buffer whose table entry names no open descriptor (it streams)")
 }
