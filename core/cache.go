@@ -54,17 +54,18 @@ type Ref struct {
 
 // entry is one mapping in this process.
 type entry struct {
-	key      cacheKey
-	exporter *Ticket // the ticket it was imported with: names the exporter
-	base     uint64
-	size     uint64
-	kind     uint8
-	device   int32
-	imp      Importer
-	lives    bool          // the exporter said the buffer lives on
-	refs     int           // references handed out, and hits in progress
-	indexed  bool          // in byKey: may be hit
-	elem     *list.Element // in the LRU while unreferenced
+	key       cacheKey
+	exporter  *Ticket // the ticket it was imported with: names the exporter
+	base      uint64
+	size      uint64
+	kind      uint8
+	device    int32
+	imp       Importer
+	lives     bool          // the exporter said the buffer lives on
+	fromTable bool          // mapped from the file the grant table names (tablemiss.go)
+	refs      int           // references handed out, and hits in progress
+	indexed   bool          // in byKey: may be hit
+	elem      *list.Element // in the LRU while unreferenced
 }
 
 // CacheInfo is vmmipc_cache_info.
@@ -197,14 +198,7 @@ func (c *importCache) hitOnTable(e *entry, t *Ticket, timeout time.Duration) (re
 		c.stats.TableHits++
 		ref = c.newRef(e) // the pin becomes the caller's reference
 		c.mu.Unlock()
-		confirms.add(t, timeout, func(lives bool, err error) {
-			// Asked and not answered (EIO): the record stays, for the
-			// exporter to spend should this process exit first.
-			settle(t, record, err != nil && CodeOf(err) == EIO)
-			if err == nil && !lives {
-				c.bufferEnded(e)
-			}
-		})
+		c.spendTaken(e, t, record, timeout)
 		return ref, true, nil
 	case tableSpentHere:
 		c.mu.Lock()
@@ -214,6 +208,20 @@ func (c *importCache) hitOnTable(e *entry, t *Ticket, timeout time.Duration) (re
 		return Ref{}, true, Errorf(ENOENT, "import (cached mapping at %#x): registration %d was used up: this process has spent its last use already", e.base, t.RegID)
 	}
 	return Ref{}, false, nil
+}
+
+// spendTaken has the confirmer spend the use of t that vouch took on the
+// table (record `record`) for mapping e: a table hit's, or a table
+// import's (tablemiss.go). The answer settles it; asked and not answered
+// (EIO), the record stays, for the exporter to spend should this process
+// exit first.
+func (c *importCache) spendTaken(e *entry, t *Ticket, record int, timeout time.Duration) {
+	confirms.add(t, timeout, func(lives bool, err error) {
+		settle(t, record, err != nil && CodeOf(err) == EIO)
+		if err == nil && !lives {
+			c.bufferEnded(e)
+		}
+	})
 }
 
 // bufferEnded is a table hit's (or table import's) late answer that the
@@ -248,6 +256,9 @@ func (c *importCache) add(e *entry, cacheable bool) Ref {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.stats.Misses++
+	if e.fromTable {
+		c.stats.TableImports++
+	}
 	c.all[e] = struct{}{}
 	if cacheable && e.lives && c.byKey[e.key] == nil {
 		c.byKey[e.key] = e
@@ -257,14 +268,10 @@ func (c *importCache) add(e *entry, cacheable bool) Ref {
 	return c.newRef(e)
 }
 
-// addFromTable is add for a miss mapped from the file the grant table
-// names (tablemiss.go), counted as such too.
-func (c *importCache) addFromTable(e *entry, cacheable bool) Ref {
-	ref := c.add(e, cacheable)
-	c.mu.Lock()
-	c.stats.TableImports++
-	c.mu.Unlock()
-	return ref
+// newEntry is the mapping of a miss: t's buffer at base, through imp;
+// lives: whether the exporter said the buffer lives on after this use.
+func newEntry(key cacheKey, t *Ticket, base uint64, imp Importer, lives bool) *entry {
+	return &entry{key: key, exporter: t, base: base, size: t.Total, kind: t.Kind, device: imp.Device(), imp: imp, lives: lives}
 }
 
 // newRef hands out a reference to e, whose refs already counts it.

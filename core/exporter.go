@@ -26,14 +26,14 @@ type RunExporter interface {
 	ExportRun(first, max uint64) (fd int, fileOffset, n uint64, err error)
 }
 
-// FileBacked is an Exporter whose whole buffer is bytes [0, total) of one
+// fileBacked is an Exporter whose whole buffer is bytes [0, total) of one
 // file it holds open for the buffer's life: the number of its descriptor
 // in this process and the file's identity. The grant table publishes them
 // with each grant that holds nothing, so that a receiver that has the
 // table may open the file itself, through /proc, instead of asking for it
 // (granttable.go; a FileExporter is one).
-type FileBacked interface {
-	BackingFile() (fd int, dev, ino uint64)
+type fileBacked interface {
+	heldFile() (fd int, dev, ino uint64)
 }
 
 // BufferSpec describes memory to register.

@@ -29,6 +29,11 @@ func closeAll(fds []int) {
 // reopen opens a new open file description of the file fd names, with
 // flags (O_CLOEXEC added): its own offset, mode and OFD locks. The caller
 // closes it.
-func reopen(fd, flags int) (int, error) {
-	return unix.Open("/proc/self/fd/"+strconv.Itoa(fd), flags|unix.O_CLOEXEC, 0)
+func reopen(fd, flags int) (int, error) { return openThrough("self", fd, flags) }
+
+// openThrough is reopen for the descriptor fd of process proc ("self", or
+// a pid in the PID namespace of our /proc), which the kernel allows only
+// to a process that may read that process's memory (ptrace read access).
+func openThrough(proc string, fd, flags int) (int, error) {
+	return unix.Open("/proc/"+proc+"/fd/"+strconv.Itoa(fd), flags|unix.O_CLOEXEC, 0)
 }

@@ -17,7 +17,7 @@ import (
 type FileExporter struct {
 	fd        int // ours; closed by Release
 	chunkSize uint64
-	dev, ino  uint64 // the file's identity (FileBacked)
+	dev, ino  uint64 // the file's identity (fileBacked)
 }
 
 // HostFile validates a memfd registration of bytes [0, size) in chunks of
@@ -156,9 +156,9 @@ func (e *FileExporter) ExportRun(first, max uint64) (int, uint64, uint64, error)
 	return fd, off, max, err
 }
 
-// BackingFile is our duplicate's number and the file's identity: the
+// heldFile is our duplicate's number and the file's identity: the
 // chunks lie back to back from offset 0.
-func (e *FileExporter) BackingFile() (fd int, dev, ino uint64) { return e.fd, e.dev, e.ino }
+func (e *FileExporter) heldFile() (fd int, dev, ino uint64) { return e.fd, e.dev, e.ino }
 
 // Release closes our duplicate.
 func (e *FileExporter) Release() {

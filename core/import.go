@@ -45,8 +45,7 @@ func Import(t *Ticket, device int32, opts ImportOptions, gpu GPU) (Ref, error) {
 	if err != nil {
 		return Ref{}, err
 	}
-	e := &entry{key: key, exporter: t, base: base, size: t.Total, kind: t.Kind, device: imp.Device(), imp: imp, lives: lives}
-	return imports.add(e, useCache), nil
+	return imports.add(newEntry(key, t, base, imp, lives), useCache), nil
 }
 
 // Confirm spends one use of t without receiving anything, for a receiver

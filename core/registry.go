@@ -296,10 +296,10 @@ func (r *Registry) spendRecorded(id uint64, proof [32]byte) {
 }
 
 // fileOf is the file that holds b whole from offset 0, if its exporter has
-// one (FileBacked), for the grant table.
+// one (fileBacked), for the grant table.
 func fileOf(b *buffer) backingFile {
-	if fb, ok := b.exporter.(FileBacked); ok {
-		if fd, dev, ino := fb.BackingFile(); fd >= 0 {
+	if fb, ok := b.exporter.(fileBacked); ok {
+		if fd, dev, ino := fb.heldFile(); fd >= 0 {
 			return backingFile{fd: fd, dev: dev, ino: ino}
 		}
 	}

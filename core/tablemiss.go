@@ -1,7 +1,7 @@
 package core
 
 import (
-	"fmt"
+	"strconv"
 
 	"golang.org/x/sys/unix"
 )
@@ -38,17 +38,10 @@ func importFromTable(t *Ticket, key cacheKey, opts ImportOptions, cacheable bool
 		settle(t, record, false) // not spent: the stream takes the use
 		return Ref{}, false, nil
 	}
-	e := &entry{key: key, exporter: t, base: uint64(uintptr(imp.base)), size: t.Total, kind: t.Kind,
-		device: DeviceHost, imp: imp, lives: true}
-	ref = imports.addFromTable(e, cacheable)
-	confirms.add(t, opts.Timeout, func(lives bool, err error) {
-		// Asked and not answered (EIO): the record stays, for the exporter
-		// to spend should this process exit first.
-		settle(t, record, err != nil && CodeOf(err) == EIO)
-		if err == nil && !lives {
-			imports.bufferEnded(e)
-		}
-	})
+	e := newEntry(key, t, uint64(uintptr(imp.base)), imp, true) // lives: the spend's answer tells
+	e.fromTable = true
+	ref = imports.add(e, cacheable)
+	imports.spendTaken(e, t, record, opts.Timeout)
 	return ref, true, nil
 }
 
@@ -64,7 +57,7 @@ func mapBackingFile(t *Ticket, file backingFile, imp *HostImporter) error {
 	if checkAddressSpace(t.Total, "", "") != nil {
 		return Errorf(ENOMEM, "no address space for %d bytes", t.Total)
 	}
-	fd, err := unix.Open(fmt.Sprintf("/proc/%d/fd/%d", t.Pid, file.fd), unix.O_RDWR|unix.O_CLOEXEC, 0)
+	fd, err := openThrough(strconv.FormatUint(uint64(t.Pid), 10), file.fd, unix.O_RDWR)
 	if err != nil {
 		return Errorf(ioCode(err), "opening the exporter's file: %w", err)
 	}
