@@ -29,8 +29,9 @@ import (
 // does not vouch for goes to the exporter as before. The exporter stays the
 // judge of every use: a hit's use is spent just after by a library thread
 // (confirmer.go) or, should the receiver die first, from the record the hit
-// left in the receiver's spend log (spendlog.go). Held grants are never published: a hold is believed only once the
-// exporter granted it (holder.go).
+// left in the receiver's spend log (spendlog.go). Held grants are never
+// published: a hold is believed only once the exporter granted it
+// (holder.go).
 //
 // A slot is a seqlock: the writer makes the sequence odd, writes, and makes
 // it even again; a reader that sees it odd or changed does not believe what

@@ -358,11 +358,12 @@ def cache_info() -> CacheInfo:
 
 # How long a process that is exiting waits for the confirmations its cache
 # hits queued (confirm_later: import_stream, confirm, HostBuffer.from_ticket;
-# and the hits the senders' grant tables vouched for).
-# They run on a library thread; were the process to end first, each
-# confirm_later grant would stay pending, keeping what it lends alive until
-# its ttl (a table hit's sender spends it from this process's spend log). One confirmation takes about a millisecond; the bound is for a sender
-# that has stopped answering.
+# and the hits and imports the senders' grant tables vouched for). They run
+# on a library thread; were the process to end first, each confirm_later
+# grant would stay pending, keeping what it lends alive until its ttl (the
+# sender of a table hit or import spends it from this process's spend log).
+# A batch of them takes a few milliseconds; the bound is for a sender that
+# has stopped answering.
 EXIT_CONFIRM_SECONDS = 5.0
 
 
