@@ -122,3 +122,44 @@ func TestMissFromTheTableOfAnotherProcess(t *testing.T) {
 	atomic.StoreUint32(fd, 1<<20) // a descriptor nobody has open
 	importPattern(t, closed, 60, before, 1, "a buffer whose table entry names no open descriptor (it streams)")
 }
+
+// TestMissFromTheTableRefusesWhatAStreamWould: a file entry that names,
+// with its true identity, a file a stream's descriptor would be refused
+// for (as a hostile exporter could name one: an unsealed memfd that could
+// shrink under the mapping, one too small for the buffer) is no table
+// import: the buffer streams, with its own bytes, and nothing of the named
+// file stays mapped.
+func TestMissFromTheTableRefusesWhatAStreamWould(t *testing.T) {
+	before := cacheTest(t)
+	s := newTestServer(t)
+	_, first := tableGrant(t, s, 61)
+	defer unmapRef(t, first)
+	unsealed, err := unix.MemfdCreate(testMemfdName, unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(unsealed)
+	if err := unix.Ftruncate(unsealed, cacheSize); err != nil {
+		t.Fatal(err)
+	}
+	small := newMemfd(t, 4096, pattern(4096, 63)) // sealed against shrinking
+	defer unix.Close(small)
+	for i, c := range []struct {
+		what string
+		fd   int
+	}{{"an unsealed memfd", unsealed}, {"a memfd smaller than the buffer", small}} {
+		seed := byte(64 + i)
+		tk := registerPattern(t, s, cacheSize, seed, RegisterOptions{Uses: 1})
+		var st unix.Stat_t
+		if err := unix.Fstat(c.fd, &st); err != nil {
+			t.Fatal(err)
+		}
+		fe := fileEntry(slotIndex(tk.RegID))
+		mem := s.reg.table.mem
+		atomic.StoreUint32(word32(mem, fe+fileFD), uint32(c.fd+1))
+		atomic.StoreUint64(word64(mem, fe+fileDev), st.Dev)
+		atomic.StoreUint64(word64(mem, fe+fileIno), st.Ino)
+		importPattern(t, tk, seed, before, 0, "a table entry naming "+c.what+" (it streams)")
+	}
+	expectMapped(t, "after the refused files", cacheSize) // the first mapping alone
+}
