@@ -37,7 +37,7 @@ def unpickle_all_and_die(blobs, results=None) -> None:
         hb.close()
     if results is not None:
         info = vmmipc.cache_info()
-        results.put((info.hits, info.misses, info.holds, info.holder_sessions))
+        results.put((info.hits, info.misses, info.holds, info.holder_sessions, info.table_imports))
         results.close()
         results.join_thread()  # the message is out before we die
     os.kill(os.getpid(), signal.SIGKILL)

@@ -56,7 +56,7 @@ def test_a_hostbuffer_asks_for_no_hold():
     p = ctx.Process(target=hh.unpickle_all_and_die,
                     args=([bytes(ForkingPickler.dumps(hb)) for _ in range(3)], results))
     p.start()
-    hits, misses, holds, sessions = results.get(timeout=TIMEOUT)
+    hits, misses, holds, sessions, _ = results.get(timeout=TIMEOUT)
     p.join(TIMEOUT)
     hb.close()
     assert (hits, misses) == (2, 1)
@@ -188,6 +188,31 @@ def test_receivers_killed_after_cache_hits_leave_nothing_pending():
         done.close()
     left = settled(live)
     assert left == 0, f"{left} registrations still live 6 s after the receivers died"
+
+
+def test_a_receiver_killed_after_table_imports_leaves_nothing_pending():
+    """A child unpickles one pickle each of 33 new buffers (the first
+    brings the sender's table, the others are mapped from the memfds it
+    names) and dies by SIGKILL at once: every grant ends, spent by the
+    imports' confirmations or, where the child died first, by the sender
+    from its spend log."""
+    ctx = mp.get_context("spawn")
+    live = vmmipc.live_registrations()
+    hbs = [marked_buffer(1 << 20, 1 << 20) for _ in range(33)]
+    try:
+        results = ctx.Queue()
+        p = ctx.Process(target=hh.unpickle_all_and_die,
+                        args=([bytes(ForkingPickler.dumps(hb)) for hb in hbs], results))
+        p.start()
+        hits, misses, _, _, imports = results.get(timeout=TIMEOUT)
+        p.join(TIMEOUT)
+        assert p.exitcode == -signal.SIGKILL, f"the child ended with {p.exitcode}"
+        assert (hits, misses, imports) == (0, 33, 32), (hits, misses, imports)
+    finally:
+        for hb in hbs:
+            hb.close()
+    left = settled(live)
+    assert left == 0, f"{left} grants still live after their receiver died"
 
 
 def test_a_sender_that_forked_and_died_gives_no_table_hit():
