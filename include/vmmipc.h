@@ -842,8 +842,9 @@ typedef struct vmmipc_mapping {
  *     so a receiver killed right after a hit (SIGKILL included) leaves no
  *     grant pending. Bounds: 64 tables per receiver
  *     process (those of exporters gone are dropped for room), 63 uses in
- *     its log per exporter not yet answered, 256 logs per exporter and 4 of
- *     one receiver process; beyond them hits ask the exporter. Two processes
+ *     its log per exporter not yet answered (hits' and first imports'),
+ *     256 logs per exporter and 4 of one receiver process; beyond them hits
+ *     ask the exporter, and first imports stream. Two processes
  *     that each map the buffer may both hit the last use of one ticket at the
  *     same instant (the later spend fails; neither gets memory it did not
  *     have).
