@@ -55,7 +55,7 @@ deps: ## check the toolchain; install only what is missing (pkg-config, Go modul
 	@$(PYTHON) -c 'import venv, ensurepip' 2>/dev/null || { \
 	  echo "make: $(PYTHON) has no venv/ensurepip (make test-wheel and test-editable need it): install it (Debian/Ubuntu: apt-get install python3-venv)"; exit 1; }
 
-test: deps lib test-go test-c test-python test-torch test-cgocheck test-install test-wheel test-editable test-readme ## every test: Go, C, Python, torch's DataLoader (VMMIPC_TEST_TORCH=1 installs torch), cgocheck2, the installed package, the examples, the wheel, the editable install, the README's snippets
+test: deps lib test-go test-c test-python test-cgocheck test-install test-wheel test-editable test-readme test-torch ## every test: Go, C, Python, torch's DataLoader (VMMIPC_TEST_TORCH=1 installs torch), cgocheck2, the installed package, the examples, the wheel, the editable install, the README's snippets
 	@echo "make test: all suites passed"
 
 test-go: ## go vet, gofmt and go test -race
@@ -77,9 +77,10 @@ test-python: deps lib ## Python shim tests (pytest; numpy required, lists what i
 # torch's DataLoader and vmmipc.torch's CPU tests need torch, a large
 # download that deps does not make. They run under $(PYTHON) when it has
 # torch (test-python runs them then), else under $(TORCH_VENV): made and
-# filled with `pip install $(TORCH_PIP) numpy pytest` when missing, only
-# when VMMIPC_TEST_TORCH=1 (.ci/run sets it), saying so first; otherwise
-# they are skipped, saying why (so does test-python: pytest -rs).
+# filled with $(TORCH_PIP), numpy and pytest by tests/python/torch_venv.py
+# (in little disk) when missing, only when VMMIPC_TEST_TORCH=1 (.ci/run sets
+# it), saying so first; otherwise, or where the disk cannot hold torch, they
+# are skipped, saying why (so does test-python: pytest -rs).
 TORCH_VENV := $(BUILD)/torch-venv
 TORCH_PIP  ?= torch
 VMMIPC_TEST_TORCH ?= 0
@@ -90,9 +91,10 @@ test-torch: lib ## the DataLoader and vmmipc.torch CPU tests under a Python with
 	if ! $(TORCH_VENV)/bin/python -c 'import torch, numpy, pytest' 2>/dev/null; then \
 	  if [ "$(VMMIPC_TEST_TORCH)" != 1 ]; then \
 	    echo "make test-torch: SKIPPED $(TORCH_TESTS): no torch for $(PYTHON) nor in $(TORCH_VENV); make test VMMIPC_TEST_TORCH=1 installs it there (.ci/run does)"; exit 0; fi; \
-	  echo "make: installing torch (missing) into $(TORCH_VENV) with: pip install $(TORCH_PIP) numpy pytest"; \
-	  $(PYTHON) -m venv $(TORCH_VENV) && \
-	  $(TORCH_VENV)/bin/python -m pip install --quiet $(TORCH_PIP) numpy pytest || exit 1; fi; \
+	  echo "make: installing torch (missing) into $(TORCH_VENV): $(TORCH_PIP) numpy pytest, a few GiB (tests/python/torch_venv.py)"; \
+	  rm -rf $(TORCH_VENV); $(PYTHON) tests/python/torch_venv.py $(TORCH_VENV) $(TORCH_PIP) numpy pytest; rc=$$?; \
+	  if [ $$rc = 3 ]; then echo "make test-torch: SKIPPED $(TORCH_TESTS): this machine has too little disk for torch (above)"; exit 0; fi; \
+	  [ $$rc = 0 ] || exit 1; fi; \
 	echo "$(TORCH_VENV)/bin/python -m pytest -q -rs $(TORCH_TESTS)"; \
 	VMMIPC_TESTS_REQUIRE=numpy $(TORCH_VENV)/bin/python -m pytest -q -rs $(TORCH_TESTS)
 
