@@ -187,10 +187,10 @@ func (c *importCache) hit(key cacheKey, t *Ticket, opts ImportOptions) (Ref, boo
 // has taken t's last use already, the exporter's own refusal of a used-up
 // grant. done is false where the table cannot tell: ask the exporter.
 func (c *importCache) hitOnTable(e *entry, t *Ticket, timeout time.Duration) (ref Ref, done bool, err error) {
-	switch answer, record := vouch(t); answer {
+	switch answer, u := vouchFor(t, false); answer {
 	case tableVouched:
-		if checkExporterAlive(t) != nil { // read /proc unlocked
-			settle(t, record, false)
+		if u.exporterAlive(t) != nil { // read /proc unlocked
+			settle(t, u.record, false)
 			return Ref{}, false, nil // the exporter's answer (none) says so
 		}
 		c.mu.Lock()
@@ -198,7 +198,7 @@ func (c *importCache) hitOnTable(e *entry, t *Ticket, timeout time.Duration) (re
 		c.stats.TableHits++
 		ref = c.newRef(e) // the pin becomes the caller's reference
 		c.mu.Unlock()
-		c.spendTaken(e, t, record, timeout)
+		c.spendTaken(e, t, u.record, timeout)
 		return ref, true, nil
 	case tableSpentHere:
 		c.mu.Lock()

@@ -56,6 +56,16 @@ func (c *conn) pollHere(s uintptr) bool {
 // (handshake.go). Nothing queued is sent if no send follows.
 func (c *conn) queue(msg []byte) { c.queued = append(c.queued, msg...) }
 
+// readable reports whether bytes wait to be read now (SIOCINQ; false if
+// it cannot tell).
+func (c *conn) readable() bool {
+	n := 0
+	err := c.raw.Control(func(s uintptr) {
+		n, _ = unix.IoctlGetInt(int(s), unix.SIOCINQ)
+	})
+	return err == nil && n > 0
+}
+
 // until is the deadline of the next message; zero = none.
 func (c *conn) until() time.Time {
 	if !c.deadline.IsZero() {

@@ -181,6 +181,47 @@ func TestTableOfAnExporterThatDied(t *testing.T) {
 	}
 }
 
+// TestTableHitRightAfterTheExporterDied: table hits trust the exporter's
+// last liveness check for aliveRecheck (here an hour, so that only the
+// holder check can refuse), and a hit once the exporter died is refused
+// all the same: its exit closed the table's descriptor, which every hit's
+// holder check reads.
+func TestTableHitRightAfterTheExporterDied(t *testing.T) {
+	cacheTest(t)
+	defer func(d time.Duration) { aliveRecheck = d }(aliveRecheck)
+	aliveRecheck = time.Hour
+	sender := startHelper(t, partSender, helperOpts{})
+	anchor := sender.register(4, 4096, 0, -1, 24)
+	r := importHost(t, anchor, ImportOptions{})
+	defer Unmap(r.ID, r.Base)
+	grants := make([]*Ticket, 3)
+	for i := range grants {
+		sender.send("again " + ticketHex(t, anchor) + " 1")
+		grants[i] = decodeTicketHex(t, sender.expect("ticket ", 10*time.Second))
+	}
+	before := GetCacheInfo()
+	for _, g := range grants[:2] { // the first checks /proc, the second trusts it
+		hr, err := Import(g, DeviceHost, ImportOptions{}, nil)
+		if err != nil {
+			t.Fatalf("a table hit: %v", err)
+		}
+		if err := verifyRef(hr, 24); err != nil {
+			t.Fatal(err)
+		}
+		Unmap(hr.ID, hr.Base)
+	}
+	if got := GetCacheInfo().TableHits - before.TableHits; got != 2 {
+		t.Fatalf("%d table hits, want 2", got)
+	}
+	sender.kill()
+	if _, err := Import(grants[2], DeviceHost, ImportOptions{}, nil); CodeOf(err) != EIO {
+		t.Fatalf("a hit on the grant of an exporter that died since the last liveness check: %v, want EIO", err)
+	}
+	if got := GetCacheInfo().TableHits - before.TableHits; got != 2 {
+		t.Fatalf("%d table hits after the exporter died, want still 2", got)
+	}
+}
+
 // TestHeldGrantsAreNotPublished: a held grant never enters the table, so
 // its hits keep asking the exporter (holder.go).
 func TestHeldGrantsAreNotPublished(t *testing.T) {

@@ -32,7 +32,23 @@ type tableView struct {
 	// the exporter took it: no hit is believed from the table without it.
 	log  []byte
 	used [spendRecords + 1]bool // records written, not yet cleared
+	// When the exporter was last found alive (checkExporterAlive), on
+	// CLOCK_MONOTONIC: exporterAlive reads /proc again only aliveRecheck
+	// later.
+	aliveAt atomic.Uint64
 }
+
+// aliveRecheck is how long a table hit trusts the exporter's last liveness
+// check (exporterAlive). Within it, the holder check that vouched for the
+// hit tells what that check would: an exit (a zombie's too) or an exec
+// closes the table's descriptor, and another process shows it there only
+// if, within that time, it got the exporter's pid after the exporter died
+// and holds the table at that number (a forked child's child, say). Pids
+// are handed out in turn over at least 300 of them; only a process
+// privileged over the PID namespace can ask for a given one (clone3's
+// set_tid). Even then the hit maps nothing new: the mapping is this
+// process's already. A variable for tests.
+var aliveRecheck = 50 * time.Millisecond
 
 var tables = struct {
 	mu      sync.Mutex
@@ -243,14 +259,22 @@ const (
 // `record`, which settle clears once the exporter answered). That the pid
 // is still the exporter's (its start time) is the caller's to check.
 func vouch(t *Ticket) (answer tableAnswer, record int) {
-	answer, record, _ = vouchFor(t, false)
-	return answer, record
+	answer, u := vouchFor(t, false)
+	return answer, u.record
+}
+
+// vouchedUse is the use vouchFor took on a table: its spend record, the
+// file the grant's slot names, and the table it was taken on.
+type vouchedUse struct {
+	record int
+	file   backingFile
+	view   *tableView
 }
 
 // vouchFor is vouch; with needFile, only for a grant whose slot names the
-// file that holds its buffer (returned), which a miss opens (tablemiss.go).
-func vouchFor(t *Ticket, needFile bool) (answer tableAnswer, record int, file backingFile) {
-	answer, record, file = tableAsk, 0, noFile
+// file that holds its buffer, which a miss opens (tablemiss.go).
+func vouchFor(t *Ticket, needFile bool) (answer tableAnswer, u vouchedUse) {
+	answer, u.file = tableAsk, noFile
 	if !tableUsable(t) {
 		return
 	}
@@ -281,7 +305,7 @@ func vouchFor(t *Ticket, needFile bool) (answer tableAnswer, record int, file ba
 		}
 		return
 	}
-	record = 0
+	record := 0
 	for i := 1; i <= spendRecords && record == 0; i++ {
 		if !v.used[i] {
 			record = i
@@ -294,7 +318,22 @@ func vouchFor(t *Ticket, needFile bool) (answer tableAnswer, record int, file ba
 	writeRecord(v.log, record, t.RegID, spendProof(t.Secret, t.RegID))
 	v.mine[t.RegID] = mine + 1
 	v.pending[t.RegID]++
-	return tableVouched, record, s.file
+	return tableVouched, vouchedUse{record: record, file: s.file, view: v}
+}
+
+// exporterAlive is checkExporterAlive(t) for a use vouchFor has just taken
+// on t's table, which it trusts for aliveRecheck after it passed: that
+// check reads /proc/<pid>/stat, the costliest step of a table hit.
+func (u vouchedUse) exporterAlive(t *Ticket) error {
+	now := monotonicNanos()
+	if last := u.view.aliveAt.Load(); now != 0 && last != 0 && now-last < uint64(aliveRecheck) {
+		return nil
+	}
+	if err := checkExporterAlive(t); err != nil {
+		return err
+	}
+	u.view.aliveAt.Store(now)
+	return nil
 }
 
 // settle ends the spend of a use vouch took: answered by the exporter (the

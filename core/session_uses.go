@@ -5,17 +5,44 @@ package core
 // said helloMore spends up to maxMoreUses uses of other registrations of
 // this exporter, each proved with its own registration's secret bound to
 // this session's handshake, each held on the session's lease if any, and
-// answered with a use-ack as it is read, until the receiver says done.
+// answered with a use-ack, until the receiver says done.
+//
+// Without a lease the acks of the uses read so far go out together, once
+// nothing more is there to read (or before a refusal, which sends them
+// first): a receiver that sent its uses in one write, as ours do, gets
+// their answers in one write and wakes once, not once per use. With a
+// lease each ack goes out as its use is read: a held use the receiver
+// never learns of is let go at once, which needs each send's outcome.
 
 // serveMoreUses serves the further uses of a session.
 func (ss *session) serveMoreUses(l *lease) {
+	var usedUp []*registration // used up by the uses of the acks queued
+	// A used-up registration ends only once its answer is out (or could
+	// not go): its release (the owner's release_fn, which in Python waits
+	// for the GIL) may take a while, and the receiver need not wait for it.
+	endUsedUp := func() {
+		for _, g := range usedUp {
+			g.end(usedUpWhy(g))
+		}
+		usedUp = usedUp[:0]
+	}
+	defer endUsedUp()
+	flush := func() bool {
+		err := ss.c.send(nil, -1) // what is queued
+		endUsedUp()
+		return err == nil
+	}
 	for n := 0; ; n++ {
+		if len(ss.c.queued) > 0 && !ss.c.readable() && !flush() {
+			return
+		}
 		f, ok := ss.recv()
 		if !ok {
 			return
 		}
 		switch {
 		case f.Type == msgDone:
+			flush()
 			return
 		case f.Type != msgUse:
 			ss.refuse(Errorf(EINVAL, "protocol: expected use or done, got %s", msgName(f.Type)))
@@ -29,17 +56,19 @@ func (ss *session) serveMoreUses(l *lease) {
 			ss.refuse(err)
 			return
 		}
-		ack, g, held, usedUp := ss.useMore(m, l)
+		ack, g, held, spentLast := ss.useMore(m, l)
+		if spentLast {
+			usedUp = append(usedUp, g)
+		}
+		if l == nil {
+			ss.c.queue(ack.encode())
+			continue
+		}
 		sent := ss.c.send(ack.encode(), -1) == nil
 		if !sent && held { // the receiver never learns of it: nor may the lease keep it
 			ss.reg.leases.letGo(l, []uint64{g.id}, false)
 		}
-		// A used-up registration ends only once its answer is out: its
-		// release (the owner's release_fn, which in Python waits for the
-		// GIL) may take a while, and the receiver need not wait for it.
-		if usedUp {
-			g.end(usedUpWhy(g))
-		}
+		endUsedUp()
 		if !sent {
 			return
 		}

@@ -26,7 +26,7 @@ func importFromTable(t *Ticket, key cacheKey, opts ImportOptions, cacheable bool
 	if t.Kind != MemoryHost || opts.Hold {
 		return Ref{}, false, nil
 	}
-	answer, record, file := vouchFor(t, true)
+	answer, u := vouchFor(t, true)
 	switch answer {
 	case tableSpentHere:
 		return Ref{}, true, Errorf(ENOENT, "import: registration %d was used up: this process has spent its last use already", t.RegID)
@@ -34,14 +34,14 @@ func importFromTable(t *Ticket, key cacheKey, opts ImportOptions, cacheable bool
 		return Ref{}, false, nil
 	}
 	imp := &HostImporter{}
-	if err := mapBackingFile(t, file, imp); err != nil {
-		settle(t, record, false) // not spent: the stream takes the use
+	if err := mapBackingFile(t, u.file, imp); err != nil {
+		settle(t, u.record, false) // not spent: the stream takes the use
 		return Ref{}, false, nil
 	}
 	e := newEntry(key, t, uint64(uintptr(imp.base)), imp, true) // lives: the spend's answer tells
 	e.fromTable = true
 	ref = imports.add(e, cacheable)
-	imports.spendTaken(e, t, record, opts.Timeout)
+	imports.spendTaken(e, t, u.record, opts.Timeout)
 	return ref, true, nil
 }
 

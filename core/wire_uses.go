@@ -12,7 +12,9 @@ import "unicode/utf8"
 //	done                             →
 //	                                 ←     use-ack(reg id, status, flags, text) ...
 //
-// (the server answers each use as it reads it). A use's proof is a
+// (the server answers the uses it has read once nothing more waits to be
+// read, or each as it reads it on a session with a lease:
+// session_uses.go). A use's proof is a
 // transcript proof (handshake.go) of the used registration's secret, bound
 // to this session's handshake: its nonces and socket, and the used
 // registration's id and ticket digest.
