@@ -209,17 +209,7 @@ func TestTwoProcessesHitTheLastUse(t *testing.T) {
 	anchor, first := tableGrant(t, s, 44)
 	defer unmapRef(t, first)
 	g := again(t, s, anchor, RegisterOptions{Uses: 1})
-	logs := func() int {
-		s.reg.spends.mu.Lock()
-		defer s.reg.spends.mu.Unlock()
-		return len(s.reg.spends.logs)
-	}
-	ours := logs() // this process's own log at s
-	other := startHelper(t, partTableHit, helperOpts{env: []string{envTicket + "=" + ticketHex(t, anchor)}})
-	other.send("vouch " + ticketHex(t, g))
-	if got := other.expect("vouched ", 10*time.Second); got != fmt.Sprint(int(tableVouched)) {
-		t.Fatalf("the other receiver's table said %s, want %d (vouched)", got, tableVouched)
-	}
+	other, ours := otherTookTheUse(t, s, anchor, g)
 	r, err := Import(g, DeviceHost, ImportOptions{}, nil)
 	if err != nil {
 		t.Fatalf("this process's hit on the last use: %v", err)
@@ -232,19 +222,49 @@ func TestTwoProcessesHitTheLastUse(t *testing.T) {
 	if got.TableHits != 1 || got.ConfirmsFailed != 0 {
 		t.Fatalf("%d table hits, %d failed confirmations; want 1 and 0", got.TableHits, got.ConfirmsFailed)
 	}
+	spentOnce(t, s, g, other, ours)
+	hitGrant(t, s, anchor) // the anchor lives on, unharmed
+}
+
+// spendLogsMapped is how many receivers' spend logs s maps.
+func spendLogsMapped(s *Server) int {
+	s.reg.spends.mu.Lock()
+	defer s.reg.spends.mu.Unlock()
+	return len(s.reg.spends.logs)
+}
+
+// otherTookTheUse starts another receiver of s (it maps anchor, which
+// brings it s's table and gives s its spend log) and has it take a use of
+// g on the table without spending it. ours is how many spend logs s mapped
+// before: this process's own.
+func otherTookTheUse(t *testing.T, s *Server, anchor, g *Ticket) (other *helper, ours int) {
+	t.Helper()
+	ours = spendLogsMapped(s)
+	other = startHelper(t, partTableHit, helperOpts{env: []string{envTicket + "=" + ticketHex(t, anchor)}})
+	other.send("vouch " + ticketHex(t, g))
+	if got := other.expect("vouched ", 10*time.Second); got != fmt.Sprint(int(tableVouched)) {
+		t.Fatalf("the other receiver's table said %s, want %d (vouched)", got, tableVouched)
+	}
+	return other, ours
+}
+
+// spentOnce checks that g's use was spent (by this process), then kills
+// the other receiver, whose record of the same use, read once it died,
+// must spend nothing more.
+func spentOnce(t *testing.T, s *Server, g *Ticket, other *helper, ours int) {
+	t.Helper()
 	if err := s.Wait(g, 5*time.Second); err != nil {
 		t.Fatalf("the grant's use was not spent: %v", err)
 	}
 	live := s.Live()
-	if n := logs(); n != ours+1 {
+	if n := spendLogsMapped(s); n != ours+1 {
 		t.Fatalf("the exporter maps %d spend logs, want %d (ours and the other receiver's)", n, ours+1)
 	}
 	other.kill()
-	if !waitUntil(5*time.Second, func() bool { return logs() == ours }) {
+	if !waitUntil(5*time.Second, func() bool { return spendLogsMapped(s) == ours }) {
 		t.Fatal("the dead receiver's log was not read and dropped")
 	}
 	if n := s.Live(); n != live {
 		t.Fatalf("reading the dead receiver's record of a spent grant changed the live registrations: %d, was %d", n, live)
 	}
-	hitGrant(t, s, anchor) // the anchor lives on, unharmed
 }

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -455,8 +456,9 @@ func FuzzGrantTableSlot(f *testing.F) {
 // stdin: "vouch <ticket hex>" takes that grant's use on the table (the
 // record written, as a table hit does before it returns) without the
 // confirmation that would follow; "forge <ticket hex>" writes a record for
-// it with a proof of another secret. It answers each, then waits to be
-// killed: what a receiver killed right after a table hit leaves.
+// it with a proof of another secret; "import <ticket hex> <seed>" imports
+// it (bytes of pattern(seed)) and unmaps it. It answers each, then waits
+// to be killed: what a receiver killed right after a table hit leaves.
 func helperTableHit(t *testing.T, out *lineWriter) error {
 	tk, err := ticketFromEnv()
 	if err != nil {
@@ -468,11 +470,19 @@ func helperTableHit(t *testing.T, out *lineWriter) error {
 	in := bufio.NewScanner(os.Stdin)
 	for in.Scan() {
 		f := strings.Fields(in.Text())
-		if len(f) != 2 {
+		if len(f) < 2 {
 			return fmt.Errorf("bad command %q", in.Text())
 		}
 		g := decodeTicketHex(t, f[1])
 		switch f[0] {
+		case "import":
+			seed, _ := strconv.Atoi(f[len(f)-1])
+			r, err := Import(g, DeviceHost, ImportOptions{}, nil)
+			if err == nil {
+				err = verifyAndUnmap(r, byte(seed))
+			}
+			info := GetCacheInfo()
+			out.printf("imported code=%d table_hits=%d table_imports=%d %v", CodeOf(err), info.TableHits, info.TableImports, err)
 		case "vouch":
 			answer, _ := vouch(g)
 			out.printf("vouched %d", answer)

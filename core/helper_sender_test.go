@@ -138,6 +138,15 @@ func helperSender(t *testing.T, out *lineWriter) error {
 				return err
 			}
 			out.printf("ticket %s", ticketHex(t, tk))
+		case len(f) == 2 && f[0] == "dumpable": // dumpable <0|1>: prctl(PR_SET_DUMPABLE)
+			on, err := strconv.Atoi(f[1])
+			if err != nil {
+				return err
+			}
+			if err := unix.Prctl(unix.PR_SET_DUMPABLE, uintptr(on), 0, 0, 0); err != nil {
+				return err
+			}
+			out.printf("dumpable %d", on)
 		case len(f) == 1 && f[0] == "live":
 			out.printf("live %d", s.Live())
 		case len(f) == 1 && f[0] == "holds":

@@ -1,6 +1,10 @@
 package core
 
 import (
+	"fmt"
+	"os"
+	"os/exec"
+	"strconv"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -162,4 +166,81 @@ func TestMissFromTheTableRefusesWhatAStreamWould(t *testing.T) {
 		importPattern(t, tk, seed, before, 0, "a table entry naming "+c.what+" (it streams)")
 	}
 	expectMapped(t, "after the refused files", cacheSize) // the first mapping alone
+}
+
+// TestTwoProcessesTakeTheLastUseOfANewBuffer: TestTwoProcessesHitTheLastUse
+// for a buffer new to this process. Another receiver took the grant's only
+// use on the table (not spent yet); this process maps the buffer from the
+// table's file all the same (the header says so: each could read the
+// exporter's memory anyway), its spend comes first, its confirmation does
+// not fail, and the exporter spends the use once.
+func TestTwoProcessesTakeTheLastUseOfANewBuffer(t *testing.T) {
+	before := cacheTest(t)
+	s := newTestServer(t)
+	anchor, first := tableGrant(t, s, 55)
+	defer unmapRef(t, first)
+	tk := registerPattern(t, s, cacheSize, 56, RegisterOptions{Uses: 1})
+	other, ours := otherTookTheUse(t, s, anchor, tk)
+	importPattern(t, tk, 56, before, 1, "this process's import of a use another process took")
+	spentOnce(t, s, tk, other, ours)
+	if got := cacheDelta(before); got.ConfirmsFailed != 0 {
+		t.Fatalf("%d failed confirmations, want 0", got.ConfirmsFailed)
+	}
+}
+
+// TestNonDumpableExporterIsAsked: an exporter that made itself non-dumpable
+// (PR_SET_DUMPABLE 0, as setuid programs are) hides /proc/<pid>/fd from
+// receivers without CAP_SYS_PTRACE, its own uid included: their table
+// cannot vouch (the holder check cannot read the descriptor) and no file
+// can be opened through it, so hits ask the exporter and first imports
+// stream, with the right bytes; dumpable again, it gets table hits and
+// imports again. Both run as root without CAP_SYS_PTRACE (setpriv: the
+// kernel also refuses a receiver whose capabilities are not a superset of
+// the exporter's).
+func TestNonDumpableExporterIsAsked(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: both helpers run as this uid without CAP_SYS_PTRACE, which setpriv drops")
+	}
+	setpriv, err := exec.LookPath("setpriv")
+	if err != nil {
+		t.Skip("needs setpriv (util-linux) to start the helpers without CAP_SYS_PTRACE")
+	}
+	noPtrace := []string{setpriv, "--inh-caps=-sys_ptrace", "--bounding-set=-sys_ptrace", "--"}
+	sender := startHelper(t, partSender, helperOpts{wrap: noPtrace})
+	newBuffer := func(seed byte) *Ticket {
+		sender.send(fmt.Sprintf("file %d %d", cacheSize, seed))
+		return decodeTicketHex(t, sender.expect("ticket ", 10*time.Second))
+	}
+	grant := func(anchor *Ticket) *Ticket {
+		sender.send("again " + ticketHex(t, anchor) + " 1")
+		return decodeTicketHex(t, sender.expect("ticket ", 10*time.Second))
+	}
+	dumpable := func(on int) {
+		sender.send("dumpable " + strconv.Itoa(on))
+		sender.expect("dumpable ", 10*time.Second)
+	}
+	anchor := newBuffer(57)
+	r := startHelper(t, partTableHit, helperOpts{env: []string{envTicket + "=" + ticketHex(t, anchor)}, wrap: noPtrace})
+	defer r.kill()
+	imported := func(tk *Ticket, seed byte) (hits, imports int) {
+		t.Helper()
+		r.send("import " + ticketHex(t, tk) + " " + strconv.Itoa(int(seed)))
+		got := r.expect("imported ", 10*time.Second)
+		if _, err := fmt.Sscanf(got, "code=0 table_hits=%d table_imports=%d", &hits, &imports); err != nil {
+			t.Fatalf("the receiver's import: %s", got)
+		}
+		return hits, imports
+	}
+	dumpable(0)
+	hits, imports := imported(grant(anchor), 57)
+	if h, i := imported(newBuffer(58), 58); hits != 0 || imports != 0 || h != 0 || i != 0 {
+		t.Fatalf("a non-dumpable exporter: %d then %d table hits, %d then %d table imports; want none (asked, streamed)", hits, h, imports, i)
+	}
+	dumpable(1)
+	if hits, _ = imported(grant(anchor), 57); hits != 1 {
+		t.Fatalf("dumpable again: %d table hits, want 1", hits)
+	}
+	if _, imports = imported(newBuffer(59), 59); imports != 1 {
+		t.Fatalf("dumpable again: %d table imports, want 1", imports)
+	}
 }

@@ -830,9 +830,12 @@ typedef struct vmmipc_mapping {
  *     is no table hit), within its ttl, with a use left that this process
  *     has not taken already (else VMMIPC_ENOENT, as the exporter would
  *     answer), and the exporter alive: its own descriptor of the table
- *     still open (/proc/<pid>/fd; an exec or exit closes it), and its pid's
- *     start time (read at most every 50 ms per exporter: within that time
- *     the descriptor tells the same). Before it returns, the hit writes a record of the use to
+ *     still open (/proc/<pid>/fd; an exec or exit closes it; the kernel
+ *     shows it only to a process that may read the exporter's memory: an
+ *     exporter that made itself non-dumpable gets no table hits from
+ *     receivers without CAP_SYS_PTRACE), and its pid's start time (read at
+ *     most every 50 ms per exporter: within that time the descriptor tells
+ *     the same). Before it returns, the hit writes a record of the use to
  *     its spend log (the grant's id and an HMAC that only the ticket's
  *     secret makes); a library thread then spends the use with the
  *     exporter, as with VMMIPC_IMPORT_CONFIRM_LATER (vmmipc_cache_info
