@@ -182,11 +182,11 @@ func TestTableOfAnExporterThatDied(t *testing.T) {
 	}
 }
 
-// TestTableHitRightAfterTheExporterDied: table hits trust the exporter's
-// last liveness check for aliveRecheck (here an hour, so that only the
-// holder check can refuse), and a hit once the exporter died is refused
-// all the same: its exit closed the table's descriptor, which every hit's
-// holder check reads.
+// TestTableHitRightAfterTheExporterDied: table hits and imports trust the
+// exporter's last liveness check for aliveRecheck (here an hour, so that
+// only the holder check can refuse), and a hit or first import once the
+// exporter died is refused all the same: its exit closed the table's
+// descriptor, which every holder check reads.
 func TestTableHitRightAfterTheExporterDied(t *testing.T) {
 	cacheTest(t)
 	defer func(d time.Duration) { aliveRecheck = d }(aliveRecheck)
@@ -214,12 +214,17 @@ func TestTableHitRightAfterTheExporterDied(t *testing.T) {
 	if got := GetCacheInfo().TableHits - before.TableHits; got != 2 {
 		t.Fatalf("%d table hits, want 2", got)
 	}
+	sender.send(fmt.Sprintf("file %d 25", cacheSize)) // a buffer new here: a table import's
+	fresh := decodeTicketHex(t, sender.expect("ticket ", 10*time.Second))
 	sender.kill()
 	if _, err := Import(grants[2], DeviceHost, ImportOptions{}, nil); CodeOf(err) != EIO {
 		t.Fatalf("a hit on the grant of an exporter that died since the last liveness check: %v, want EIO", err)
 	}
-	if got := GetCacheInfo().TableHits - before.TableHits; got != 2 {
-		t.Fatalf("%d table hits after the exporter died, want still 2", got)
+	if _, err := Import(fresh, DeviceHost, ImportOptions{}, nil); CodeOf(err) != EIO {
+		t.Fatalf("a first import of a buffer of an exporter that died since the last liveness check: %v, want EIO", err)
+	}
+	if got := GetCacheInfo(); got.TableHits-before.TableHits != 2 || got.TableImports != before.TableImports {
+		t.Fatalf("%d table hits and %d table imports after the exporter died, want still 2 and 0", got.TableHits-before.TableHits, got.TableImports-before.TableImports)
 	}
 }
 

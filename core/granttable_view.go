@@ -322,8 +322,9 @@ func vouchFor(t *Ticket, needFile bool) (answer tableAnswer, u vouchedUse) {
 }
 
 // exporterAlive is checkExporterAlive(t) for a use vouchFor has just taken
-// on t's table, which it trusts for aliveRecheck after it passed: that
-// check reads /proc/<pid>/stat, the costliest step of a table hit.
+// on t's table (a hit's, or a first import's), which it trusts for
+// aliveRecheck after it passed: that check reads /proc/<pid>/stat, the
+// costliest step of a table hit.
 func (u vouchedUse) exporterAlive(t *Ticket) error {
 	now := monotonicNanos()
 	if last := u.view.aliveAt.Load(); now != 0 && last != 0 && now-last < uint64(aliveRecheck) {

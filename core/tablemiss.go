@@ -34,7 +34,7 @@ func importFromTable(t *Ticket, key cacheKey, opts ImportOptions, cacheable bool
 		return Ref{}, false, nil
 	}
 	imp := &HostImporter{}
-	if err := mapBackingFile(t, u.file, imp); err != nil {
+	if err := mapBackingFile(t, u, imp); err != nil {
 		settle(t, u.record, false) // not spent: the stream takes the use
 		return Ref{}, false, nil
 	}
@@ -45,15 +45,17 @@ func importFromTable(t *Ticket, key cacheKey, opts ImportOptions, cacheable bool
 	return ref, true, nil
 }
 
-// mapBackingFile reserves t's range and maps the exporter's file there,
-// once the exporter is known alive and the file opened is the one named.
-func mapBackingFile(t *Ticket, file backingFile, imp *HostImporter) error {
+// mapBackingFile reserves t's range and maps the exporter's file that u
+// names there, once the exporter is known alive (as for a table hit) and
+// the file opened is the one named.
+func mapBackingFile(t *Ticket, u vouchedUse, imp *HostImporter) error {
 	if !procShowsOurPIDs() {
 		return Errorf(EIO, "this /proc is not of our PID namespace")
 	}
-	if err := checkExporterAlive(t); err != nil {
+	if err := u.exporterAlive(t); err != nil {
 		return err
 	}
+	file := u.file
 	if checkAddressSpace(t.Total, "", "") != nil {
 		return Errorf(ENOMEM, "no address space for %d bytes", t.Total)
 	}

@@ -790,8 +790,9 @@ typedef struct vmmipc_mapping {
  * process that may read the exporter's memory anyway: its uid, unless the
  * exporter made itself non-dumpable, or CAP_SYS_PTRACE), checks that it is
  * the very file the table names (device and inode) and a memfd it would
- * accept from a stream, maps it whole with one mmap and closes it. Its use
- * is recorded and spent as a table hit's (below); vmmipc_cache_info counts
+ * accept from a stream, maps it whole with one mmap and closes it. The
+ * exporter must be alive as for a table hit (below). Its use is recorded
+ * and spent as a table hit's; vmmipc_cache_info counts
  * it among misses and in table_imports. Anything else (no table yet, a
  * held registration, /proc refusing the descriptor, another file) streams
  * as above, and the exporter judges the ticket. As with hits, two
