@@ -38,10 +38,11 @@ func confirmSession(ts []*Ticket, idx []int, timeout time.Duration, dial session
 	defer c.Close()
 	c.deadline = time.Now().Add(timeout)
 	// The others' uses and done go out in one write, before any answer is
-	// read: one round trip for all. One write, not one per use: every
-	// small message takes a buffer of a socket's, and a few hundred fill
-	// it, so the exporter, answering each as it reads it, and we, still
-	// sending, would both block.
+	// read: one round trip for all, answered in one write where the
+	// exporter reads them all at once (session_uses.go). One write, not one
+	// per use: every small message takes a buffer of a socket's, and a few
+	// hundred fill it, so the exporter, answering what it has read (each
+	// use on a lease), and we, still sending, would both block.
 	var batch []byte
 	sent := make([]int, 0, len(idx)-1)
 	for _, i := range idx[1:] {
