@@ -52,6 +52,7 @@ const (
 )
 
 func FuzzHostFileChecks(f *testing.F) {
+	quietFDs(f)
 	const all = unix.F_SEAL_SEAL | unix.F_SEAL_SHRINK | unix.F_SEAL_GROW | unix.F_SEAL_WRITE | unix.F_SEAL_FUTURE_WRITE
 	for kind := range uint8(fileKinds) {
 		f.Add(kind, uint8(unix.F_SEAL_SHRINK), uint8(0), uint8(openAsMade), uint32(4*4096), uint32(4*4096), uint8(0), uint8(0))

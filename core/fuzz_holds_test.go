@@ -86,6 +86,7 @@ func FuzzHoldMessages(f *testing.F) {
 // never lets go of the real lease's hold, and once the connection ends no
 // descriptor and no goroutine is left.
 func FuzzLeaseSession(f *testing.F) {
+	quietFDs(f)
 	// Each input ends with the victim's lease: at once, not after the
 	// linger a lease has between uses (which would make each 0.25 s).
 	old := leaseLinger
@@ -182,6 +183,7 @@ func FuzzLeaseSession(f *testing.F) {
 // crashing or leaking: it closes the descriptor on every path, maps only
 // a file of one page, and its lock is on the slot named.
 func FuzzLeaseFile(f *testing.F) {
+	quietFDs(f)
 	f.Add(uint64(0), uint32(4096), uint8(0))
 	f.Add(uint64(maxLeaseSlot), uint32(4096), uint8(1))
 	f.Add(uint64(maxLeaseSlot+1), uint32(4096), uint8(0))

@@ -32,6 +32,7 @@ const (
 // be closed. With it, the receiver's proof must check out, and the stream
 // that follows must hand out only chunks that fit the ticket.
 func FuzzReceiverHandshake(f *testing.F) {
+	quietFDs(f)
 	const count, total = 2, 2 * 4096
 	welcome := welcomeMsg{Count: count, Total: total, Kind: MemoryHost, BufferID: sampleTicket().BufferID}.encode()
 	chunks, plan := streamTranscript(total, count)

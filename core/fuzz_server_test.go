@@ -29,6 +29,7 @@ const (
 // the secret, attach descriptors only to chunk messages, serve chunks in
 // order, and leak no descriptor and no goroutine.
 func FuzzServerSession(f *testing.F) {
+	quietFDs(f)
 	pulls := func(ps ...pullMsg) []byte {
 		var b []byte
 		for _, p := range ps {
@@ -191,6 +192,7 @@ const (
 // welcome, no chunk, no done-ack and no descriptor; whatever it is sent, it
 // must not hang, and it must leak no descriptor and no goroutine.
 func FuzzServerHandshake(f *testing.F) {
+	quietFDs(f)
 	full := cat(pullMsg{0, 4}.encode(), encodeMsg(msgDone, nil))
 	for _, m := range []uint8{proofFuzzed, proofRaw, proofGood, proofGood | 1<<2} {
 		f.Add(m, uint64(0), make([]byte, proofSize), full)

@@ -18,6 +18,7 @@ import (
 // memory does) rather than chunks. Every descriptor that arrives must be
 // handed out or closed: the descriptor count comes back to where it was.
 func FuzzConnRecv(f *testing.F) {
+	quietFDs(f)
 	good, goodPlan := streamTranscript(4*4096, 4)
 	f.Add(uint8(1), good, goodPlan)
 	run, runPlan := runTranscript(4*4096, 4, 4)

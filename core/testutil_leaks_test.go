@@ -157,6 +157,19 @@ func expectNoMemfdMappings(t testing.TB, what string) {
 // flushCache undoes every unreferenced mapping of the import cache (which
 // is per process, shared by all tests) and keeps its limit, so that a test
 // that counts mappings starts from nothing kept by earlier tests.
+// quietFDs readies a fuzz target that counts this process's descriptors
+// around each input: nothing cached (the import cache's poller would dial
+// its exporters), no use of an earlier test's table hit still being spent,
+// and what earlier tests and targets left closing (a lease's connection
+// whose server closed, say) closed: seen once, in CI, as one descriptor
+// fewer after FuzzLeaseFile's first seed than before it.
+func quietFDs(f *testing.F) {
+	f.Helper()
+	flushCache(f)
+	waitUntil(5*time.Second, func() bool { pending, _ := confirms.counts(); return pending == 0 })
+	ourFDs().settled(f)
+}
+
 func flushCache(t testing.TB) {
 	t.Helper()
 	limit := GetCacheInfo().LimitBytes
