@@ -24,6 +24,19 @@ func registerPattern(t *testing.T, s *Server, size int, seed byte, opts Register
 	return registerFile(t, s, fd, uint64(size), 4096, opts)
 }
 
+// newBufferOfATable starts a test server whose table this process has (an
+// anchor of pattern(seed) imported, unmapped when the test ends) and
+// registers a new buffer of pattern(seed+1) there for one use: what a
+// table import takes. before is the cache's counts from the start.
+func newBufferOfATable(t *testing.T, seed byte) (before CacheInfo, s *Server, anchor, tk *Ticket) {
+	t.Helper()
+	before = cacheTest(t)
+	s = newTestServer(t)
+	anchor, first := tableGrant(t, s, seed)
+	t.Cleanup(func() { unmapRef(t, first) })
+	return before, s, anchor, registerPattern(t, s, cacheSize, seed+1, RegisterOptions{Uses: 1})
+}
+
 func tableImports(before CacheInfo) uint64 { return GetCacheInfo().TableImports - before.TableImports }
 
 // importPattern imports tk, checks its bytes (pattern(seed)) and that
@@ -48,11 +61,7 @@ func importPattern(t *testing.T, tk *Ticket, seed byte, before CacheInfo, want u
 // descriptor left open, its use spent just after; a held registration's,
 // and one that ended, are not (they stream, and the exporter answers).
 func TestMissFromTheTable(t *testing.T) {
-	before := cacheTest(t)
-	s := newTestServer(t)
-	_, first := tableGrant(t, s, 51) // brings the exporter's table
-	defer unmapRef(t, first)
-	tk := registerPattern(t, s, cacheSize, 52, RegisterOptions{Uses: 1})
+	before, s, _, tk := newBufferOfATable(t, 51)
 	fds := ourFDs().now(t) // the exporter's duplicate of the file included, until the buffer ends
 	r, err := Import(tk, DeviceHost, ImportOptions{}, nil)
 	if err != nil {
@@ -91,11 +100,7 @@ func TestMissFromTheTable(t *testing.T) {
 // changed inode) is no table import: the buffer streams, with its own
 // bytes, and nothing is left mapped or taken.
 func TestMissFromTheTableChecksTheFile(t *testing.T) {
-	before := cacheTest(t)
-	s := newTestServer(t)
-	_, first := tableGrant(t, s, 55)
-	defer unmapRef(t, first)
-	tk := registerPattern(t, s, cacheSize, 56, RegisterOptions{Uses: 1})
+	before, s, _, tk := newBufferOfATable(t, 55)
 	gt := &s.reg.table
 	ino := word64(gt.mem, fileEntry(slotIndex(tk.RegID))+fileIno)
 	atomic.AddUint64(ino, 1)
@@ -175,11 +180,7 @@ func TestMissFromTheTableRefusesWhatAStreamWould(t *testing.T) {
 // exporter's memory anyway), its spend comes first, its confirmation does
 // not fail, and the exporter spends the use once.
 func TestTwoProcessesTakeTheLastUseOfANewBuffer(t *testing.T) {
-	before := cacheTest(t)
-	s := newTestServer(t)
-	anchor, first := tableGrant(t, s, 55)
-	defer unmapRef(t, first)
-	tk := registerPattern(t, s, cacheSize, 56, RegisterOptions{Uses: 1})
+	before, s, anchor, tk := newBufferOfATable(t, 55)
 	other, ours := otherTookTheUse(t, s, anchor, tk)
 	importPattern(t, tk, 56, before, 1, "this process's import of a use another process took")
 	spentOnce(t, s, tk, other, ours)
