@@ -187,7 +187,7 @@ func (c *importCache) hit(key cacheKey, t *Ticket, opts ImportOptions) (Ref, boo
 // has taken t's last use already, the exporter's own refusal of a used-up
 // grant. done is false where the table cannot tell: ask the exporter.
 func (c *importCache) hitOnTable(e *entry, t *Ticket, timeout time.Duration) (ref Ref, done bool, err error) {
-	switch answer, u := vouchFor(t, false); answer {
+	switch answer, u := vouch(t, false); answer {
 	case tableVouched:
 		if u.exporterAlive(t) != nil { // read /proc unlocked
 			settle(t, u.record, false)

@@ -419,9 +419,9 @@ func FuzzGrantTableSlot(f *testing.F) {
 		v := tables.m[anchor.exporterKey()]
 		slot, stable := v.read(i)
 		tables.mu.Unlock()
-		got, record := vouch(changed)
+		got, u := vouch(changed, false)
 		if got == tableVouched {
-			settle(changed, record, false)
+			settle(changed, u.record, false)
 		}
 		d, _ := changed.Digest()
 		right := stable && slot.state == slotPublished && slot.regID == changed.RegID && slot.tag == grantTag(d) &&
@@ -489,7 +489,7 @@ func helperTableHit(t *testing.T, out *lineWriter) error {
 			info := GetCacheInfo()
 			out.printf("imported code=%d table_hits=%d table_imports=%d %v", CodeOf(err), info.TableHits, info.TableImports, err)
 		case "vouch":
-			answer, _ := vouch(g)
+			answer, _ := vouch(g, false)
 			out.printf("vouched %d", answer)
 		case "forge":
 			tables.mu.Lock()

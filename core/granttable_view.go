@@ -252,28 +252,24 @@ const (
 	tableSpentHere                    // this process has taken every use left already
 )
 
-// vouch checks t's grant in its exporter's table and, when it is published
-// with this very ticket, within its ttl and with a use left that this
-// process has not taken, and the exporter's image that made the table
-// still has it open, takes that use: it writes it to its spend log (record
-// `record`, which settle clears once the exporter answered). That the pid
-// is still the exporter's (its start time) is the caller's to check.
-func vouch(t *Ticket) (answer tableAnswer, record int) {
-	answer, u := vouchFor(t, false)
-	return answer, u.record
-}
-
-// vouchedUse is the use vouchFor took on a table: its spend record, the
-// file the grant's slot names, and the table it was taken on.
+// vouchedUse is the use vouch took on a table: its spend record, the file
+// the grant's slot names, and the table it was taken on.
 type vouchedUse struct {
 	record int
 	file   backingFile
 	view   *tableView
 }
 
-// vouchFor is vouch; with needFile, only for a grant whose slot names the
-// file that holds its buffer, which a miss opens (tablemiss.go).
-func vouchFor(t *Ticket, needFile bool) (answer tableAnswer, u vouchedUse) {
+// vouch checks t's grant in its exporter's table and, when it is published
+// with this very ticket, within its ttl and with a use left that this
+// process has not taken, and the exporter's image that made the table
+// still has it open, takes that use: it writes it to its spend log (record
+// u.record, which settle clears once the exporter answered). With
+// needFile, only for a grant whose slot names the file that holds its
+// buffer (u.file), which a miss opens (tablemiss.go). That the pid is
+// still the exporter's (its start time) is the caller's to check
+// (u.exporterAlive).
+func vouch(t *Ticket, needFile bool) (answer tableAnswer, u vouchedUse) {
 	answer, u.file = tableAsk, noFile
 	if !tableUsable(t) {
 		return
@@ -321,7 +317,7 @@ func vouchFor(t *Ticket, needFile bool) (answer tableAnswer, u vouchedUse) {
 	return tableVouched, vouchedUse{record: record, file: s.file, view: v}
 }
 
-// exporterAlive is checkExporterAlive(t) for a use vouchFor has just taken
+// exporterAlive is checkExporterAlive(t) for a use vouch has just taken
 // on t's table (a hit's, or a first import's), which it trusts for
 // aliveRecheck after it passed: that check reads /proc/<pid>/stat, the
 // costliest step of a table hit.

@@ -26,7 +26,7 @@ func importFromTable(t *Ticket, key cacheKey, opts ImportOptions, cacheable bool
 	if t.Kind != MemoryHost || opts.Hold {
 		return Ref{}, false, nil
 	}
-	answer, u := vouchFor(t, true)
+	answer, u := vouch(t, true)
 	switch answer {
 	case tableSpentHere:
 		return Ref{}, true, Errorf(ENOENT, "import: registration %d was used up: this process has spent its last use already", t.RegID)
