@@ -32,13 +32,16 @@ ctypes.string_at(obj, n), ctypes.memmove(dst, obj, n), ctypes.cast(obj,
 c_char_p).value and ctypes.Array.__getitem__(obj, i) all use the C struct's
 b_ptr, b_size and b_length. disarm() makes it an array of 0 bytes (its
 class, b_size and b_length: buffers taken from it are empty, item access is
-an IndexError) and points b_ptr at a mapping of its own: `size` bytes of
-private anonymous zero pages (MAP_NORESERVE: address space, not memory),
-unmapped with the object. So what reads through the address with a length
-of its own reads zeros, not the freed memory (nor a crash, nor whatever was
-mapped there next), and what writes there writes into pages nobody else
-sees. When that mapping cannot be made (no address space left), b_ptr stays
-on the memory and close() leaves it mapped until the object's collection.
+an IndexError) and points b_ptr at `size` bytes of private anonymous zero
+pages (MAP_NORESERVE: address space, not memory), which the objects
+disarmed at that size share and which stay mapped for later ones
+(TOMBSTONE_BYTES in all; beyond it, an object's own, unmapped with it). So
+what reads through the address with a length of its own reads zeros (or
+what a write through a closed object left there), not the freed memory
+(nor a crash, nor whatever was mapped there next), and what writes there
+writes into pages that only closed objects lead to. When those pages
+cannot be mapped (no address space left), b_ptr stays on the memory and
+close() leaves it mapped until the object's collection.
 """
 
 from __future__ import annotations
@@ -117,6 +120,8 @@ def disarm(obj) -> bool:
     memory, which must then stay mapped while obj lives), or the layout is
     unknown (nothing changed). Call it when closing, whatever the views:
     a buffer already taken from obj keeps its own pointer and length."""
+    if not isinstance(obj, ctypes.Array):
+        return True  # not from instance(): it has no address to lead anywhere
     if _LAYOUT is None:
         return False
     ptr_at, size_at, length_at = _LAYOUT
@@ -132,13 +137,34 @@ def disarm(obj) -> bool:
         words[length_at] = 0
     if getattr(obj, "_exported_tombstone", None) is not None:
         return True
-    try:
-        tomb = mmap.mmap(-1, max(ctypes.sizeof(armed), 1), flags=mmap.MAP_PRIVATE | _NORESERVE)
-    except OSError:
+    tomb = _tombstone(max(ctypes.sizeof(armed), 1))
+    if tomb is None:
         return False
-    obj._exported_tombstone = tomb  # unmapped with obj
+    obj._exported_tombstone = tomb  # mapped while obj lives
     words[ptr_at] = ctypes.addressof(ctypes.c_char.from_buffer(tomb))
     return True
+
+
+# Zero pages by size, shared by the objects disarmed at that size and kept:
+# mapping and unmapping them at each close was a quarter of an imported
+# HostBuffer's close(). Bounded, as address space counts in RLIMIT_AS.
+_tombstones: dict[int, mmap.mmap] = {}
+TOMBSTONE_BYTES = 16 << 30  # kept at most, over at most 64 sizes
+
+
+def _tombstone(size: int) -> mmap.mmap | None:
+    """size bytes of private anonymous zero pages (MAP_NORESERVE): kept
+    ones, or new ones for this object alone once the bound is reached;
+    None when they cannot be mapped."""
+    tomb = _tombstones.get(size)
+    if tomb is None:
+        try:
+            tomb = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | _NORESERVE)
+        except OSError:
+            return None
+        if len(_tombstones) < 64 and sum(map(len, _tombstones.values())) + size <= TOMBSTONE_BYTES:
+            _tombstones[size] = tomb
+    return tomb
 
 
 class Buffer:

@@ -234,7 +234,7 @@ class HostBuffer(_exported.Buffer, _lib.Closeable):
             chunk_size = _args.integer(chunk_size, "chunk_size", PAGE_SIZE, sys.maxsize,
                                        "HostBuffer.from_ticket")
         mapping = import_stream(t, _lib.DEVICE_HOST, timeout=timeout, cache=cache,
-                                confirm_later=confirm_later, hold=hold)
+                                confirm_later=confirm_later, hold=hold, private=True)
         self = _exported.instance(cls, mapping.addr, mapping.size)  # mapping outlives self
         self._init(mapping.size, chunk_size, 1, None)
         self._fd = -1

@@ -572,8 +572,9 @@ def options(function: str, *, uses=None, ttl=None, timeout=None, window=None,
     30 s). access_devices is kept alive by the returned struct (``_keep``)."""
     key = None
     if not access_devices:
-        values = (uses, ttl, timeout, window, memory_kind, import_flags, register_flags)
-        key = tuple((type(v), v) for v in values)
+        key = (type(uses), uses, type(ttl), ttl, type(timeout), timeout, type(window), window,
+               type(memory_kind), memory_kind, type(import_flags), import_flags,
+               type(register_flags), register_flags)
         try:
             made = _options_made.get(key)
         except TypeError:  # unhashable: _make_options says what is wrong with it

@@ -59,12 +59,14 @@ class Mapping(_exported.Buffer, _lib.Closeable):
     while one is alive. Host mappings export DLPack too (kDLCPU).
     """
 
-    def __new__(cls, struct: _lib.vmmipc_mapping):
-        if struct.memory_kind == MEMORY_HOST:  # a buffer over the mapping
+    def __new__(cls, struct: _lib.vmmipc_mapping, private: bool = False):
+        # A buffer over the mapping, unless its owner never lets it out
+        # (private: an imported HostBuffer, which is the buffer users hold).
+        if struct.memory_kind == MEMORY_HOST and not private:
             return _exported.instance(cls, struct.addr, struct.size)
         return super().__new__(cls)
 
-    def __init__(self, struct: _lib.vmmipc_mapping):
+    def __init__(self, struct: _lib.vmmipc_mapping, private: bool = False):
         self._struct = struct
         self._addr: int = struct.addr
         self.size: int = struct.size
@@ -196,7 +198,12 @@ class Mapping(_exported.Buffer, _lib.Closeable):
             raise _errors.BufferInUseError(
                 f"cannot unmap: {self._dlpack_exports} DLPack export(s) of this mapping are "
                 "still alive; let their consumers go first", None, "Mapping.close")
-        if self._memory is not None:
+        if self._memory is not None and not isinstance(self, ctypes.Array):
+            # private (import_stream): no buffer of its own to count or empty
+            if n := self._memory.views_alive():
+                raise _errors.BufferInUseError(
+                    f"cannot unmap: {_exported.in_use_message('Mapping', n)}", None, "Mapping.close")
+        elif self._memory is not None:
             unmap, n = _exported.closable(self, self._memory.views_alive(), via_exit)
             if n:
                 raise _errors.BufferInUseError(f"cannot unmap: {_exported.in_use_message('Mapping', n)}",
@@ -211,10 +218,10 @@ class Mapping(_exported.Buffer, _lib.Closeable):
 
     def _unmap_private(self) -> None:
         """Drop the reference now, for an owner that never let this Mapping
-        out (an imported HostBuffer: its own object is the buffer users
-        hold) and found no view of its memory alive: nothing else can read
-        through this object's address, so it needs no disarm() (close()'s
-        zero pages), and it goes with the owner's reference."""
+        out (import_stream(private=True): an imported HostBuffer, whose own
+        object is the buffer users hold) and found no view of its memory
+        alive. Such a Mapping is no buffer itself, so nothing can read
+        through its address: it needs no disarm() (close()'s zero pages)."""
         self._finalizer()
         self._memory = None
 
@@ -226,7 +233,8 @@ class Mapping(_exported.Buffer, _lib.Closeable):
 
 def import_stream(ticket, device: int | None = None, *, timeout: float | None = None,
                   window: int | None = None, access_devices=(), cache: bool = True,
-                  confirm_later: bool = False, hold: bool = False) -> Mapping:
+                  confirm_later: bool = False, hold: bool = False,
+                  private: bool = False) -> Mapping:
     """Map the whole buffer named by the ticket (vmmipc_import_stream): reserve
     the range, then receive, map and close one chunk at a time; or, when
     this process has the buffer cached, another reference to that mapping.
@@ -245,7 +253,10 @@ def import_stream(ticket, device: int | None = None, *, timeout: float | None = 
     release(ticket) or this process ends, so a sender that registered with
     hold=True keeps the memory from reuse meanwhile (not with
     confirm_later).
-    VmmipcMemoryError if the address range cannot be reserved."""
+    private=True (vmmipc's own callers): a Mapping that exports no buffer
+    itself, for an owner that never hands it out and closes it with
+    _unmap_private(). VmmipcMemoryError if the address range cannot be
+    reserved."""
     fn = "vmmipc_import_stream"
     t = as_ticket(ticket, fn)
     if device is not None:
@@ -259,7 +270,7 @@ def import_stream(ticket, device: int | None = None, *, timeout: float | None = 
         device = DEVICE_HOST if t.info().memory_kind == MEMORY_HOST else DEVICE_SAME
     out = _lib.vmmipc_mapping()
     _lib.call(fn, ctypes.byref(t._c()), device, ctypes.byref(opts), ctypes.byref(out))
-    return Mapping(out)
+    return Mapping(out, private)
 
 
 def confirm(ticket, *, later: bool = False, hold: bool = False,

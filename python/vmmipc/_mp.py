@@ -47,9 +47,10 @@ def _is_fork_lock(lock) -> bool:
     return semlock is not None and getattr(semlock, "name", "") is None
 
 
-def _queue_feeder_args():
-    """The Queue._feed arguments if this thread is a Queue's feeder, else None."""
-    t = threading.current_thread()
+def _queue_feeder_args(t=None):
+    """The Queue._feed arguments if this thread (t) is a Queue's feeder, else None."""
+    if t is None:
+        t = threading.current_thread()
     if getattr(t, "_target", None) is _queues.Queue._feed:
         return getattr(t, "_args", ())
     return None
@@ -68,7 +69,7 @@ def fork_destination() -> str | None:
             workers = args[3]
             if any(_is_fork_popen(getattr(p, "_popen", None)) for p in list(workers)):
                 return "pool"
-        feeder = _queue_feeder_args()
+        feeder = _queue_feeder_args(t)
         if feeder is not None and len(feeder) >= 4 and feeder[3] is not None:
             if _is_fork_lock(feeder[3]):  # the queue's write lock, made by its context
                 return "queue"

@@ -75,8 +75,13 @@ def init_reductions(reductions: Reductions | None = None) -> None:
 # ------------------------------------------------------------------ HostBuffer
 
 
+_mp = None  # multiprocessing's, imported by the first pickle (see above)
+
+
 def reduce_host_buffer(hb: HostBuffer):
-    from . import _mp
+    global _mp
+    if _mp is None:
+        from . import _mp
 
     def reduce():
         return (rebuild_host_buffer, (hb.grant(), hb.chunk_size))

@@ -25,6 +25,8 @@ class Ticket(bytes):
     (its repr never shows the bytes)."""
 
     def __new__(cls, data, function: str = "Ticket") -> "Ticket":
+        if type(data) is bytes and len(data) == TICKET_SIZE:
+            return super().__new__(cls, data)  # what unpickling gives: nothing to check
         # bytes(256) would be 256 zeros, bytes('x') needs an encoding, and
         # bytes(None) says nothing of tickets: only bytes-like objects.
         if hasattr(type(data), "__index__") or isinstance(data, str) or not _bytes_like(data):

@@ -222,7 +222,7 @@ def anonymous_over(addr: int, size: int) -> bool:
     return False
 
 
-def test_close_unmaps_the_memory_and_the_zero_pages_go_with_the_object():
+def test_close_unmaps_the_memory_and_the_zero_pages_are_kept_for_the_next():
     b = vmmipc.HostBuffer(16 * PAGE)
     memory = ctypes.addressof(b)
     assert memfd_at(memory)
@@ -230,10 +230,25 @@ def test_close_unmaps_the_memory_and_the_zero_pages_go_with_the_object():
     zeros = ctypes.addressof(b)  # where its address leads now
     assert zeros != memory and not memfd_at(memory) and anonymous_over(zeros, 16 * PAGE)
     assert ctypes.string_at(zeros, 16 * PAGE) == bytes(16 * PAGE)
+    c = vmmipc.HostBuffer(16 * PAGE)
+    c.close()
+    assert ctypes.addressof(c) == zeros, "a closed buffer of the same size got pages of its own"
+    del b, c
+    gc.collect()
+    assert anonymous_over(zeros, 16 * PAGE), "the kept zero pages went with the objects"
+
+
+def test_zero_pages_beyond_the_bound_go_with_the_object(monkeypatch):
+    from vmmipc import _exported
+    monkeypatch.setattr(_exported, "TOMBSTONE_BYTES", 0)
+    b = vmmipc.HostBuffer(13 * PAGE)  # a size no other test closes
+    b.close()
+    assert ctypes.string_at(b, 13 * PAGE) == bytes(13 * PAGE)
+    assert 13 * PAGE not in _exported._tombstones
     tomb = weakref.ref(b._exported_tombstone)  # the zero pages' mmap: unmapped when freed
     del b
     gc.collect()
-    assert tomb() is None, "the closed HostBuffer's zero pages outlived it"
+    assert tomb() is None, "zero pages beyond the bound outlived their object"
 
 
 def test_held_buffer_keeps_its_memory_until_collected():
