@@ -24,14 +24,14 @@ import (
 // (helloTable), maps it read-only and closes the descriptor. A hit then
 // reads the grant's slot: published, same id, same tag (so a ticket changed
 // in any byte is no hit), within its ttl, a use left, and the exporter
-// alive: its pid's start time, as before every dial, and its own
-// descriptor of the table still open (an exec closes it). What the table
-// does not vouch for goes to the exporter as before. The exporter stays the
-// judge of every use: a hit's use is spent just after by a library thread
-// (confirmer.go) or, should the receiver die first, from the record the hit
-// left in the receiver's spend log (spendlog.go). Held grants are never
-// published: a hold is believed only once the exporter granted it
-// (holder.go).
+// alive: the table's lifeline unmarked (lifeline.go; without one, its
+// pid's start time and its own descriptor of the table still open, read
+// in /proc). What the table does not vouch for goes to the exporter as
+// before. The exporter stays the judge of every use: a hit's use is spent
+// just after by a library thread (confirmer.go) or, should the receiver
+// die first, from the record the hit left in the receiver's spend log
+// (spendlog.go). Held grants are never published: a hold is believed only
+// once the exporter granted it (holder.go).
 //
 // A slot is a seqlock: the writer makes the sequence odd, writes, and makes
 // it even again; a reader that sees it odd or changed does not believe what
@@ -44,11 +44,11 @@ const (
 	tableFileSize = 32   // each slot's file entry, after the slots: 128 KiB
 	tableSize     = (tableSlots + 1) * (tableSlotSize + tableFileSize)
 	tableMagic    = 0x5447_4d56 // "VMGT"
-	tableVersion  = 2
+	tableVersion  = 3
 )
 
 // Offsets in a slot. Slot 0 is the header: magic (u32), version (u32),
-// slots (u64).
+// slots (u64), lifeline (u32, lifeline.go).
 const (
 	slotSeq      = 0  // u32: odd while written
 	slotState    = 4  // u32: slotPublished or 0
@@ -128,10 +128,11 @@ func monotonicNanos() uint64 {
 // process's life (one descriptor, to open read-only descriptions of it for
 // receivers).
 type grantTable struct {
-	once sync.Once
-	err  error
-	fd   int
-	mem  []byte
+	once   sync.Once
+	err    error
+	fd     int
+	region []byte // the table's mapping and the page before it (lifeline.go)
+	mem    []byte // the table
 
 	mu     sync.Mutex
 	closed bool                   // unmapped (Server.Close): nothing is written or handed out
@@ -157,26 +158,27 @@ func (gt *grantTable) create() error {
 	if err := unix.Ftruncate(fd, tableSize); err != nil {
 		return fail("ftruncate", err)
 	}
-	mem, err := unix.Mmap(fd, 0, tableSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	region, mem, err := mapTable(fd, tableSize)
 	if err != nil {
 		return fail("mmap", err)
 	}
 	// A forked child (a DataLoader worker) gets no writable table.
-	if err := unix.Madvise(mem, unix.MADV_DONTFORK); err != nil {
-		_ = unix.Munmap(mem)
+	if err := unix.Madvise(region, unix.MADV_DONTFORK); err != nil {
+		_ = unix.Munmap(region)
 		return fail("MADV_DONTFORK", err)
 	}
 	// Our mapping stays writable; nobody can make another, write, or
 	// change the size from now on.
 	seals := unix.F_SEAL_GROW | unix.F_SEAL_SHRINK | unix.F_SEAL_FUTURE_WRITE | unix.F_SEAL_SEAL
 	if _, err := unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, seals); err != nil {
-		_ = unix.Munmap(mem)
+		_ = unix.Munmap(region)
 		return fail("sealing", err)
 	}
 	atomic.StoreUint32(word32(mem, 0), tableMagic)
 	atomic.StoreUint32(word32(mem, 4), tableVersion)
 	atomic.StoreUint64(word64(mem, 8), tableSlots)
-	gt.fd, gt.mem = fd, mem
+	linkLifeline(region)
+	gt.fd, gt.region, gt.mem = fd, region, mem
 	return nil
 }
 
@@ -285,7 +287,8 @@ func (gt *grantTable) close() {
 	defer gt.mu.Unlock()
 	if !gt.closed {
 		gt.closed = true
-		_ = unix.Munmap(gt.mem)
+		unlinkLifeline(gt.region)
+		_ = unix.Munmap(gt.region)
 		closeFD(&gt.fd)
 	}
 }

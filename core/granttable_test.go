@@ -8,6 +8,7 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -182,12 +183,19 @@ func TestTableOfAnExporterThatDied(t *testing.T) {
 	}
 }
 
-// TestTableHitRightAfterTheExporterDied: table hits and imports trust the
-// exporter's last liveness check for aliveRecheck (here an hour, so that
-// only the holder check can refuse), and a hit or first import once the
-// exporter died is refused all the same: its exit closed the table's
-// descriptor, which every holder check reads.
+// TestTableHitRightAfterTheExporterDied: a hit or first import once the
+// exporter died is refused, with the table's lifeline (lifeline.go) and
+// without one (its word taken as 0 here), where the holder check refuses:
+// the exit closed the table's descriptor, which every holder check reads,
+// while the last start-time check is trusted for aliveRecheck (here an
+// hour).
 func TestTableHitRightAfterTheExporterDied(t *testing.T) {
+	for _, mode := range []string{"lifeline", "proc"} {
+		t.Run(mode, func(t *testing.T) { tableHitRightAfterTheExporterDied(t, mode == "lifeline") })
+	}
+}
+
+func tableHitRightAfterTheExporterDied(t *testing.T, lifeline bool) {
 	cacheTest(t)
 	defer func(d time.Duration) { aliveRecheck = d }(aliveRecheck)
 	aliveRecheck = time.Hour
@@ -195,13 +203,18 @@ func TestTableHitRightAfterTheExporterDied(t *testing.T) {
 	anchor := sender.register(4, 4096, 0, -1, 24)
 	r := importHost(t, anchor, ImportOptions{})
 	defer Unmap(r.ID, r.Base)
+	tables.mu.Lock()
+	if v := tables.m[anchor.exporterKey()]; v != nil && !lifeline {
+		v.life = 0
+	}
+	tables.mu.Unlock()
 	grants := make([]*Ticket, 3)
 	for i := range grants {
 		sender.send("again " + ticketHex(t, anchor) + " 1")
 		grants[i] = decodeTicketHex(t, sender.expect("ticket ", 10*time.Second))
 	}
 	before := GetCacheInfo()
-	for _, g := range grants[:2] { // the first checks /proc, the second trusts it
+	for _, g := range grants[:2] { // without a lifeline, the first checks /proc, the second trusts it
 		hr, err := Import(g, DeviceHost, ImportOptions{}, nil)
 		if err != nil {
 			t.Fatalf("a table hit: %v", err)
@@ -323,7 +336,7 @@ func TestTableTakenOnlyWhenSafe(t *testing.T) {
 		{"another magic", good(all, tableSize, tableMagic+1), false},
 	} {
 		key := fmt.Sprintf("test-exporter-%d", i)
-		err := takeTable(key, c.fd, "/nonexistent")
+		err := takeTable(key, c.fd, 0, 0)
 		unix.Close(c.fd)
 		tables.mu.Lock()
 		v := tables.m[key]
@@ -343,15 +356,18 @@ func TestTableTakenOnlyWhenSafe(t *testing.T) {
 	}
 }
 
-// FuzzGrantTableSlot writes fuzzed bytes over a grant's slot and changes
-// fuzzed bytes of its ticket: the table vouches only for a slot that is
-// stable, published, of that very ticket (its id and tag), within its ttl
-// and with a use left, and reading never fails otherwise.
+// FuzzGrantTableSlot writes fuzzed bytes over a grant's slot (and its
+// file entry, and the table's lifeline word) and changes fuzzed bytes of
+// its ticket: the table vouches only for a slot that is stable,
+// published, of that very ticket (its id and tag), within its ttl and with
+// a use left, of an exporter whose lifeline is as it was taken, and
+// reading never fails otherwise.
 func FuzzGrantTableSlot(f *testing.F) {
 	f.Add(make([]byte, tableSlotSize), uint8(0), uint8(0), uint8(0))
 	f.Add([]byte{2, 0, 0, 0, 1}, uint8(1), uint8(3), uint8(0x80))
 	f.Add([]byte{}, uint8(2), uint8(200), uint8(1))
 	f.Add(make([]byte, tableSlotSize+tableFileSize), uint8(4), uint8(0), uint8(0))
+	f.Add([]byte{}, uint8(8), uint8(30), uint8(0x40))
 	s := newTestServer(f)
 	fd := newMemfd(f, 4096, pattern(4096, 1))
 	defer unix.Close(fd)
@@ -360,7 +376,7 @@ func FuzzGrantTableSlot(f *testing.F) {
 	if err != nil {
 		f.Fatal(err)
 	}
-	if err := takeTable(anchor.exporterKey(), rfd, fmt.Sprintf("/proc/%d/fd/%d", os.Getpid(), own)); err != nil {
+	if err := takeTable(anchor.exporterKey(), rfd, os.Getpid(), uint64(own)); err != nil {
 		f.Fatal(err)
 	}
 	unix.Close(rfd)
@@ -403,6 +419,12 @@ func FuzzGrantTableSlot(f *testing.F) {
 			copy(gt.mem[fe:fe+tableFileSize], raw[min(len(raw), tableSlotSize):])
 			gt.mu.Unlock()
 		}
+		if how&8 != 0 { // a lifeline word other than the one taken: an ended exporter's, or a hostile one's
+			w := lifelineWord(gt.mem)
+			was := atomic.LoadUint32(w)
+			atomic.StoreUint32(w, was^(uint32(xor)|1)<<(at%24))
+			defer atomic.StoreUint32(w, was)
+		}
 		b, err := tk.Marshal()
 		if err != nil {
 			t.Fatal(err)
@@ -418,6 +440,7 @@ func FuzzGrantTableSlot(f *testing.F) {
 		tables.mu.Lock()
 		v := tables.m[anchor.exporterKey()]
 		slot, stable := v.read(i)
+		alive := v.life == 0 || atomic.LoadUint32(lifelineWord(v.mem)) == v.life
 		tables.mu.Unlock()
 		got, u := vouch(changed, false)
 		if got == tableVouched {
@@ -426,14 +449,14 @@ func FuzzGrantTableSlot(f *testing.F) {
 		d, _ := changed.Digest()
 		right := stable && slot.state == slotPublished && slot.regID == changed.RegID && slot.tag == grantTag(d) &&
 			(slot.deadline == 0 || slot.deadline > monotonicNanos()) && (slot.uses == 0 || slot.spent < slot.uses) &&
-			tableUsable(changed) && changed.exporterKey() == anchor.exporterKey()
+			tableUsable(changed) && changed.exporterKey() == anchor.exporterKey() && alive
 		if got == tableVouched && !right {
 			t.Fatalf("vouched for slot %+v and ticket %s", slot, changed)
 		}
 		gt.mu.Lock()
 		published := gt.owner[i] == tk.RegID // not when an older live grant has the slot (the anchor, every tableSlots)
 		gt.mu.Unlock()
-		if how&3 == 0 && published && got != tableVouched {
+		if how&11 == 0 && published && got != tableVouched {
 			t.Fatalf("a live grant's own ticket and slot: %v", got)
 		}
 		// A miss mapped from the file the table names (tablemiss.go) maps

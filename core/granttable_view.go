@@ -23,6 +23,9 @@ type tableView struct {
 	mem     []byte
 	mine    map[uint64]uint32 // registration id → uses this process took on the table that the exporter has not counted yet
 	pending map[uint64]uint32 // ...of those, the ones whose spend is queued or in flight
+	// The tid in the table's lifeline word while the exporter's image that
+	// made it lives (lifeline.go); 0: it has none, and /proc tells instead.
+	life uint32
 	// Where the exporter's own descriptor of the table is, and the file's
 	// identity: the exporter's image that made it lives while /proc shows
 	// that file there (CLOEXEC: an exec closes it, as the exit does).
@@ -32,14 +35,15 @@ type tableView struct {
 	// the exporter took it: no hit is believed from the table without it.
 	log  []byte
 	used [spendRecords + 1]bool // records written, not yet cleared
-	// When the exporter was last found alive (checkExporterAlive), on
-	// CLOCK_MONOTONIC: exporterAlive reads /proc again only aliveRecheck
-	// later.
+	// Without a lifeline: when the exporter was last found alive
+	// (checkExporterAlive), on CLOCK_MONOTONIC: exporterAlive reads /proc
+	// again only aliveRecheck later.
 	aliveAt atomic.Uint64
 }
 
-// aliveRecheck is how long a table hit trusts the exporter's last liveness
-// check (exporterAlive). Within it, the holder check that vouched for the
+// aliveRecheck is how long a table hit on a table without a lifeline
+// (lifeline.go) trusts the exporter's last liveness check
+// (exporterAlive). Within it, the holder check that vouched for the
 // hit tells what that check would: an exit (a zombie's too) or an exec
 // closes the table's descriptor, and another process shows it there only
 // if, within that time, it got the exporter's pid after the exporter died
@@ -132,7 +136,7 @@ func recvTable(c *conn, t *Ticket, tail []byte) error {
 	key := t.exporterKey()
 	taken := false
 	if f.FD >= 0 && m.Slots == tableSlots && m.FD <= 1<<31 {
-		taken = takeTable(key, f.FD, fmt.Sprintf("/proc/%d/fd/%d", t.Pid, m.FD)) == nil
+		taken = takeTable(key, f.FD, int(t.Pid), m.FD) == nil
 	}
 	closeFD(&f.FD)
 	return sendSpendLog(c, key, taken, tail)
@@ -183,9 +187,9 @@ func sendSpendLog(c *conn, key string, taken bool, tail []byte) error {
 // takeTable maps the grant table fd (the caller's, to close) for exporter
 // key, after checking that it is what granttable.go makes: a file of
 // tableSize bytes that cannot shrink (a mapping past its end would kill
-// us with SIGBUS) and that nobody but its exporter can write. holder is
-// where /proc shows the exporter's own descriptor of it.
-func takeTable(key string, fd int, holder string) error {
+// us with SIGBUS) and that nobody but its exporter can write. ownFD is
+// the exporter's own descriptor of it, which /proc shows under pid.
+func takeTable(key string, fd, pid int, ownFD uint64) error {
 	var st unix.Stat_t
 	if err := unix.Fstat(fd, &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFREG || st.Size != tableSize {
 		return Errorf(EINVAL, "protocol: the exporter's grant table is not a file of %d bytes", tableSize)
@@ -204,13 +208,22 @@ func takeTable(key string, fd int, holder string) error {
 		_ = unix.Munmap(mem)
 		return Errorf(EINVAL, "protocol: the exporter's grant table is of another version")
 	}
+	life, ok := lifelineOf(mem)
+	if !ok {
+		_ = unix.Munmap(mem)
+		return Errorf(EIO, "grant table: its exporter has ended (its lifeline is marked)")
+	}
+	if life != 0 && unix.Access(fmt.Sprintf("/proc/%d/task/%d", pid, life), unix.F_OK) != nil {
+		life = 0 // not a thread of the exporter's: /proc tells instead
+	}
+	holder := fmt.Sprintf("/proc/%d/fd/%d", pid, ownFD)
 	tables.mu.Lock()
 	defer tables.mu.Unlock()
 	if tables.m[key] != nil || len(tables.m) >= maxTables {
 		_ = unix.Munmap(mem)
 		return Errorf(EIO, "grant table: no room for another")
 	}
-	tables.m[key] = &tableView{mem: mem, mine: map[uint64]uint32{}, pending: map[uint64]uint32{}, holder: holder, dev: st.Dev, ino: st.Ino}
+	tables.m[key] = &tableView{mem: mem, mine: map[uint64]uint32{}, pending: map[uint64]uint32{}, life: life, holder: holder, dev: st.Dev, ino: st.Ino}
 	return nil
 }
 
@@ -218,7 +231,7 @@ func takeTable(key string, fd int, holder string) error {
 // or exec'd), to make room. Called with tables.mu held.
 func sweepTables() {
 	for key, v := range tables.m {
-		if !v.held() {
+		if !v.alive() {
 			v.unmap()
 			delete(tables.m, key)
 		}
@@ -263,12 +276,12 @@ type vouchedUse struct {
 // vouch checks t's grant in its exporter's table and, when it is published
 // with this very ticket, within its ttl and with a use left that this
 // process has not taken, and the exporter's image that made the table
-// still has it open, takes that use: it writes it to its spend log (record
-// u.record, which settle clears once the exporter answered). With
-// needFile, only for a grant whose slot names the file that holds its
-// buffer (u.file), which a miss opens (tablemiss.go). That the pid is
-// still the exporter's (its start time) is the caller's to check
-// (u.exporterAlive).
+// is still alive (tableView.alive), takes that use: it writes it to its
+// spend log (record u.record, which settle clears once the exporter
+// answered). With needFile, only for a grant whose slot names the file
+// that holds its buffer (u.file), which a miss opens (tablemiss.go). That
+// the pid is still the exporter's is the caller's to check
+// (u.exporterAlive: the lifeline said so already, if the table has one).
 func vouch(t *Ticket, needFile bool) (answer tableAnswer, u vouchedUse) {
 	answer, u.file = tableAsk, noFile
 	if !tableUsable(t) {
@@ -291,7 +304,7 @@ func vouch(t *Ticket, needFile bool) (answer tableAnswer, u vouchedUse) {
 		(s.deadline != 0 && (now == 0 || now >= s.deadline)) || (needFile && s.file.fd < 0) {
 		return
 	}
-	if !v.held() {
+	if !v.alive() {
 		return
 	}
 	mine := v.mine[t.RegID]
@@ -318,10 +331,16 @@ func vouch(t *Ticket, needFile bool) (answer tableAnswer, u vouchedUse) {
 }
 
 // exporterAlive is checkExporterAlive(t) for a use vouch has just taken
-// on t's table (a hit's, or a first import's), which it trusts for
-// aliveRecheck after it passed: that check reads /proc/<pid>/stat, the
-// costliest step of a table hit.
+// on t's table (a hit's, or a first import's): the table's lifeline where
+// it has one; else /proc, trusted for aliveRecheck after a check passed
+// (it reads /proc/<pid>/stat, once the costliest step of a table hit).
 func (u vouchedUse) exporterAlive(t *Ticket) error {
+	if u.view.life != 0 {
+		if !u.view.alive() {
+			return Errorf(EIO, "open: the exporter (pid %d) has exited or exec'd: its grant table's lifeline is marked", t.Pid)
+		}
+		return nil
+	}
 	now := monotonicNanos()
 	if last := u.view.aliveAt.Load(); now != 0 && last != 0 && now-last < uint64(aliveRecheck) {
 		return nil
@@ -355,6 +374,15 @@ func settle(t *Ticket, record int, keep bool) {
 		clearRecord(v.log, record)
 		v.used[record] = false
 	}
+}
+
+// alive reports whether the exporter's image that made the table lives:
+// its lifeline word as it was (one load), or, without one, held().
+func (v *tableView) alive() bool {
+	if v.life != 0 {
+		return atomic.LoadUint32(lifelineWord(v.mem)) == v.life
+	}
+	return v.held()
 }
 
 // held reports whether the exporter's image that made the table still has

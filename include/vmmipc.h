@@ -830,13 +830,19 @@ typedef struct vmmipc_mapping {
  *     must be published with this very ticket (a ticket changed in any byte
  *     is no table hit), within its ttl, with a use left that this process
  *     has not taken already (else VMMIPC_ENOENT, as the exporter would
- *     answer), and the exporter alive: its own descriptor of the table
- *     still open (/proc/<pid>/fd; an exec or exit closes it; the kernel
- *     shows it only to a process that may read the exporter's memory: an
- *     exporter that made itself non-dumpable gets no table hits from
- *     receivers without CAP_SYS_PTRACE), and its pid's start time (read at
- *     most every 50 ms per exporter: within that time the descriptor tells
- *     the same). Before it returns, the hit writes a record of the use to
+ *     answer), and the exporter alive: a word of the table's header that
+ *     the kernel marks when the exporter's image ends (its exit, SIGKILL
+ *     included, before it is a zombie, or an exec; the word is a robust
+ *     futex held by a thread the exporter keeps for its whole life, and the
+ *     receiver checks once that it names a thread of the exporter's pid),
+ *     read with one load and no system call. Where the exporter could not
+ *     set that up (set_robust_list refused), the receiver looks in /proc
+ *     instead: the exporter's own descriptor of the table still open
+ *     (/proc/<pid>/fd/<n>; an exec or exit closes it; hidden from receivers
+ *     without CAP_SYS_PTRACE where the exporter made itself non-dumpable,
+ *     whose hits then ask it), and its pid's start time (read at most
+ *     every 50 ms per exporter: within that time the descriptor tells the
+ *     same). Before it returns, the hit writes a record of the use to
  *     its spend log (the grant's id and an HMAC that only the ticket's
  *     secret makes); a library thread then spends the use with the
  *     exporter, as with VMMIPC_IMPORT_CONFIRM_LATER (vmmipc_cache_info
