@@ -140,8 +140,7 @@ func TestSpendLogFullAsksTheExporter(t *testing.T) {
 	defer unmapRef(t, first)
 	grants := make([]*Ticket, spendRecords+2)
 	for i := range grants {
-		sender.send("again " + ticketHex(t, anchor) + " 1")
-		grants[i] = decodeTicketHex(t, sender.expect("ticket ", 10*time.Second))
+		grants[i] = sender.grant(anchor)
 	}
 	live := sender.live()
 	if err := unix.Kill(sender.pid(), unix.SIGSTOP); err != nil {

@@ -122,17 +122,24 @@ func TestTableHitsRefuseWhatTheExporterRefuses(t *testing.T) {
 	}
 }
 
+// mappedGrant starts a sender helper with a buffer of 4 pages (seed), maps
+// it here, and returns the helper, the buffer's ticket, the mapping and a
+// grant of one use of it: its table hit is a test's to make.
+func mappedGrant(t *testing.T, seed byte) (sender *helper, anchor *Ticket, r Ref, grant *Ticket) {
+	t.Helper()
+	sender = startHelper(t, partSender, helperOpts{})
+	anchor = sender.register(4, 4096, 0, -1, seed)
+	r = importHost(t, anchor, ImportOptions{})
+	return sender, anchor, r, sender.grant(anchor)
+}
+
 // TestTableHitOnAStoppedExporter: a hit the table vouches for needs no
 // answer (a stopped exporter's live grant hits at once); its use is spent
 // once the exporter runs again. A held hit never takes this path.
 func TestTableHitOnAStoppedExporter(t *testing.T) {
 	cacheTest(t)
-	sender := startHelper(t, partSender, helperOpts{})
-	anchor := sender.register(4, 4096, 0, -1, 22)
-	r := importHost(t, anchor, ImportOptions{})
+	sender, _, r, grant := mappedGrant(t, 22)
 	defer Unmap(r.ID, r.Base)
-	sender.send("again " + ticketHex(t, anchor) + " 1")
-	grant := decodeTicketHex(t, sender.expect("ticket ", 10*time.Second))
 	live := sender.live()
 	if err := unix.Kill(sender.pid(), unix.SIGSTOP); err != nil {
 		t.Fatal(err)
@@ -165,11 +172,7 @@ func TestTableHitOnAStoppedExporter(t *testing.T) {
 // though its table is still mapped here; the table goes with the mapping.
 func TestTableOfAnExporterThatDied(t *testing.T) {
 	cacheTest(t)
-	sender := startHelper(t, partSender, helperOpts{})
-	anchor := sender.register(4, 4096, 0, -1, 23)
-	r := importHost(t, anchor, ImportOptions{})
-	sender.send("again " + ticketHex(t, anchor) + " 1")
-	grant := decodeTicketHex(t, sender.expect("ticket ", 10*time.Second))
+	sender, anchor, r, grant := mappedGrant(t, 23)
 	if !tableMapped(anchor) {
 		t.Fatal("no table")
 	}
@@ -210,8 +213,7 @@ func tableHitRightAfterTheExporterDied(t *testing.T, lifeline bool) {
 	tables.mu.Unlock()
 	grants := make([]*Ticket, 3)
 	for i := range grants {
-		sender.send("again " + ticketHex(t, anchor) + " 1")
-		grants[i] = decodeTicketHex(t, sender.expect("ticket ", 10*time.Second))
+		grants[i] = sender.grant(anchor)
 	}
 	before := GetCacheInfo()
 	for _, g := range grants[:2] { // without a lifeline, the first checks /proc, the second trusts it

@@ -250,6 +250,14 @@ func forkListener(s *Server, out *lineWriter, mode, then string) error {
 	return fmt.Errorf("fork-listener: %q is neither close nor exit", then)
 }
 
+// grant asks a sender helper for a grant of one use of anchor's memory
+// (register_again) and returns its ticket.
+func (h *helper) grant(anchor *Ticket) *Ticket {
+	h.t.Helper()
+	h.send("again " + ticketHex(h.t, anchor) + " 1")
+	return decodeTicketHex(h.t, h.expect("ticket ", 10*time.Second))
+}
+
 // register asks a sender helper for a registration and returns its ticket.
 func (h *helper) register(chunks, chunkSize, uses, blockAt int, seed byte) *Ticket {
 	h.t.Helper()

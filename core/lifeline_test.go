@@ -6,7 +6,6 @@ import (
 	"slices"
 	"sync/atomic"
 	"testing"
-	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -88,12 +87,8 @@ func TestLifelineMarkedByTheKernel(t *testing.T) {
 	for _, end := range []string{"kill", "exec"} {
 		t.Run(end, func(t *testing.T) {
 			cacheTest(t)
-			sender := startHelper(t, partSender, helperOpts{})
-			anchor := sender.register(4, 4096, 0, -1, 27)
-			r := importHost(t, anchor, ImportOptions{})
+			sender, anchor, r, grant := mappedGrant(t, 27)
 			defer Unmap(r.ID, r.Base)
-			sender.send("again " + ticketHex(t, anchor) + " 1")
-			grant := decodeTicketHex(t, sender.expect("ticket ", 10*time.Second))
 			now, life := lifelineOfExporter(t, anchor)
 			if life == 0 || now != life {
 				t.Skipf("the exporter's table has no lifeline (word %#x)", now)

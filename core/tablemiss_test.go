@@ -212,10 +212,6 @@ func TestNonDumpableExporterIsAskedForNewBuffers(t *testing.T) {
 		sender.send(fmt.Sprintf("file %d %d", cacheSize, seed))
 		return decodeTicketHex(t, sender.expect("ticket ", 10*time.Second))
 	}
-	grant := func(anchor *Ticket) *Ticket {
-		sender.send("again " + ticketHex(t, anchor) + " 1")
-		return decodeTicketHex(t, sender.expect("ticket ", 10*time.Second))
-	}
 	dumpable := func(on int) {
 		sender.send("dumpable " + strconv.Itoa(on))
 		sender.expect("dumpable ", 10*time.Second)
@@ -233,7 +229,7 @@ func TestNonDumpableExporterIsAskedForNewBuffers(t *testing.T) {
 		return hits, imports
 	}
 	dumpable(0)
-	if hits, imports := imported(grant(anchor), 57); hits != 1 || imports != 0 {
+	if hits, imports := imported(sender.grant(anchor), 57); hits != 1 || imports != 0 {
 		t.Fatalf("a hit on a non-dumpable exporter: %d table hits, %d table imports; want 1 and 0", hits, imports)
 	}
 	if hits, imports := imported(newBuffer(58), 58); hits != 1 || imports != 0 {
