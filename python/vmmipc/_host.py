@@ -37,7 +37,7 @@ import weakref
 
 from . import _args, _errors, _exported, _lib
 from ._anchor import Anchor
-from ._mapping import import_stream
+from ._mapping import import_private
 from ._register import register_host_file, unregister
 from ._ticket import Ticket, as_ticket
 
@@ -233,8 +233,8 @@ class HostBuffer(_exported.Buffer, _lib.Closeable):
         else:
             chunk_size = _args.integer(chunk_size, "chunk_size", PAGE_SIZE, sys.maxsize,
                                        "HostBuffer.from_ticket")
-        mapping = import_stream(t, _lib.DEVICE_HOST, timeout=timeout, cache=cache,
-                                confirm_later=confirm_later, hold=hold, private=True)
+        mapping = import_private(t, _lib.DEVICE_HOST, timeout=timeout, cache=cache,
+                                 confirm_later=confirm_later, hold=hold)
         self = _exported.instance(cls, mapping.addr, mapping.size)  # mapping outlives self
         self._init(mapping.size, chunk_size, 1, None)
         self._fd = -1

@@ -199,7 +199,7 @@ class Mapping(_exported.Buffer, _lib.Closeable):
                 f"cannot unmap: {self._dlpack_exports} DLPack export(s) of this mapping are "
                 "still alive; let their consumers go first", None, "Mapping.close")
         if self._memory is not None and not isinstance(self, ctypes.Array):
-            # private (import_stream): no buffer of its own to count or empty
+            # private (import_private): no buffer of its own to count or empty
             if n := self._memory.views_alive():
                 raise _errors.BufferInUseError(
                     f"cannot unmap: {_exported.in_use_message('Mapping', n)}", None, "Mapping.close")
@@ -218,7 +218,7 @@ class Mapping(_exported.Buffer, _lib.Closeable):
 
     def _unmap_private(self) -> None:
         """Drop the reference now, for an owner that never let this Mapping
-        out (import_stream(private=True): an imported HostBuffer, whose own
+        out (import_private: an imported HostBuffer, whose own
         object is the buffer users hold) and found no view of its memory
         alive. Such a Mapping is no buffer itself, so nothing can read
         through its address: it needs no disarm() (close()'s zero pages)."""
@@ -233,8 +233,7 @@ class Mapping(_exported.Buffer, _lib.Closeable):
 
 def import_stream(ticket, device: int | None = None, *, timeout: float | None = None,
                   window: int | None = None, access_devices=(), cache: bool = True,
-                  confirm_later: bool = False, hold: bool = False,
-                  private: bool = False) -> Mapping:
+                  confirm_later: bool = False, hold: bool = False) -> Mapping:
     """Map the whole buffer named by the ticket (vmmipc_import_stream): reserve
     the range, then receive, map and close one chunk at a time; or, when
     this process has the buffer cached, another reference to that mapping.
@@ -253,10 +252,22 @@ def import_stream(ticket, device: int | None = None, *, timeout: float | None = 
     release(ticket) or this process ends, so a sender that registered with
     hold=True keeps the memory from reuse meanwhile (not with
     confirm_later).
-    private=True (vmmipc's own callers): a Mapping that exports no buffer
-    itself, for an owner that never hands it out and closes it with
-    _unmap_private(). VmmipcMemoryError if the address range cannot be
-    reserved."""
+    VmmipcMemoryError if the address range cannot be reserved."""
+    return _import(ticket, device, timeout, window, access_devices, cache, confirm_later, hold,
+                   private=False)
+
+
+def import_private(ticket, device: int, *, timeout: float | None = None, cache: bool = True,
+                   confirm_later: bool = False, hold: bool = False) -> Mapping:
+    """import_stream for an owner that never hands the Mapping out (an
+    imported HostBuffer, whose own object is the buffer users hold): the
+    Mapping exports no buffer itself, and the owner drops it with
+    _unmap_private()."""
+    return _import(ticket, device, timeout, None, (), cache, confirm_later, hold, private=True)
+
+
+def _import(ticket, device, timeout, window, access_devices, cache, confirm_later, hold,
+            private) -> Mapping:
     fn = "vmmipc_import_stream"
     t = as_ticket(ticket, fn)
     if device is not None:
