@@ -40,6 +40,11 @@ const (
 	futexOwnerDied = 0x40000000 // FUTEX_OWNER_DIED, as the kernel sets it
 )
 
+// maxLifelines bounds the tables on the list at once: the kernel walks at
+// most 2048 entries (ROBUST_LIST_LIMIT). A process has one server; tests,
+// a few at once. A variable for tests.
+var maxLifelines = 1024
+
 // robustListHead is the kernel's struct robust_list_head.
 type robustListHead struct {
 	next          uintptr // the first entry; the head's own address when empty
@@ -100,7 +105,8 @@ func mapTable(fd, size int) (region, mem []byte, err error) {
 
 // linkLifeline puts the word of a table mapped by mapTable under the
 // lifeline, before the table is handed out: the word holds the thread's
-// tid, and its entry is first in the list.
+// tid, and its entry is first in the list. Beyond maxLifelines the word
+// stays 0 (no lifeline).
 func linkLifeline(region []byte) {
 	tid := lifelineTID()
 	if tid == 0 {
@@ -109,6 +115,9 @@ func linkLifeline(region []byte) {
 	entry := (*uintptr)(unsafe.Pointer(&region[0]))
 	lifeline.mu.Lock()
 	defer lifeline.mu.Unlock()
+	if len(lifeline.entries) >= maxLifelines {
+		return
+	}
 	atomic.StoreUint32(lifelineWord(region[os.Getpagesize():]), tid)
 	*entry = atomic.LoadUintptr(&lifeline.head.next)
 	atomic.StoreUintptr(&lifeline.head.next, uintptr(unsafe.Pointer(entry)))

@@ -51,32 +51,37 @@ func TestLifelineOfAServer(t *testing.T) {
 	if uintptr(unsafe.Pointer(&s.reg.table.mem[tableLifeline]))-uintptr(unsafe.Pointer(entry)) != uintptr(lifeline.head.futexOffset) {
 		t.Fatal("the entry is not at the list's futex offset before its word")
 	}
-	if !linked(entry) {
+	if !linked(t, entry) {
 		t.Fatal("the table's entry is not on the robust list")
 	}
 	s.Close()
 	if _, ok := lifelineOf(mem); ok {
 		t.Fatalf("after Close the lifeline word is %#x, want FUTEX_OWNER_DIED", atomic.LoadUint32(lifelineWord(mem)))
 	}
-	if linked(entry) {
+	if linked(t, entry) {
 		t.Fatal("a closed table's entry is still on the robust list")
 	}
 }
 
 // linked walks the robust list as the kernel would (from the head, by each
-// entry's next, to the head again) and reports whether it meets entry.
-func linked(entry *uintptr) bool {
+// entry's next, to the head again) and reports whether it meets entry; it
+// fails t where the list and its Go record disagree.
+func linked(t *testing.T, entry *uintptr) bool {
+	t.Helper()
 	lifeline.mu.Lock()
 	defer lifeline.mu.Unlock()
 	head := uintptr(unsafe.Pointer(&lifeline.head))
 	next := lifeline.head.next
 	for _, e := range lifeline.entries {
 		if next != uintptr(unsafe.Pointer(e)) {
-			return false // the list and its Go record disagree
+			t.Fatal("the robust list and lifeline.entries disagree")
 		}
 		next = *e
 	}
-	return next == head && slices.Contains(lifeline.entries, entry)
+	if next != head {
+		t.Fatal("the robust list does not end at its head")
+	}
+	return slices.Contains(lifeline.entries, entry)
 }
 
 // TestLifelineMarkedByTheKernel: the kernel marks the lifeline word of an
@@ -167,4 +172,28 @@ func tableMappedAt(key string) bool {
 	tables.mu.Lock()
 	defer tables.mu.Unlock()
 	return tables.m[key] != nil
+}
+
+// TestLifelinesBounded: beyond maxLifelines tables on the robust list, a
+// new table's word stays 0 (no lifeline: its receivers look in /proc), and
+// nothing is linked for it.
+func TestLifelinesBounded(t *testing.T) {
+	if lifelineTID() == 0 {
+		t.Skip("set_robust_list is refused here: tables have no lifeline")
+	}
+	lifeline.mu.Lock()
+	n := len(lifeline.entries)
+	lifeline.mu.Unlock()
+	defer func(m int) { maxLifelines = m }(maxLifelines)
+	maxLifelines = n
+	s := newTestServer(t)
+	if !s.reg.table.ready() {
+		t.Fatal(s.reg.table.err)
+	}
+	if life, ok := lifelineOf(s.reg.table.mem); life != 0 || !ok {
+		t.Fatalf("a table beyond the bound: lifeline word %#x, want 0", life)
+	}
+	if linked(t, (*uintptr)(unsafe.Pointer(&s.reg.table.region[0]))) {
+		t.Fatal("a table beyond the bound is on the robust list")
+	}
 }
