@@ -376,6 +376,17 @@ func settle(t *Ticket, record int, keep bool) {
 	}
 }
 
+// lifelineSaysAlive reports whether this process maps t's exporter's
+// table and its lifeline is intact: then the process that made it, with
+// the pid and start time of t (the table is kept by them), lives, and a
+// dial need not read /proc to know it (checkBeforeDial).
+func lifelineSaysAlive(t *Ticket) bool {
+	tables.mu.Lock()
+	defer tables.mu.Unlock()
+	v := tables.m[t.exporterKey()]
+	return v != nil && v.life != 0 && v.alive()
+}
+
 // alive reports whether the exporter's image that made the table lives:
 // its lifeline word as it was (one load), or, without one, held().
 func (v *tableView) alive() bool {

@@ -113,7 +113,8 @@
  *   also while a forked child still holds its socket, or when only a stale
  *   file is left); the ticket's pid and start time are checked (/proc,
  *   SO_PEERCRED) only in the exporter's PID (and time) namespace, where
- *   they mean something. A ticket naming an abstract socket is refused at
+ *   they mean something (a receiver that maps the exporter's grant table
+ *   reads its lifeline instead of /proc, see "The import cache"). A ticket naming an abstract socket is refused at
  *   once (VMMIPC_EIO, saying to set VMMIPC_SOCKET_DIR) by a receiver in
  *   another network or PID namespace.
  *   Not promised: a process of the same uid that can write the directory
