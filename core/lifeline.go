@@ -22,9 +22,10 @@ import (
 // robust list and sets FUTEX_OWNER_DIED in each word that holds its tid:
 // at exit and on SIGKILL (before the process is a zombie), and at an exec,
 // which ends every other thread first. This is what robust futexes exist
-// for (a lock held by a process that died), and it needs nothing of
-// /proc: a non-dumpable exporter, a /proc mounted with hidepid, or a pid
-// handed out again change nothing. Nothing else writes the word: the
+// for (a lock held by a process that died), and a hit needs nothing of
+// /proc (a receiver reads /proc/<pid>/task once, when it takes the table):
+// a non-dumpable exporter or a pid handed out again change nothing.
+// Nothing else writes the word: the
 // table is sealed against writing but for the exporter's own mapping,
 // which a forked child does not inherit (MADV_DONTFORK), and a forked
 // child's thread runs no list of ours. The server's Close marks it too.
