@@ -160,7 +160,11 @@ func (c *importCache) hit(key cacheKey, t *Ticket, opts ImportOptions) (Ref, boo
 	if opts.Hold {
 		spendUse = useHeld
 	}
-	lives, err := spendUse(t, timeout)
+	// This process's table uses of t first, so that the exporter judges
+	// this one after them; within the same deadline.
+	deadline := time.Now().Add(timeout)
+	waitSpent(t, timeout)
+	lives, err := spendUse(t, max(time.Until(deadline), time.Millisecond))
 	gone := err != nil && CodeOf(err) == EIO && checkExporterAlive(t) != nil // read /proc unlocked
 
 	c.mu.Lock()

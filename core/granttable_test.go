@@ -358,6 +358,64 @@ func TestTableTakenOnlyWhenSafe(t *testing.T) {
 	}
 }
 
+// takeOwnTable maps s's grant table here as a receiver's, with a spend log,
+// as a first session with s would (t's exporter key names it).
+func takeOwnTable(f testing.TB, s *Server, tk *Ticket) {
+	f.Helper()
+	rfd, own, err := s.reg.table.readOnly()
+	if err != nil {
+		f.Fatal(err)
+	}
+	defer unix.Close(rfd)
+	if err := takeTable(tk.exporterKey(), rfd, os.Getpid(), uint64(own)); err != nil {
+		f.Fatal(err)
+	}
+	lfd, log, err := newSpendLog()
+	if err != nil {
+		f.Fatal(err)
+	}
+	unix.Close(lfd)
+	tables.mu.Lock()
+	tables.m[tk.exporterKey()].log = log
+	tables.mu.Unlock()
+	f.Cleanup(func() { dropTable(tk.exporterKey()) })
+}
+
+// TestUsesInFlightAreNotCountedTwice: the exporter counts a use in the
+// table before its answer reaches this process, so a use of this process
+// still in flight may be in the slot's spent count already. A hit then is
+// neither refused as used up nor vouched for: the exporter judges it.
+// Uses the exporter could not be asked about (kept) are never in that
+// count, and do make a grant used up here. (Seen on Python 3.12: two
+// imports of a two-use grant, the second refused as used up.)
+func TestUsesInFlightAreNotCountedTwice(t *testing.T) {
+	s := newTestServer(t)
+	fd := newMemfd(t, 4096, pattern(4096, 1))
+	defer unix.Close(fd)
+	anchor := registerFile(t, s, fd, 4096, 4096, RegisterOptions{})
+	takeOwnTable(t, s, anchor)
+	tk := again(t, s, anchor, RegisterOptions{Uses: 2})
+	defer s.Unregister(tk)
+	answer, first := vouch(tk, false)
+	if answer != tableVouched {
+		t.Fatalf("the first use: %v, want vouched", answer)
+	}
+	s.reg.table.spent(tk.RegID, 2, 1) // the exporter counted it; its answer is on its way
+	if answer, _ := vouch(tk, false); answer != tableAsk {
+		t.Fatalf("with the first use counted and in flight: %v, want tableAsk (not used up: one use is left)", answer)
+	}
+	settle(tk, first.record, true) // asked, not answered: kept (and so not in the count)
+	s.reg.table.spent(tk.RegID, 2, 0)
+	answer, second := vouch(tk, false)
+	if answer != tableVouched {
+		t.Fatalf("the second use: %v, want vouched", answer)
+	}
+	settle(tk, second.record, true)
+	if answer, _ := vouch(tk, false); answer != tableSpentHere {
+		t.Fatalf("both uses kept here: %v, want tableSpentHere", answer)
+	}
+}
+
 // FuzzGrantTableSlot writes fuzzed bytes over a grant's slot (and its
 // file entry, and the table's lifeline word) and changes fuzzed bytes of
 // its ticket: the table vouches only for a slot that is stable,
@@ -374,22 +432,7 @@ func FuzzGrantTableSlot(f *testing.F) {
 	fd := newMemfd(f, 4096, pattern(4096, 1))
 	defer unix.Close(fd)
 	anchor := registerFile(f, s, fd, 4096, 4096, RegisterOptions{})
-	rfd, own, err := s.reg.table.readOnly()
-	if err != nil {
-		f.Fatal(err)
-	}
-	if err := takeTable(anchor.exporterKey(), rfd, os.Getpid(), uint64(own)); err != nil {
-		f.Fatal(err)
-	}
-	unix.Close(rfd)
-	lfd, log, err := newSpendLog()
-	if err != nil {
-		f.Fatal(err)
-	}
-	unix.Close(lfd)
-	tables.mu.Lock()
-	tables.m[anchor.exporterKey()].log = log
-	tables.mu.Unlock()
+	takeOwnTable(f, s, anchor)
 	f.Fuzz(func(t *testing.T, raw []byte, how, at, xor uint8) {
 		tk, err := s.RegisterAgain(anchor, RegisterOptions{Uses: 1})
 		if err != nil {
@@ -672,5 +715,33 @@ func TestSpendLogsBoundedPerReceiver(t *testing.T) {
 	}
 	if take(0) {
 		t.Fatal("a log whose owner cannot be told was taken")
+	}
+}
+
+// TestGrantUsedUpByItsHits: a grant of two uses, hit twice in a row by
+// this process, is used up for the third, every time: the second hit does
+// not count the first one twice (TestUsesInFlightAreNotCountedTwice), and
+// a hit the table cannot vouch for asks the exporter only after this
+// process's table uses of the grant were answered.
+func TestGrantUsedUpByItsHits(t *testing.T) {
+	cacheTest(t)
+	s := newTestServer(t)
+	fd := newMemfd(t, 4096, pattern(4096, 3))
+	defer unix.Close(fd)
+	anchor := registerFile(t, s, fd, 4096, 4096, RegisterOptions{})
+	r := importHost(t, anchor, ImportOptions{})
+	defer Unmap(r.ID, r.Base)
+	for i := range 200 {
+		tk := again(t, s, anchor, RegisterOptions{Uses: 2})
+		for use := 1; use <= 2; use++ {
+			hr, err := Import(tk, DeviceHost, ImportOptions{}, nil)
+			if err != nil {
+				t.Fatalf("grant %d, use %d of 2: %v", i, use, err)
+			}
+			Unmap(hr.ID, hr.Base)
+		}
+		if _, err := Import(tk, DeviceHost, ImportOptions{}, nil); CodeOf(err) != ENOENT {
+			t.Fatalf("grant %d, a third use of 2: %v, want ENOENT", i, err)
+		}
 	}
 }

@@ -307,9 +307,14 @@ func vouch(t *Ticket, needFile bool) (answer tableAnswer, u vouchedUse) {
 	if !v.alive() {
 		return
 	}
-	mine := v.mine[t.RegID]
+	// The uses this process took that the exporter has not answered: those
+	// in flight (pending) may be in the slot's spent count already (the
+	// exporter counts a use before its answer arrives), the others not.
+	// Used up only when it is so either way; where it depends on them, the
+	// exporter judges (tableAsk), after them.
+	mine, inFlight := v.mine[t.RegID], v.pending[t.RegID]
 	if s.uses != 0 && uint64(s.spent)+uint64(mine) >= uint64(s.uses) {
-		if mine > 0 {
+		if mine > inFlight && uint64(s.spent)+uint64(mine-inFlight) >= uint64(s.uses) {
 			answer = tableSpentHere
 		}
 		return

@@ -831,7 +831,9 @@ typedef struct vmmipc_mapping {
  *     must be published with this very ticket (a ticket changed in any byte
  *     is no table hit), within its ttl, with a use left that this process
  *     has not taken already (else VMMIPC_ENOENT, as the exporter would
- *     answer), and the exporter alive: a word of the table's header that
+ *     answer; where that depends on this process's uses still being
+ *     spent, the hit asks the exporter once they are answered, within its
+ *     timeout), and the exporter alive: a word of the table's header that
  *     the kernel marks when the exporter's image ends (its exit, SIGKILL
  *     included, before it is a zombie, or an exec; the word is a robust
  *     futex held by a thread the exporter keeps for its whole life, and the
