@@ -745,3 +745,34 @@ func TestGrantUsedUpByItsHits(t *testing.T) {
 		}
 	}
 }
+
+// TestConfirmKeepsOneDeadlineBehindItsTableHits: a confirmation waits for
+// this process's table hits of its ticket to be answered (a stopped
+// exporter answers none), and that wait comes out of the call's one
+// timeout, never on top of it.
+func TestConfirmKeepsOneDeadlineBehindItsTableHits(t *testing.T) {
+	cacheTest(t)
+	sender, anchor, r, _ := mappedGrant(t, 28)
+	defer Unmap(r.ID, r.Base)
+	sender.send("again " + ticketHex(t, anchor) + " 3")
+	grant := decodeTicketHex(t, sender.expect("ticket ", 10*time.Second))
+	if err := unix.Kill(sender.pid(), unix.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Kill(sender.pid(), unix.SIGCONT)
+	if !waitUntil(5*time.Second, func() bool { return stoppedProcess(sender.pid()) }) {
+		t.Fatal("the sender did not stop")
+	}
+	hr, err := Import(grant, DeviceHost, ImportOptions{}, nil) // a table hit: its spend waits
+	if err != nil {
+		t.Fatalf("a table hit on a stopped exporter: %v", err)
+	}
+	Unmap(hr.ID, hr.Base)
+	const timeout = 400 * time.Millisecond
+	opts := ImportOptions{OpenOptions: OpenOptions{Timeout: timeout}}
+	start := time.Now()
+	err = Confirm(grant, opts)
+	if took := time.Since(start); err == nil || took > timeout+200*time.Millisecond {
+		t.Fatalf("a confirmation behind a table hit that is not answered: %v after %v, want an error within %v", err, took, timeout)
+	}
+}

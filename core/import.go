@@ -1,5 +1,7 @@
 package core
 
+import "time"
+
 // The receiver's two calls that spend a use of a ticket: Import maps the
 // buffer (a cached mapping, or a new one streamed here chunk by chunk),
 // Confirm spends the use without receiving anything.
@@ -58,16 +60,19 @@ func Confirm(t *Ticket, opts ImportOptions) error {
 		return err
 	}
 	opts.OpenOptions = opts.OpenOptions.withDefaults()
-	waitSpent(t, opts.Timeout) // this process's table hits of t first
+	// This process's table hits of t first, within the call's one timeout.
+	deadline := time.Now().Add(opts.Timeout)
+	waitSpent(t, opts.Timeout)
+	timeout := max(time.Until(deadline), time.Millisecond)
 	switch {
 	case opts.ConfirmLater:
 		confirms.add(t, opts.Timeout, nil)
 		return nil
 	case opts.Hold:
-		_, err := useHeld(t, opts.Timeout)
+		_, err := useHeld(t, timeout)
 		return err
 	}
-	_, err := confirm(t, opts.Timeout)
+	_, err := confirm(t, timeout)
 	return err
 }
 
