@@ -160,11 +160,8 @@ func (c *importCache) hit(key cacheKey, t *Ticket, opts ImportOptions) (Ref, boo
 	if opts.Hold {
 		spendUse = useHeld
 	}
-	// This process's table uses of t first, so that the exporter judges
-	// this one after them; within the same deadline.
-	deadline := time.Now().Add(timeout)
-	waitSpent(t, timeout)
-	lives, err := spendUse(t, max(time.Until(deadline), time.Millisecond))
+	// This process's table uses of t first, within the one timeout.
+	lives, err := spendUse(t, waitSpent(t, timeout))
 	gone := err != nil && CodeOf(err) == EIO && checkExporterAlive(t) != nil // read /proc unlocked
 
 	c.mu.Lock()
@@ -193,7 +190,7 @@ func (c *importCache) hit(key cacheKey, t *Ticket, opts ImportOptions) (Ref, boo
 func (c *importCache) hitOnTable(e *entry, t *Ticket, timeout time.Duration) (ref Ref, done bool, err error) {
 	switch answer, u := vouch(t, false); answer {
 	case tableVouched:
-		if u.exporterAlive(t) != nil { // read /proc unlocked
+		if u.exporterAlive(t) != nil { // unlocked: without a lifeline it reads /proc
 			settle(t, u.record, false)
 			return Ref{}, false, nil // the exporter's answer (none) says so
 		}

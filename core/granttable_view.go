@@ -422,18 +422,20 @@ func decrement(m map[uint64]uint32, id uint64) {
 
 // waitSpent waits, at most timeout, until the uses this process took on t's
 // grant from the table have been answered, so that a later use of t by
-// this process (a stream, a confirmation) comes after them at the
-// exporter, as it would after hits that asked the exporter.
-func waitSpent(t *Ticket, timeout time.Duration) {
+// this process (a stream, a confirmation, a hit that asks) comes after
+// them at the exporter, as it would after hits that asked the exporter. It
+// returns what is left of timeout (a millisecond at least), for that use:
+// one timeout covers both.
+func waitSpent(t *Ticket, timeout time.Duration) (left time.Duration) {
 	key := t.exporterKey()
 	deadline := time.Now().Add(timeout)
 	tables.mu.Lock()
 	defer tables.mu.Unlock()
 	for {
 		v := tables.m[key]
-		left := time.Until(deadline)
+		left = time.Until(deadline)
 		if v == nil || v.pending[t.RegID] == 0 || left <= 0 {
-			return
+			return max(left, time.Millisecond)
 		}
 		settled := tables.settled
 		tables.mu.Unlock()

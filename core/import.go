@@ -1,7 +1,5 @@
 package core
 
-import "time"
-
 // The receiver's two calls that spend a use of a ticket: Import maps the
 // buffer (a cached mapping, or a new one streamed here chunk by chunk),
 // Confirm spends the use without receiving anything.
@@ -60,10 +58,7 @@ func Confirm(t *Ticket, opts ImportOptions) error {
 		return err
 	}
 	opts.OpenOptions = opts.OpenOptions.withDefaults()
-	// This process's table hits of t first, within the call's one timeout.
-	deadline := time.Now().Add(opts.Timeout)
-	waitSpent(t, opts.Timeout)
-	timeout := max(time.Until(deadline), time.Millisecond)
+	timeout := waitSpent(t, opts.Timeout) // this process's table hits of t first
 	switch {
 	case opts.ConfirmLater:
 		confirms.add(t, opts.Timeout, nil)

@@ -198,19 +198,18 @@ class Mapping(_exported.Buffer, _lib.Closeable):
             raise _errors.BufferInUseError(
                 f"cannot unmap: {self._dlpack_exports} DLPack export(s) of this mapping are "
                 "still alive; let their consumers go first", None, "Mapping.close")
-        if self._memory is not None and not isinstance(self, ctypes.Array):
-            # private (import_private): no buffer of its own to count or empty
-            if n := self._memory.views_alive():
-                raise _errors.BufferInUseError(
-                    f"cannot unmap: {_exported.in_use_message('Mapping', n)}", None, "Mapping.close")
-        elif self._memory is not None:
-            unmap, n = _exported.closable(self, self._memory.views_alive(), via_exit)
+        if self._memory is not None:
+            n = self._memory.views_alive()
+            # A private Mapping (import_private) is no buffer of its own:
+            # nothing else to count, nothing to empty.
+            private = not isinstance(self, ctypes.Array)
+            unmap, n = (True, n) if private else _exported.closable(self, n, via_exit)
             if n:
                 raise _errors.BufferInUseError(f"cannot unmap: {_exported.in_use_message('Mapping', n)}",
                                                None, "Mapping.close")
             # An empty buffer from now on; unmapped now only if its address
             # leads away from the memory (_exported.disarm).
-            if not _exported.disarm(self) or not unmap:
+            if not private and (not _exported.disarm(self) or not unmap):
                 self._closing = True  # unmapped with the last holder (_exported.py)
                 return
         self._finalizer()
