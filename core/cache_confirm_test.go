@@ -42,7 +42,7 @@ func TestCacheConfirmLater(t *testing.T) {
 	if anchor.exports.Load() != cachePages {
 		t.Fatalf("deferred hits made %d descriptors", anchor.exports.Load()-cachePages)
 	}
-	if !waitUntil(10*time.Second, func() bool { pending, _ := confirms.counts(); return pending == 0 }) {
+	if !confirmsAnswered(10 * time.Second) {
 		t.Fatal("confirmations still pending after 10 s")
 	}
 	for i, tk := range tickets {

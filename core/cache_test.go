@@ -17,6 +17,12 @@ import (
 const cachePages = 16
 const cacheSize = cachePages * 4096
 
+// confirmsAnswered waits, at most within, until no confirmation is queued
+// or in flight (table hits' spends among them), and reports whether none is.
+func confirmsAnswered(within time.Duration) bool {
+	return waitUntil(within, func() bool { pending, _ := confirms.counts(); return pending == 0 })
+}
+
 // cacheTest starts from an empty cache (nothing kept by earlier tests, no
 // reference leaked by one) and restores its limit at the end. It returns
 // the cache as it starts, the base of the counters that expectCache
@@ -25,7 +31,7 @@ func cacheTest(t *testing.T) CacheInfo {
 	t.Helper()
 	flushCache(t)
 	// An earlier test's late uses (table hits) are answered first.
-	waitUntil(5*time.Second, func() bool { pending, _ := confirms.counts(); return pending == 0 })
+	confirmsAnswered(5 * time.Second)
 	info := GetCacheInfo()
 	if info.Entries != 0 || info.ReferencedBytes != 0 || info.UnreferencedBytes != 0 {
 		t.Fatalf("the cache holds %d mappings (%d bytes referenced, %d not) before the test: an earlier test leaked a reference", info.Entries, info.ReferencedBytes, info.UnreferencedBytes)
@@ -64,7 +70,7 @@ func registerCounting(t *testing.T, s *Server, size int, seed byte, opts Registe
 func cacheDelta(before CacheInfo) CacheInfo {
 	// A table hit's use is spent after it returned: count what the
 	// exporter answered.
-	waitUntil(5*time.Second, func() bool { pending, _ := confirms.counts(); return pending == 0 })
+	confirmsAnswered(5 * time.Second)
 	d := GetCacheInfo()
 	d.TableHits -= before.TableHits
 	d.Hits -= before.Hits
@@ -304,7 +310,7 @@ func TestCacheHitBuildsNoImporter(t *testing.T) {
 	}
 	// The deferred hit spends its use in the background; ending the buffer
 	// before that session ran would count a failed confirmation.
-	if !waitUntil(10*time.Second, func() bool { pending, _ := confirms.counts(); return pending == 0 }) {
+	if !confirmsAnswered(10 * time.Second) {
 		t.Fatal("confirmation still pending after 10 s")
 	}
 	if err := verifyAndUnmap(first, 11); err != nil {

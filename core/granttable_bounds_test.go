@@ -181,7 +181,7 @@ func TestSpendLogFullAsksTheExporter(t *testing.T) {
 	if !waitUntil(20*time.Second, func() bool { return sender.live() <= live-spendRecords }) {
 		t.Fatalf("%d of %d recorded uses spent", live-sender.live(), spendRecords)
 	}
-	if !waitUntil(20*time.Second, func() bool { pending, _ := confirms.counts(); return pending == 0 }) {
+	if !confirmsAnswered(20 * time.Second) {
 		t.Fatal("confirmations still pending")
 	}
 	r, err := Import(grants[spendRecords+1], DeviceHost, ImportOptions{}, nil)

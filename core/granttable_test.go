@@ -519,7 +519,7 @@ func FuzzGrantTableSlot(f *testing.F) {
 			// Its use is spent by the confirmer: wait, so that its record
 			// is free again (a log of records waiting would send the next
 			// iterations' hits to the exporter).
-			waitUntil(5*time.Second, func() bool { pending, _ := confirms.counts(); return pending == 0 })
+			confirmsAnswered(5 * time.Second)
 		}
 	})
 }

@@ -154,9 +154,6 @@ func expectNoMemfdMappings(t testing.TB, what string) {
 	}
 }
 
-// flushCache undoes every unreferenced mapping of the import cache (which
-// is per process, shared by all tests) and keeps its limit, so that a test
-// that counts mappings starts from nothing kept by earlier tests.
 // quietFDs readies a fuzz target that counts this process's descriptors
 // around each input: nothing cached (the import cache's poller would dial
 // its exporters), no use of an earlier test's table hit still being spent,
@@ -166,10 +163,13 @@ func expectNoMemfdMappings(t testing.TB, what string) {
 func quietFDs(f *testing.F) {
 	f.Helper()
 	flushCache(f)
-	waitUntil(5*time.Second, func() bool { pending, _ := confirms.counts(); return pending == 0 })
+	confirmsAnswered(5 * time.Second)
 	ourFDs().settled(f)
 }
 
+// flushCache undoes every unreferenced mapping of the import cache (which
+// is per process, shared by all tests) and keeps its limit, so that a test
+// that counts mappings starts from nothing kept by earlier tests.
 func flushCache(t testing.TB) {
 	t.Helper()
 	limit := GetCacheInfo().LimitBytes
