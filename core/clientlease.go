@@ -280,7 +280,7 @@ func (l *clientLease) flush() {
 // of its own, and reads the answer; sent says that the message went out
 // (whatever came of it).
 func (l *clientLease) sendRelease(ids []uint64, end bool) (sent bool, err error) {
-	if err := checkBeforeDial(l.t, false); err != nil {
+	if err := checkBeforeDial(l.t); err != nil {
 		return false, err
 	}
 	c, err := dialConn(l.t, time.Now().Add(releaseTimeout), releaseTimeout)

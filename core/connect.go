@@ -21,7 +21,7 @@ import (
 // out with the receiver's last message of the handshake, so that its
 // answer follows the welcome without another round trip.
 func connect(t *Ticket, timeout time.Duration, flags uint64, ask *holdAsk, tail []byte) (*conn, transcript, error) {
-	if err := checkBeforeDial(t, lifelineSaysAlive(t)); err != nil {
+	if err := checkBeforeDial(t); err != nil {
 		return nil, transcript{}, err
 	}
 	bound, err := bindingFlag(t)

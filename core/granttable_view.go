@@ -35,15 +35,15 @@ type tableView struct {
 	// the exporter took it: no hit is believed from the table without it.
 	log  []byte
 	used [spendRecords + 1]bool // records written, not yet cleared
-	// Without a lifeline: when the exporter was last found alive
+	// When the exporter was last found alive in /proc
 	// (checkExporterAlive), on CLOCK_MONOTONIC: exporterAlive reads /proc
 	// again only aliveRecheck later.
 	aliveAt atomic.Uint64
 }
 
-// aliveRecheck is how long a table hit on a table without a lifeline
-// (lifeline.go) trusts the exporter's last liveness check
-// (exporterAlive). Within it, the holder check that vouched for the
+// aliveRecheck is how long a table hit trusts the exporter's last liveness
+// check in /proc (exporterAlive). Within it, the lifeline (lifeline.go),
+// or without one the holder check, that vouched for the
 // hit tells what that check would: an exit (a zombie's too) or an exec
 // closes the table's descriptor, and another process shows it there only
 // if, within that time, it got the exporter's pid after the exporter died
@@ -336,16 +336,16 @@ func vouch(t *Ticket, needFile bool) (answer tableAnswer, u vouchedUse) {
 }
 
 // exporterAlive is checkExporterAlive(t) for a use vouch has just taken
-// on t's table (a hit's, or a first import's): the table's lifeline where
-// it has one; else /proc, trusted for aliveRecheck after a check passed
-// (it reads /proc/<pid>/stat, once the costliest step of a table hit).
+// on t's table (a hit's, or a first import's): the table's lifeline, and
+// /proc, trusted for aliveRecheck after a check passed (it reads
+// /proc/<pid>/stat, once the costliest step of a table hit).
 func (u vouchedUse) exporterAlive(t *Ticket) error {
-	if u.view.life != 0 {
-		if !u.view.alive() {
-			return Errorf(EIO, "open: the exporter (pid %d) has exited or exec'd: its grant table's lifeline is marked", t.Pid)
-		}
-		return nil
+	if u.view.life != 0 && !u.view.alive() {
+		return Errorf(EIO, "open: the exporter (pid %d) has exited or exec'd: its grant table's lifeline is marked", t.Pid)
 	}
+	// Also with a lifeline: an exporter killed a moment ago may be a zombie
+	// (its main thread ended) before its lifeline thread has ended and
+	// marked the word; /proc says so.
 	now := monotonicNanos()
 	if last := u.view.aliveAt.Load(); now != 0 && last != 0 && now-last < uint64(aliveRecheck) {
 		return nil
@@ -379,17 +379,6 @@ func settle(t *Ticket, record int, keep bool) {
 		clearRecord(v.log, record)
 		v.used[record] = false
 	}
-}
-
-// lifelineSaysAlive reports whether this process maps t's exporter's
-// table and its lifeline is intact: then the process that made it, with
-// the pid and start time of t (the table is kept by them), lives, and a
-// dial need not read /proc to know it (checkBeforeDial).
-func lifelineSaysAlive(t *Ticket) bool {
-	tables.mu.Lock()
-	defer tables.mu.Unlock()
-	v := tables.m[t.exporterKey()]
-	return v != nil && v.life != 0 && v.alive()
 }
 
 // alive reports whether the exporter's image that made the table lives:

@@ -13,8 +13,9 @@ import (
 // The exporter's lifeline: a word in the header of its grant table that
 // the kernel marks when the exporter's image ends, so that a table hit
 // tells a live exporter from a dead one with one load, where it read
-// /proc/<pid>/fd/<n> on every hit and the pid's start time in /proc every
-// 50 ms.
+// /proc/<pid>/fd/<n> on every hit. (The pid's start time and state are
+// still read every 50 ms: a killed exporter is a zombie a moment before
+// this thread, still ending, marks the word.)
 //
 // How: one thread of ours, which never returns, registers a robust futex
 // list (set_robust_list) whose entries are the words of our tables, each
@@ -22,9 +23,9 @@ import (
 // robust list and sets FUTEX_OWNER_DIED in each word that holds its tid:
 // at exit and on SIGKILL (before the process is a zombie), and at an exec,
 // which ends every other thread first. This is what robust futexes exist
-// for (a lock held by a process that died), and a hit needs nothing of
-// /proc (a receiver reads /proc/<pid>/task once, when it takes the table):
-// a non-dumpable exporter or a pid handed out again change nothing.
+// for (a lock held by a process that died), and it needs nothing of the
+// exporter's /proc/<pid>/fd, which a non-dumpable exporter hides (a
+// receiver reads /proc/<pid>/task once, when it takes the table).
 // Nothing else writes the word: the
 // table is sealed against writing but for the exporter's own mapping,
 // which a forked child does not inherit (MADV_DONTFORK), and a forked

@@ -23,19 +23,12 @@ import (
 // instead of waiting on whatever now holds the address.
 
 // checkBeforeDial runs what every connection to t's exporter checks first:
-// that its address can reach it from here, and that it is alive: its
-// pid's start time in /proc, unless the caller knows it lives (pidAlive:
-// its grant table's lifeline said so), and its lock.
-func checkBeforeDial(t *Ticket, pidAlive bool) error {
+// that its address can reach it from here, and that it is alive.
+func checkBeforeDial(t *Ticket) error {
 	if err := checkReachable(t); err != nil {
 		return err
 	}
-	if !pidAlive {
-		if err := checkPidAlive(t); err != nil {
-			return err
-		}
-	}
-	return checkLockHeld(t)
+	return checkExporterAlive(t)
 }
 
 // checkReachable refuses tickets whose abstract address cannot reach the

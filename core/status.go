@@ -9,7 +9,7 @@ import "time"
 // The answer is unauthenticated: it only decides when to drop cached
 // mappings early, never whether to use one.
 func bufferStatus(t *Ticket, ids []uint64, timeout time.Duration) (map[uint64]bool, error) {
-	if err := checkBeforeDial(t, false); err != nil {
+	if err := checkBeforeDial(t); err != nil {
 		return nil, err
 	}
 	c, err := dialConn(t, time.Now().Add(timeout), timeout)

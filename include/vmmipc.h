@@ -113,8 +113,7 @@
  *   also while a forked child still holds its socket, or when only a stale
  *   file is left); the ticket's pid and start time are checked (/proc,
  *   SO_PEERCRED) only in the exporter's PID (and time) namespace, where
- *   they mean something (a receiver that maps the exporter's grant table
- *   reads its lifeline instead of /proc, see "The import cache"). A ticket naming an abstract socket is refused at
+ *   they mean something. A ticket naming an abstract socket is refused at
  *   once (VMMIPC_EIO, saying to set VMMIPC_SOCKET_DIR) by a receiver in
  *   another network or PID namespace.
  *   Not promised: a process of the same uid that can write the directory
@@ -838,14 +837,15 @@ typedef struct vmmipc_mapping {
  *     included, before it is a zombie, or an exec; the word is a robust
  *     futex held by a thread the exporter keeps for its whole life, and the
  *     receiver checks once that it names a thread of the exporter's pid),
- *     read with one load and no system call. Where the exporter could not
- *     set that up (set_robust_list refused), the receiver looks in /proc
- *     instead: the exporter's own descriptor of the table still open
- *     (/proc/<pid>/fd/<n>; an exec or exit closes it; hidden from receivers
- *     without CAP_SYS_PTRACE where the exporter made itself non-dumpable,
- *     whose hits then ask it), and its pid's start time (read at most
- *     every 50 ms per exporter: within that time the descriptor tells the
- *     same). Before it returns, the hit writes a record of the use to
+ *     read with one load on every hit; where the exporter could not set
+ *     that up (set_robust_list refused), its own descriptor of the table
+ *     still open instead (/proc/<pid>/fd/<n>; an exec or exit closes it;
+ *     hidden from receivers without CAP_SYS_PTRACE where the exporter made
+ *     itself non-dumpable, whose hits then ask it); and its pid's start
+ *     time and state in /proc (a zombie has exited), read at most every
+ *     50 ms per exporter (within that time the word, or the descriptor,
+ *     tells the same, but for an exporter killed so recently that its
+ *     other threads are still ending). Before it returns, the hit writes a record of the use to
  *     its spend log (the grant's id and an HMAC that only the ticket's
  *     secret makes); a library thread then spends the use with the
  *     exporter, as with VMMIPC_IMPORT_CONFIRM_LATER (vmmipc_cache_info
