@@ -132,8 +132,8 @@ static int receiver_role(const char *h) {
 
 /* Scenario 1: the sender dies at a random chunk. */
 static void sender_dies(void) {
-  int ok = 0, slow = 0, leaks = 0;
-  double worst = 0;
+  int ok = 0, slow = 0, leaks = 0, late = 0;
+  double worst = 0, worst_settle = 0;
   char detail[256] = "";
   setup();
   int fds0 = -1;
@@ -168,6 +168,18 @@ static void sender_dies(void) {
     int fds = count_fds();
     size_t mem = free_mem();
     if (trial == 0) fds0 = fds, mem0 = mem; /* after the first import: the runtime's and driver's own fds */
+    /* The driver may give a dead sender's device memory back a moment after its
+     * process is reaped: memory that comes back within 3 s was the sender's, not
+     * a chunk this receiver kept (those never come back). Counted, not failed. */
+    double settle0 = now_ms();
+    while (mem + CHUNK < mem0 && now_ms() - settle0 < 3000) {
+      struct timespec ts = {0, 5 * 1000 * 1000};
+      nanosleep(&ts, NULL);
+      mem = free_mem();
+    }
+    double settle = now_ms() - settle0;
+    if (settle > 1) late++;
+    if (settle > worst_settle) worst_settle = settle;
     if (rc == VMMIPC_EIO && m.addr == 0) ok++;
     else snprintf(detail, sizeof detail, "trial %d (k=%d): status %d: %s", trial, k, rc, vmmipc_last_error());
     if (fds != fds0 || mem + CHUNK < mem0) {
@@ -176,9 +188,11 @@ static void sender_dies(void) {
                mem, mem0);
     }
   }
-  char d[512];
-  snprintf(d, sizeof d, "%d/%d trials got VMMIPC_EIO, slowest %.0f ms, %d over 2 s, %d with leaks %s", ok, TRIALS,
-           worst, slow, leaks, detail);
+  char d[640];
+  snprintf(d, sizeof d,
+           "%d/%d trials got VMMIPC_EIO, slowest %.0f ms, %d over 2 s, %d with leaks; %d waited for the driver to "
+           "free the dead sender's memory (longest %.0f ms) %s",
+           ok, TRIALS, worst, slow, leaks, late, worst_settle, detail);
   check(ok == TRIALS && slow == 0 && leaks == 0, "sender SIGKILLed at a random chunk", d);
 }
 
