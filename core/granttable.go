@@ -4,6 +4,7 @@ import (
 	"crypto/sha256"
 	"sync"
 	"sync/atomic"
+	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -115,14 +116,27 @@ func load32(mem []byte, off uint64) (b [32]byte) {
 }
 
 // monotonicNanos is CLOCK_MONOTONIC, which both sides read alike in one
-// time namespace.
+// time namespace. One system call at load pairs it with the runtime's
+// monotonic clock (CLOCK_MONOTONIC too, read through the vDSO), and each
+// reading adds the time elapsed on that clock: unix.ClockGettime is a real
+// system call, and a table hit reads the clock on every hit. The pairing is
+// off by the length of one call, far below a ttl's millisecond.
 func monotonicNanos() uint64 {
-	var ts unix.Timespec
-	if unix.ClockGettime(unix.CLOCK_MONOTONIC, &ts) != nil {
-		return 0
-	}
-	return uint64(ts.Nano())
+	return monotonicAtLoad.ns + uint64(time.Since(monotonicAtLoad.at))
 }
+
+var monotonicAtLoad = func() (m struct {
+	at time.Time
+	ns uint64
+}) {
+	var ts unix.Timespec
+	before := time.Now()
+	if unix.ClockGettime(unix.CLOCK_MONOTONIC, &ts) == nil {
+		m.ns = uint64(ts.Nano())
+	}
+	m.at = before.Add(time.Since(before) / 2) // the call's middle
+	return m
+}()
 
 // grantTable is the exporter's side: made on first use, kept for the
 // process's life (one descriptor, to open read-only descriptions of it for

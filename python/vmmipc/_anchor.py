@@ -11,6 +11,13 @@ and keeps the buffer identity, so a receiver that has the memory mapped
 imports it from its cache. A grant may keep Python objects alive until it
 ends (a torch storage until its receiver has it): they are let go on the
 reaper thread, never on the library thread that runs the release callback.
+A grant that keeps nothing and holds nothing (a HostBuffer's or a cuda.core
+Buffer's pickle) is registered without a release callback: such a callback
+only told the anchor which grants had ended, and it cost the sender more
+than the grant itself (a library thread taking the GIL, for every pickle).
+The anchor asks the library instead (still_live), when pending() is called
+and each time its list of such grants has doubled, so the list stays about
+twice the grants that are live.
 Ending an anchor (retire) ends no grant: each lives until used, expired or
 unregistered, and receivers' mappings outlive everything.
 
@@ -22,13 +29,14 @@ state in one place; anchors inherited that way are never ended by the child.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import logging
 import os
 import queue
 import threading
 
-from . import _errors
+from . import _errors, _lib
 from ._register import register_again, unregister
 from ._ticket import Ticket
 
@@ -108,6 +116,22 @@ def end_quietly(ticket: Ticket) -> None:
         pass  # ended already (used up, unregistered by hand or at exit)
 
 
+def still_live(ticket: Ticket) -> bool:
+    """Whether the library still counts this grant of this process as live.
+    vmmipc_wait(ticket, 0) answers OK once a grant has ended and been
+    released, and VMMIPC_ETIMEDOUT while it is live or its release callback
+    is still to run, which its detail tells apart ("has ended"). An anchor
+    lists a grant with a callback until that callback has run, and the
+    callback, called on a library thread as the grant ends, waits for the
+    GIL: for as long as a thread keeps it (milliseconds, or until it next
+    blocks), the list holds grants that have ended. Any other answer (a
+    forked child's VMMIPC_EFORK included) is not live."""
+    status = _lib.lib("vmmipc_wait").vmmipc_wait(ctypes.byref(ticket._c()), 0)
+    if status == _errors.ETIMEDOUT:
+        return "has ended" not in _lib.last_error()
+    return False
+
+
 # -------------------------------------------------------------------- anchor
 
 _generation = [0]  # bumped in a forked child: anchors of older ones are inherited
@@ -120,6 +144,9 @@ def _forked() -> None:
 after_fork(_forked)
 
 
+_QUIET_FIRST_CHECK = 64  # grants without a callback listed before the first prune
+
+
 class Anchor:
     """One anchor registration and the grants made from it that have not
     ended. Grants and retire() may be called from any thread."""
@@ -128,7 +155,9 @@ class Anchor:
         self.ticket = ticket
         self._generation = _generation[0]
         self._lock = threading.Lock()
-        self._grants: dict[int, Ticket | None] = {}
+        self._grants: dict[int, Ticket | None] = {}  # grants with a release callback
+        self._quiet: dict[int, Ticket] = {}  # grants without one, maybe ended (module doc)
+        self._quiet_check = _QUIET_FIRST_CHECK  # prune _quiet when it is this long
         self._keys = itertools.count()
         self.retired = False
         self._warned = False  # about the limit of pending grants
@@ -145,6 +174,14 @@ class Anchor:
         (register_again(hold=True)). NotFoundError if the anchor ended
         (retired, or unregistered at exit)."""
         key = next(self._keys)
+        if keep is None and not hold and limit is None:
+            ticket = register_again(self.ticket, uses=uses, ttl=ttl)
+            with self._lock:
+                self._quiet[key] = ticket
+                if len(self._quiet) >= self._quiet_check:
+                    self._prune_quiet()
+                    self._quiet_check = max(_QUIET_FIRST_CHECK, 2 * len(self._quiet))
+            return ticket
         with self._lock:
             if limit is not None and len(self._grants) >= limit:
                 oldest = next((k for k, t in self._grants.items() if t is not None), None)
@@ -174,10 +211,20 @@ class Anchor:
         with self._lock:
             self._grants.pop(key, None)
 
+    def _prune_quiet(self) -> None:
+        """Forget the grants without a callback that have ended (under _lock;
+        calls the library, which calls nothing back)."""
+        self._quiet = {k: t for k, t in self._quiet.items() if still_live(t)}
+
     def pending(self) -> list[Ticket]:
-        """Tickets of grants that have not ended."""
+        """Tickets of grants that have not ended, in the order they were made."""
         with self._lock:
-            return [t for t in self._grants.values() if t is not None]
+            self._prune_quiet()
+            if not self._grants:
+                return list(self._quiet.values())
+            both = [(k, t) for k, t in self._grants.items() if t is not None]
+            both += self._quiet.items()
+            return [t for _, t in sorted(both, key=lambda kt: kt[0])]
 
     def retire(self, now: bool = False) -> None:
         """End the anchor (once): now, or on the reaper (from a finalizer

@@ -36,7 +36,7 @@ import time
 import weakref
 
 from . import _args, _errors, _exported, _lib
-from ._anchor import Anchor
+from ._anchor import Anchor, still_live
 from ._mapping import import_private
 from ._register import register_host_file, unregister
 from ._ticket import Ticket, as_ticket
@@ -84,21 +84,6 @@ def new_memfd(name: str, size: int, what: str = "HostBuffer") -> int:
             f"cannot create the {what}'s memfd: {e.strerror}: {why}", _errors.ENFILE, what)
         err.errno = e.errno
         raise err from None
-
-
-def _still_live(ticket: Ticket) -> bool:
-    """Whether the library still counts this grant as live. An anchor lists
-    a grant until its release callback has run, and that callback, called on
-    a library thread as the grant ends, waits for the GIL: for as long as
-    this thread keeps it (milliseconds, or until this thread next blocks),
-    the list holds grants that have ended. vmmipc_wait(ticket, 0) answers
-    OK once a grant is released, and VMMIPC_ETIMEDOUT while it is live or
-    its release is still to run, which its detail tells apart ("has ended");
-    a detail that says neither keeps the grant listed, as before."""
-    status = _lib.lib("HostBuffer.pending_tickets").vmmipc_wait(ctypes.byref(ticket._c()), 0)
-    if status == _errors.ETIMEDOUT:
-        return "has ended" not in _lib.last_error()
-    return False  # released, or not a registration of this process (any more)
 
 
 def _release_owner(fd: int, anchor: Anchor) -> None:
@@ -343,7 +328,7 @@ class HostBuffer(_exported.Buffer, _lib.Closeable):
         (used up, expired or unregistered), in the order they were made."""
         if self._anchor is None:
             return []
-        return [t for t in self._anchor.pending() if _still_live(t)]
+        return [t for t in self._anchor.pending() if still_live(t)]
 
     def unregister_all(self) -> int:
         """End every pending share of this buffer; returns how many."""

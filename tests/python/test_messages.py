@@ -227,3 +227,26 @@ def test_pending_tickets_lists_only_grants_still_live(hb):
     assert hb.wait(0.1) is False and hb.pending_tickets() == [kept]
     vmmipc.unregister(kept)
     assert hb.wait(5) and hb.pending_tickets() == []
+
+
+def test_pickles_call_nothing_back_and_their_list_stays_bounded(hb):
+    """A HostBuffer's grant keeps and holds nothing, so it is registered
+    without a release callback (a library thread taking the GIL for every
+    pickle cost the sender more than the grant); the buffer's list of them
+    is pruned by asking the library, so it stays near the live ones however
+    many pickles come and go, and pending_tickets() and wait() are as before."""
+    from vmmipc import _register
+    callbacks = len(_register._records)
+    live = [hb.grant() for _ in range(100)]
+    assert len(_register._records) == callbacks, "a pickle registered a Python callback"
+    assert hb.pending_tickets() == live, "not every live grant is listed, in order"
+    for _ in range(2000):
+        vmmipc.unregister(hb.grant())  # ended at once, as a receiver's use ends it
+    listed = len(hb._anchor._quiet)
+    assert listed <= 2 * len(live) + 64, f"{listed} grants listed for {len(live)} live ones"
+    assert hb.pending_tickets() == live
+    for t in live[:-1]:
+        vmmipc.unregister(t)
+    assert hb.pending_tickets() == live[-1:] and hb.wait(0) is False
+    vmmipc.unregister(live[-1])
+    assert hb.wait(5) and hb.pending_tickets() == []
