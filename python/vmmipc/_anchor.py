@@ -35,6 +35,7 @@ import logging
 import os
 import queue
 import threading
+import weakref
 
 from . import _errors, _lib
 from ._register import register_again, unregister
@@ -145,6 +146,21 @@ after_fork(_forked)
 
 
 _QUIET_FIRST_CHECK = 64  # grants without a callback listed before the first prune
+_anchors: "weakref.WeakSet[Anchor]" = weakref.WeakSet()  # for the exit hook below
+
+
+def _end_quiet_grants_at_exit() -> None:
+    # _register's exit hook (priority -100, run just before this one) told
+    # the library the process is exiting and ended the registrations with a
+    # callback; this ends the grants without one, so that a receiver that
+    # comes now hears, for every grant alike, that its exporter is exiting.
+    for anchor in list(_anchors):
+        if anchor._generation == _generation[0]:
+            for t in anchor.pending():
+                end_quietly(t)
+
+
+_lib.at_exit(_end_quiet_grants_at_exit, -101)
 
 
 class Anchor:
@@ -159,6 +175,7 @@ class Anchor:
         self._quiet: dict[int, Ticket] = {}  # grants without one, maybe ended (module doc)
         self._quiet_check = _QUIET_FIRST_CHECK  # prune _quiet when it is this long
         self._keys = itertools.count()
+        _anchors.add(self)
         self.retired = False
         self._warned = False  # about the limit of pending grants
 

@@ -301,11 +301,11 @@ def child_put_and_exit(q):
 
 
 def child_share_then_exit_hook(q, go):
-    """An exporter that shares a HostBuffer, runs vmmipc's exit hook (what
+    """An exporter that shares a HostBuffer, runs vmmipc's exit hooks (what
     its exit would run) and stays until told to go."""
-    from vmmipc import _register
+    from vmmipc import _lib
     hb = vmmipc.HostBuffer(4096)
     t = hb.grant()
-    _register._unregister_all_at_exit()
+    _lib._run_exit_hooks()
     q.put(bytes(t))
     go.get(timeout=60)

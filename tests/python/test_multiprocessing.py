@@ -341,9 +341,10 @@ def test_forkserver_preloading_vmmipc_does_not_load_the_library(tmp_path):
 
 
 def test_receiver_hears_that_the_exporter_is_exiting():
-    """vmmipc's exit hook ends the process's shares (so no release callback
-    runs in a finalizing interpreter): a receiver then hears that the
-    exporter is exiting, not that someone unregistered what it was sent."""
+    """vmmipc's exit hooks end the process's shares (so no release callback
+    runs in a finalizing interpreter, and a HostBuffer's grant, which has
+    none, ends alike): a receiver then hears that the exporter is exiting,
+    not that someone unregistered what it was sent."""
     ctx = mp.get_context("spawn")
     q, go = ctx.Queue(), ctx.Queue()
     p = ctx.Process(target=h.child_share_then_exit_hook, args=(q, go))

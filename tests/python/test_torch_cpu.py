@@ -485,9 +485,12 @@ def test_pending_grants_are_bounded(fake, caplog):
 
 
 def test_anchor_grants_are_pending_until_released(fake):
+    """Grants that keep an object alive (a torch storage) end through their
+    release callback. (Those that keep nothing have none and are asked
+    about: test_messages.py, test_pickles_call_nothing_back_...)"""
     anchor = _anchor.Anchor("anchor-y")
-    t1 = anchor.grant(uses=2, ttl=1.5)
-    t2 = anchor.grant()
+    t1 = anchor.grant(uses=2, ttl=1.5, keep=object())
+    t2 = anchor.grant(keep=object())
     assert anchor.pending() == [t1, t2]
     fake.again[0][3]()
     assert anchor.pending() == [t2]
