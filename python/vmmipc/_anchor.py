@@ -147,6 +147,7 @@ after_fork(_forked)
 
 _QUIET_FIRST_CHECK = 64  # grants without a callback listed before the first prune
 _anchors: "weakref.WeakSet[Anchor]" = weakref.WeakSet()  # for the exit hook below
+_anchors_lock = threading.Lock()  # a WeakSet is not safe to add to while it is copied
 
 
 def _end_quiet_grants_at_exit() -> None:
@@ -154,7 +155,9 @@ def _end_quiet_grants_at_exit() -> None:
     # the library the process is exiting and ended the registrations with a
     # callback; this ends the grants without one, so that a receiver that
     # comes now hears, for every grant alike, that its exporter is exiting.
-    for anchor in list(_anchors):
+    with _anchors_lock:
+        anchors = list(_anchors)
+    for anchor in anchors:
         if anchor._generation == _generation[0]:
             for t in anchor.pending():
                 end_quietly(t)
@@ -175,7 +178,8 @@ class Anchor:
         self._quiet: dict[int, Ticket] = {}  # grants without one, maybe ended (module doc)
         self._quiet_check = _QUIET_FIRST_CHECK  # prune _quiet when it is this long
         self._keys = itertools.count()
-        _anchors.add(self)
+        with _anchors_lock:
+            _anchors.add(self)
         self.retired = False
         self._warned = False  # about the limit of pending grants
 

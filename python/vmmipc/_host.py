@@ -26,7 +26,6 @@ valid after that. wait() blocks until every such registration has ended.
 from __future__ import annotations
 
 import copyreg
-import ctypes
 import errno
 import fcntl
 import mmap
