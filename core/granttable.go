@@ -120,8 +120,13 @@ func load32(mem []byte, off uint64) (b [32]byte) {
 // monotonic clock (CLOCK_MONOTONIC too, read through the vDSO), and each
 // reading adds the time elapsed on that clock: unix.ClockGettime is a real
 // system call, and a table hit reads the clock on every hit. The pairing is
-// off by the length of one call, far below a ttl's millisecond.
+// off by the length of one call, far below a ttl's millisecond. 0 (as
+// before) if the clock could not be read at load: callers treat 0 as
+// unknown.
 func monotonicNanos() uint64 {
+	if monotonicAtLoad.ns == 0 {
+		return 0
+	}
 	return monotonicAtLoad.ns + uint64(time.Since(monotonicAtLoad.at))
 }
 

@@ -15,7 +15,7 @@ A grant that keeps nothing and holds nothing (a HostBuffer's or a cuda.core
 Buffer's pickle) is registered without a release callback: such a callback
 only told the anchor which grants had ended, and it cost the sender more
 than the grant itself (a library thread taking the GIL, for every pickle).
-The anchor asks the library instead (still_live), when pending() is called
+The anchor asks the library instead (_still_live), when pending() is called
 and each time its list of such grants has doubled, so the list stays about
 twice the grants that are live.
 Ending an anchor (retire) ends no grant: each lives until used, expired or
@@ -117,16 +117,11 @@ def end_quietly(ticket: Ticket) -> None:
         pass  # ended already (used up, unregistered by hand or at exit)
 
 
-def still_live(ticket: Ticket) -> bool:
-    """Whether the library still counts this grant of this process as live.
-    vmmipc_wait(ticket, 0) answers OK once a grant has ended and been
-    released, and VMMIPC_ETIMEDOUT while it is live or its release callback
-    is still to run, which its detail tells apart ("has ended"). An anchor
-    lists a grant with a callback until that callback has run, and the
-    callback, called on a library thread as the grant ends, waits for the
-    GIL: for as long as a thread keeps it (milliseconds, or until it next
-    blocks), the list holds grants that have ended. Any other answer (a
-    forked child's VMMIPC_EFORK included) is not live."""
+def _still_live(ticket: Ticket) -> bool:
+    """Whether the library still counts this grant of this process as live:
+    vmmipc_wait(ticket, 0) answers VMMIPC_ETIMEDOUT while it is live or its
+    release is still to run, which its detail tells apart ("has ended").
+    Any other answer (OK: ended; a forked child's VMMIPC_EFORK) is not live."""
     status = _lib.lib("vmmipc_wait").vmmipc_wait(ctypes.byref(ticket._c()), 0)
     if status == _errors.ETIMEDOUT:
         return "has ended" not in _lib.last_error()
@@ -159,7 +154,10 @@ def _end_quiet_grants_at_exit() -> None:
         anchors = list(_anchors)
     for anchor in anchors:
         if anchor._generation == _generation[0]:
-            for t in anchor.pending():
+            with anchor._lock:
+                anchor._prune_quiet()
+                quiet = list(anchor._quiet.values())
+            for t in quiet:
                 end_quietly(t)
 
 
@@ -235,7 +233,7 @@ class Anchor:
     def _prune_quiet(self) -> None:
         """Forget the grants without a callback that have ended (under _lock;
         calls the library, which calls nothing back)."""
-        self._quiet = {k: t for k, t in self._quiet.items() if still_live(t)}
+        self._quiet = {k: t for k, t in self._quiet.items() if _still_live(t)}
 
     def pending(self) -> list[Ticket]:
         """Tickets of grants that have not ended, in the order they were made."""

@@ -200,10 +200,9 @@ def _import_and_exit(ticket):
 
 
 def test_pending_tickets_lists_only_grants_still_live(hb):
-    """A grant's release (which takes it off the buffer's list) runs on a
-    library thread and waits for the GIL: while this thread keeps the GIL,
-    a grant that a receiver has used up is still on the list. The library
-    knows better, and pending_tickets() asks it."""
+    """While this thread keeps the GIL (no library thread could call back
+    into Python), a grant that a receiver has used up is not listed:
+    pending_tickets() asks the library."""
     used, kept = hb.grant(), hb.grant()
     live_now = ctypes.PyDLL(None, handle=_lib.lib()._handle).vmmipc_live_registrations  # keeps the GIL
     count = ctypes.c_uint64()
