@@ -213,11 +213,12 @@ func (c *importCache) hitOnTable(e *entry, t *Ticket, timeout time.Duration) (re
 
 // spendTaken has the confirmer spend the use of t that vouch took on the
 // table (record `record`) for mapping e: a table hit's, or a table
-// import's (tablemiss.go). The answer settles it; asked and not answered
-// (EIO), the record stays, for the exporter to spend should this process
-// exit first.
+// import's (tablemiss.go); or the exporter, from the record, if it grants
+// again first (confirmer.go). The answer settles it; asked and not
+// answered (EIO), the record stays, for the exporter to spend should this
+// process exit first.
 func (c *importCache) spendTaken(e *entry, t *Ticket, record int, timeout time.Duration) {
-	confirms.add(t, timeout, func(lives bool, err error) {
+	confirms.addRecorded(t, record, timeout, func(lives bool, err error) {
 		settle(t, record, err != nil && CodeOf(err) == EIO)
 		if err == nil && !lives {
 			c.bufferEnded(e)

@@ -28,7 +28,15 @@ import (
 // out, the worker stays for confirmLinger, and a hit that comes meanwhile
 // waits up to confirmGather for others to join it, or until half a spend
 // log's records wait (spendlog.go: a full log would send the next hits to
-// the exporter). A lone hit is sent at once.
+// the exporter), and a batch takes only the hits that have waited so long.
+// A lone hit is sent at once.
+//
+// A table hit's use has a record in this process's spend log, which the
+// hit opens to the exporter (openSpend): an exporter that grants again
+// meanwhile, as one re-sending a buffer in a loop does, spends it from
+// the log itself (spendlogs.go harvest). So the worker first takes each
+// record back (takeSpend): those the exporter spent are answered from the
+// record, without a session, and only the rest go on one.
 type confirmer struct {
 	mu       sync.Mutex
 	queues   map[string]*confirmQueue // by exporter, while it has a worker
@@ -44,6 +52,7 @@ type confirmQueue struct {
 
 type pendingConfirm struct {
 	t       *Ticket
+	record  int // its spend log record (a table hit's), or 0
 	timeout time.Duration
 	at      time.Time                   // when queued
 	then    func(lives bool, err error) // with the answer, if not nil
@@ -60,11 +69,20 @@ var confirms = &confirmer{queues: map[string]*confirmQueue{}}
 // has none; then (if not nil) gets the answer: whether the buffer lives on,
 // or the error.
 func (c *confirmer) add(t *Ticket, timeout time.Duration, then func(lives bool, err error)) {
+	c.addRecorded(t, 0, timeout, then)
+}
+
+// addRecorded is add for a table hit's use, whose spend log record
+// (vouch's) it opens to the exporter first.
+func (c *confirmer) addRecorded(t *Ticket, record int, timeout time.Duration, then func(lives bool, err error)) {
+	if record > 0 {
+		openSpend(t, record)
+	}
 	key := t.exporterKey()
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.pending++
-	p := pendingConfirm{t: t, timeout: timeout, at: time.Now(), then: then}
+	p := pendingConfirm{t: t, record: record, timeout: timeout, at: time.Now(), then: then}
 	if q := c.queues[key]; q != nil {
 		q.items = append(q.items, p)
 		select {
@@ -82,6 +100,7 @@ func (c *confirmer) add(t *Ticket, timeout time.Duration, then func(lives bool, 
 // has stayed empty for confirmLinger.
 func (c *confirmer) work(key string, q *confirmQueue) {
 	streaming := false // a session went out lately: gather the next hits
+	var last time.Time // when the last batch went
 	for {
 		c.mu.Lock()
 		if len(q.items) == 0 {
@@ -98,17 +117,29 @@ func (c *confirmer) work(key string, q *confirmQueue) {
 			}
 			continue
 		}
-		if wait := confirmGather - time.Since(q.items[0].at); streaming && wait > 0 && len(q.items) < spendRecords/2 {
+		// Streaming, a batch waits until its first hit has waited
+		// confirmGather, and comes at most every confirmGather.
+		wait := confirmGather - min(time.Since(q.items[0].at), time.Since(last))
+		if streaming && wait > 0 && len(q.items) < spendRecords/2 {
 			c.mu.Unlock()
 			time.Sleep(wait)
 			continue
 		}
-		batch := append([]pendingConfirm(nil), q.items[:min(len(q.items), maxMoreUses+1)]...)
-		q.items = q.items[len(batch):]
+		n := min(len(q.items), maxMoreUses+1)
+		if streaming && len(q.items) < spendRecords/2 {
+			// Only those that have waited their while: a younger hit may
+			// still be spent by the exporter at its next grant.
+			n = 1
+			for n < len(q.items) && n <= maxMoreUses && time.Since(q.items[n].at) >= confirmGather {
+				n++
+			}
+		}
+		batch := append([]pendingConfirm(nil), q.items[:n]...)
+		q.items = q.items[n:]
 		c.mu.Unlock()
 
 		failed := c.confirmBatch(batch)
-		streaming = true
+		streaming, last = true, time.Now()
 
 		c.mu.Lock()
 		c.pending -= uint64(len(batch))
@@ -123,14 +154,18 @@ func (c *confirmer) work(key string, q *confirmQueue) {
 // failed.
 func (c *confirmer) confirmBatch(batch []pendingConfirm) (failed int) {
 	ts := make([]*Ticket, len(batch))
-	idx := make([]int, len(batch))
-	timeout := batch[0].timeout
-	for i, p := range batch {
-		ts[i], idx[i] = p.t, i
-		timeout = min(timeout, p.timeout)
-	}
 	errs := make([]error, len(batch))
 	acks := make([]uint64, len(batch))
+	idx := c.harvested(batch, acks, errs)
+	timeout := time.Duration(0)
+	for _, i := range idx {
+		if timeout == 0 || batch[i].timeout < timeout {
+			timeout = batch[i].timeout
+		}
+	}
+	for i, p := range batch {
+		ts[i] = p.t
+	}
 	dial := func(idx []int, hello uint64) (*conn, transcript, *clientLease, error) {
 		cn, tr, err := connect(ts[idx[0]], timeout, hello, nil, nil)
 		return cn, tr, nil, err
@@ -150,6 +185,46 @@ func (c *confirmer) confirmBatch(batch []pendingConfirm) (failed int) {
 		}
 	}
 	return failed
+}
+
+// harvestWait is how often the worker looks again at a record that the
+// exporter is spending (it takes microseconds).
+const harvestWait = 50 * time.Microsecond
+
+// harvested takes back the batch's spend log records (takeSpend): the uses
+// the exporter spent are answered from their records (acks); one it is
+// still spending is waited for, within the batch's shortest timeout and
+// while the exporter's image lives (after that, unanswered: EIO, the
+// record kept); and the indices of the rest, to spend on a session, are
+// returned in order.
+func (c *confirmer) harvested(batch []pendingConfirm, acks []uint64, errs []error) (send []int) {
+	timeout := batch[0].timeout
+	for _, p := range batch {
+		timeout = min(timeout, p.timeout)
+	}
+	deadline := time.Now().Add(timeout)
+	for i, p := range batch {
+		if p.record == 0 {
+			send = append(send, i)
+			continue
+		}
+		for {
+			take, spent, lives, busy := takeSpend(p.t, p.record)
+			switch {
+			case take:
+				send = append(send, i)
+			case spent && lives:
+				acks[i] = ackBufferLives
+			case busy && time.Now().Before(deadline) && tableAlive(p.t):
+				time.Sleep(harvestWait)
+				continue
+			case busy:
+				errs[i] = Errorf(EIO, "confirm: the exporter (pid %d) took registration %d's use from this process's spend log and did not say within %v whether it spent it (it may have ended)", p.t.Pid, p.t.RegID, timeout)
+			}
+			break
+		}
+	}
+	return send
 }
 
 // counts reports confirmations queued or in flight, and those that failed.

@@ -568,7 +568,8 @@ func helperTableHit(t *testing.T, out *lineWriter) error {
 			}
 			var other Secret
 			other[0] = 1
-			writeRecord(v.log, spendRecords, g.RegID, spendProof(other, g.RegID))
+			v.gen++
+			writeRecord(v.log, spendRecords, g.RegID, spendProof(other, g.RegID), v.gen)
 			tables.mu.Unlock()
 			out.printf("forged")
 		default:
@@ -620,20 +621,26 @@ func TestKilledAfterATableHitLeavesNothingPending(t *testing.T) {
 	}
 }
 
-// FuzzSpendLogDrain is a dead receiver's spend log in fuzzed bytes (records
-// with fuzzed ids and proofs, and some with real proofs of live grants):
-// the exporter spends exactly the records whose id names a live grant
-// that holds nothing and whose proof that grant's secret made, and
-// reading the log never fails otherwise.
+// FuzzSpendLogDrain is a receiver's spend log in fuzzed bytes (records
+// with fuzzed ids, proofs and claims, and some with real proofs of live
+// grants, some of them opened to the exporter), read as a dead receiver's
+// (drainExited) or harvested from a live one's (harvest): the exporter
+// spends exactly the records whose id names a live grant that holds
+// nothing and whose proof that grant's secret made, among those that
+// nobody spent yet (dead) or that are open (live), marks each harvested
+// record with what became of it, and reading the log never fails
+// otherwise.
 func FuzzSpendLogDrain(f *testing.F) {
 	f.Add(make([]byte, spendLogSize), uint64(0))
 	f.Add([]byte{1, 0, 0, 0, 0, 0, 0, 0}, uint64(0b101))
 	f.Add([]byte("garbage everywhere"), uint64(1<<62-1))
+	f.Add(make([]byte, spendLogSize), uint64(1<<63|0xffff_ffff))
 	s := newTestServer(f)
 	fd := newMemfd(f, 4096, pattern(4096, 1))
 	defer unix.Close(fd)
 	anchor := registerFile(f, s, fd, 4096, 4096, RegisterOptions{})
 	f.Fuzz(func(t *testing.T, raw []byte, real uint64) {
+		live := real>>63 != 0
 		lfd, mem, err := newSpendLog()
 		if err != nil {
 			t.Fatal(err)
@@ -655,12 +662,20 @@ func FuzzSpendLogDrain(f *testing.F) {
 				if real>>(16+i)&1 != 0 {
 					proof[real%32] ^= 1 // not quite
 				}
-				writeRecord(mem, at, tk.RegID, proof)
+				writeRecord(mem, at, tk.RegID, proof, uint64(i))
+				if real>>(40+i)&1 != 0 {
+					openRecord(mem, at)
+				}
 			}
 		}
 		// What the log says once written: the records as they stand.
+		before := map[int]uint64{}
 		for i := 1; i <= spendRecords; i++ {
-			id, proof := readRecord(mem, i)
+			id, proof, claim := readRecord(mem, i)
+			before[i] = claim
+			if id == 0 || (live && claimState(claim) != claimOpen) || (!live && !unspent(claim)) {
+				continue
+			}
 			for _, tk := range grants {
 				if p := spendProof(tk.Secret, tk.RegID); id == tk.RegID && proof == p && !tk.Holds {
 					want[id] = true
@@ -669,11 +684,20 @@ func FuzzSpendLogDrain(f *testing.F) {
 		}
 		var l spendLogs
 		l.spend, l.published = s.reg.spendRecorded, func() bool { return true }
-		if !l.adopt(lfd, uint32(os.Getpid()), 1) { // start time 1: no process of ours, so "exited"
+		start := uint64(1) // no process of ours, so "exited"
+		if live {
+			start = ourStartTime()
+			atomic.AddUint64(word64(mem, logOpened), 1) // as a receiver that opened one
+		}
+		if !l.adopt(lfd, uint32(os.Getpid()), start) {
 			t.Fatal("a well-made log was refused")
 		}
 		unix.Close(lfd)
-		l.drainExited()
+		if live {
+			l.harvest()
+		} else {
+			l.drainExited()
+		}
 		for _, tk := range grants {
 			wait := time.Duration(0)
 			if want[tk.RegID] {
@@ -681,10 +705,22 @@ func FuzzSpendLogDrain(f *testing.F) {
 			}
 			ended := s.Wait(tk, wait) == nil
 			if ended != want[tk.RegID] {
-				t.Fatalf("grant %d (holds %v): ended %v, want %v", tk.RegID, tk.Holds, ended, want[tk.RegID])
+				t.Fatalf("grant %d (holds %v, live %v): ended %v, want %v", tk.RegID, tk.Holds, live, ended, want[tk.RegID])
 			}
 			if !ended {
 				s.Unregister(tk)
+			}
+		}
+		for i := 1; live && i <= spendRecords; i++ { // what the receiver reads back
+			id, _, claim := readRecord(mem, i)
+			was := before[i]
+			switch {
+			case id == 0 || claimState(was) != claimOpen:
+				if claim != was {
+					t.Fatalf("record %d (not open) changed: %#x to %#x", i, was, claim)
+				}
+			case claim>>8 != was>>8 || claimState(claim) < claimLives:
+				t.Fatalf("open record %d: claim %#x after the harvest (was %#x)", i, claim, was)
 			}
 		}
 		l.close()
@@ -696,7 +732,7 @@ func FuzzSpendLogDrain(f *testing.F) {
 // cannot take every other's room), and maxSpendLogs in all.
 func TestSpendLogsBoundedPerReceiver(t *testing.T) {
 	var l spendLogs
-	l.spend, l.published = func(uint64, [32]byte) {}, func() bool { return false }
+	l.spend, l.published = func(uint64, [32]byte, time.Duration) (bool, bool, func()) { return false, false, nil }, func() bool { return false }
 	defer l.close()
 	take := func(pid uint32) bool {
 		fd, mem, err := newSpendLog()

@@ -35,6 +35,7 @@ type tableView struct {
 	// the exporter took it: no hit is believed from the table without it.
 	log  []byte
 	used [spendRecords + 1]bool // records written, not yet cleared
+	gen  uint64                 // records written so far: each one's generation (spendlog.go)
 	// When the exporter was last found alive in /proc
 	// (checkExporterAlive), on CLOCK_MONOTONIC: exporterAlive reads /proc
 	// again only aliveRecheck later.
@@ -329,7 +330,8 @@ func vouch(t *Ticket, needFile bool) (answer tableAnswer, u vouchedUse) {
 		return // every record waits for an answer: ask the exporter
 	}
 	v.used[record] = true
-	writeRecord(v.log, record, t.RegID, spendProof(t.Secret, t.RegID))
+	v.gen++
+	writeRecord(v.log, record, t.RegID, spendProof(t.Secret, t.RegID), v.gen)
 	v.mine[t.RegID] = mine + 1
 	v.pending[t.RegID]++
 	return tableVouched, vouchedUse{record: record, file: s.file, view: v}
@@ -379,6 +381,40 @@ func settle(t *Ticket, record int, keep bool) {
 		clearRecord(v.log, record)
 		v.used[record] = false
 	}
+}
+
+// openSpend opens t's record `record` (vouch's) to its exporter, which
+// may then spend it when it next grants (spendlog.go); the confirmer takes
+// it back with takeSpend.
+func openSpend(t *Ticket, record int) {
+	tables.mu.Lock()
+	defer tables.mu.Unlock()
+	if v := tables.m[t.exporterKey()]; v != nil && v.log != nil && record > 0 && v.used[record] {
+		openRecord(v.log, record)
+	}
+}
+
+// takeSpend is the confirmer taking t's record back before it spends the
+// use on a session (send), unless the exporter has spent it (spent, and
+// whether the buffer lives on) or is spending it now (busy: ask again).
+// A table no longer mapped (its exporter gone) is the session's to tell.
+func takeSpend(t *Ticket, record int) (send, spent, lives, busy bool) {
+	tables.mu.Lock()
+	defer tables.mu.Unlock()
+	v := tables.m[t.exporterKey()]
+	if v == nil || v.log == nil || record <= 0 || !v.used[record] {
+		return true, false, false, false
+	}
+	return takeRecord(v.log, record)
+}
+
+// tableAlive reports whether the exporter's image that made t's table
+// lives (false also when the table is no longer mapped).
+func tableAlive(t *Ticket) bool {
+	tables.mu.Lock()
+	defer tables.mu.Unlock()
+	v := tables.m[t.exporterKey()]
+	return v != nil && v.alive()
 }
 
 // alive reports whether the exporter's image that made the table lives:

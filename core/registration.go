@@ -152,7 +152,12 @@ func usedUpWhy(g *registration) string {
 
 // claim reserves one use for a receiver that is about to be served.
 func (g *registration) claim(cancel func()) (*claim, error) {
-	deadline := time.Now().Add(claimGrace)
+	return g.claimWithin(cancel, claimGrace)
+}
+
+// claimWithin is claim waiting at most grace for a claim to settle.
+func (g *registration) claimWithin(cancel func(), grace time.Duration) (*claim, error) {
+	deadline := time.Now().Add(grace)
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	for {

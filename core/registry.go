@@ -270,29 +270,37 @@ func (r *Registry) holdsChanged(d int64) { r.holds.Add(d) }
 // Holds counts the uses receivers hold now, over every registration.
 func (r *Registry) Holds() int64 { return r.holds.Load() }
 
-// spendRecorded spends the use a dead receiver's record names, as its
-// confirmation would have: only a live grant that holds nothing, only with
-// the proof its secret makes.
-func (r *Registry) spendRecorded(id uint64, proof [32]byte) {
+// spendRecorded spends the use a receiver's record names, as its
+// confirmation would have (a dead receiver's, or one harvested from a live
+// receiver's log): only a live grant that holds nothing, only with the
+// proof its secret makes, waiting at most grace for a use that receivers
+// being served have claimed. lives: the buffer lives on after it, as a
+// confirmation's answer would say (ackFlags). end, if not nil, ends the
+// registration that this use used up: the caller runs it on a library
+// thread, since it runs the owner's release callback (and, with the
+// buffer's last registration, the exporter's release).
+func (r *Registry) spendRecorded(id uint64, proof [32]byte, grace time.Duration) (spent, lives bool, end func()) {
 	r.mu.Lock()
 	g := r.live[id]
 	r.mu.Unlock()
 	if g == nil || g.holdable {
-		return
+		return false, false, nil
 	}
 	want := spendProof(g.secret, id)
 	if !hmac.Equal(want[:], proof[:]) {
-		return
+		return false, false, nil
 	}
-	cl, err := g.claim(func() {})
+	cl, err := g.claimWithin(func() {}, grace)
 	if err != nil {
-		return
+		return false, false, nil
 	}
 	usedUp := g.spend(cl)
 	g.drop(cl)
+	lives = (!usedUp && g.live()) || r.bufferHasOthers(g)
 	if usedUp {
-		g.end(usedUpWhy(g))
+		end = func() { g.end(usedUpWhy(g)) }
 	}
+	return true, lives, end
 }
 
 // fileOf is the file that holds b whole from offset 0, if its exporter has

@@ -4,14 +4,17 @@ import (
 	"errors"
 	"io/fs"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"golang.org/x/sys/unix"
 )
 
 // The exporter's side of spend logs (spendlog.go): the logs its receivers
-// sent, each with its owner's pid and start time, and the scanner that
-// spends the records of owners that have exited.
+// sent, each with its owner's pid and start time; the harvester, which
+// spends the open records of live receivers when the exporter next grants
+// (harvestNow); and the scanner that spends the records of owners that have
+// exited.
 
 const (
 	maxSpendLogs       = 256 // receivers' logs one exporter maps at once
@@ -23,21 +26,34 @@ const (
 var spendScanInterval = 250 * time.Millisecond
 
 type spendLog struct {
-	mem   []byte
-	pid   uint32
-	start uint64
+	mem      []byte
+	writable bool // mapped writable: its open records can be harvested
+	pid      uint32
+	start    uint64
+	seen     uint64 // the header's count of opened records when last harvested
 }
 
 type spendLogs struct {
-	// What the registry lends: spending a record's use, and whether any
-	// grant is published (else nothing could be spent).
-	spend     func(id uint64, proof [32]byte)
+	// What the registry lends: spending a record's use, waiting at most
+	// grace for a use claimed by receivers being served (spent: it was a
+	// live grant's that holds nothing, with its proof; lives: its buffer
+	// lives on; end: to run on a library thread, ending the registration
+	// it used up), and whether any grant is published (else nothing could
+	// be spent).
+	spend     func(id uint64, proof [32]byte, grace time.Duration) (spent, lives bool, end func())
 	published func() bool
 
 	mu       sync.Mutex
 	logs     []*spendLog
 	scanning bool
 	closed   bool
+
+	// One harvest at a time (harvesting); unmapping excludes it from a log
+	// being unmapped.
+	harvesting bool
+	harvested  time.Time // when the last harvest began
+	unmapping  sync.RWMutex
+	taken      atomic.Uint64 // records the harvester took (spent or refused), for tests
 }
 
 // adopt maps a receiver's log (fd stays the caller's) for the process pid
@@ -65,16 +81,85 @@ func (l *spendLogs) adopt(fd int, pid uint32, start uint64) bool {
 	if mine >= maxSpendLogsPerPid {
 		return false
 	}
-	mem, err := mapSpendLog(fd)
+	mem, writable, err := mapSpendLog(fd)
 	if err != nil {
 		return false
 	}
-	l.logs = append(l.logs, &spendLog{mem: mem, pid: pid, start: start})
+	l.logs = append(l.logs, &spendLog{mem: mem, writable: writable, pid: pid, start: start})
 	if !l.scanning {
 		l.scanning = true
 		go l.scan()
 	}
 	return true
+}
+
+// harvestEvery is how often at most a grant harvests: the receivers'
+// confirmers wait 2 ms (confirmGather) before they spend a streamed hit's
+// use themselves, so a harvest every half of that reaches every hit of a
+// stream (TestHarvestComesBeforeTheConfirmer), and the grants between two
+// harvests cost nothing more.
+const harvestEvery = time.Millisecond
+
+// harvestNow harvests on the caller's thread (the exporter has just
+// granted), unless another harvest runs: then that one, or the next
+// grant's, reads what this one would have.
+func (l *spendLogs) harvestNow() {
+	now := time.Now()
+	l.mu.Lock()
+	if len(l.logs) == 0 || l.closed || l.harvesting || now.Sub(l.harvested) < harvestEvery {
+		l.mu.Unlock()
+		return
+	}
+	l.harvesting, l.harvested = true, now
+	l.mu.Unlock()
+	l.harvest()
+	l.mu.Lock()
+	l.harvesting = false
+	l.mu.Unlock()
+}
+
+// harvest spends the open records of every writable log that opened one
+// since the last harvest: a stream of table hits is spent without
+// sessions. The receivers learn it from their records (takeRecord).
+func (l *spendLogs) harvest() {
+	l.unmapping.RLock() // no log is unmapped meanwhile
+	defer l.unmapping.RUnlock()
+	// On a granting thread: a use that others have claimed is left to the
+	// receiver's session, which waits for them, and the registrations used
+	// up are ended on a goroutine.
+	var ends []func()
+	spendAtOnce := func(id uint64, proof [32]byte) (spent, lives bool) {
+		spent, lives, end := l.spend(id, proof, 0)
+		if end != nil {
+			ends = append(ends, end)
+		}
+		return spent, lives
+	}
+	l.mu.Lock()
+	logs := append([]*spendLog(nil), l.logs...)
+	l.mu.Unlock()
+	for _, s := range logs {
+		if !s.writable {
+			continue
+		}
+		opened := atomic.LoadUint64(word64(s.mem, logOpened))
+		if opened == s.seen { // one harvest at a time writes seen
+			continue
+		}
+		s.seen = opened
+		for i := 1; i <= spendRecords; i++ {
+			if harvestRecord(s.mem, i, spendAtOnce) {
+				l.taken.Add(1)
+			}
+		}
+	}
+	if len(ends) > 0 {
+		go func() { // a library thread: the ends run owners' release callbacks
+			for _, end := range ends {
+				end()
+			}
+		}()
+	}
 }
 
 // scan drains the logs of exited owners every spendScanInterval while
@@ -111,14 +196,30 @@ func (l *spendLogs) drainExited() {
 	l.logs = kept
 	l.mu.Unlock()
 	spendable := len(gone) > 0 && l.published()
+	if len(gone) > 0 {
+		l.unmapping.Lock() // the harvester is done with them
+		defer l.unmapping.Unlock()
+	}
 	for _, s := range gone {
 		for i := 1; spendable && i <= spendRecords; i++ {
-			if id, proof := readRecord(s.mem, i); id != 0 {
-				l.spend(id, proof)
+			if id, proof, claim := readRecord(s.mem, i); id != 0 && unspent(claim) {
+				if _, _, end := l.spend(id, proof, claimGrace); end != nil {
+					end() // the scanner's goroutine
+				}
 			}
 		}
 		_ = unix.Munmap(s.mem)
 	}
+}
+
+// unspent reports whether a dead receiver's record with this claim may
+// still need spending: the exporter has not spent or refused it.
+func unspent(claim uint64) bool {
+	switch claimState(claim) {
+	case claimLegacy, claimOpen, claimReceiver:
+		return true
+	}
+	return false
 }
 
 // ownerExited: the log's owner is gone (no process with its pid, or one
@@ -130,6 +231,8 @@ func ownerExited(s *spendLog) bool {
 
 // close unmaps every log (Server.Close).
 func (l *spendLogs) close() {
+	l.unmapping.Lock()
+	defer l.unmapping.Unlock()
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	l.closed = true

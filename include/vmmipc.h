@@ -824,9 +824,10 @@ typedef struct vmmipc_mapping {
  *     read-only descriptor of it in its first session with that exporter,
  *     maps it (384 KiB of address space, MADV_DONTFORK) and closes the
  *     descriptor, and answers with a descriptor of its own spend log (one
- *     page of a memfd, sealed against resizing, which the exporter maps
- *     read-only and the receiver writable; one round trip more, once per
- *     exporter). A hit then makes no round trip: the grant
+ *     page of a memfd, sealed against resizing, which both map writable,
+ *     the exporter read-only where the descriptor does not allow writing;
+ *     one round trip more, once per exporter). A hit then makes no round
+ *     trip: the grant
  *     must be published with this very ticket (a ticket changed in any byte
  *     is no table hit), within its ttl, with a use left that this process
  *     has not taken already (else VMMIPC_ENOENT, as the exporter would
@@ -847,10 +848,20 @@ typedef struct vmmipc_mapping {
  *     tells the same, but for an exporter killed so recently that its
  *     other threads are still ending). Before it returns, the hit writes a record of the use to
  *     its spend log (the grant's id and an HMAC that only the ticket's
- *     secret makes); a library thread then spends the use with the
- *     exporter, as with VMMIPC_IMPORT_CONFIRM_LATER (vmmipc_cache_info
- *     counts table_hits, and confirms_pending and confirms_failed for these
- *     too), and clears the record once answered. The exporter reads the
+ *     secret makes) and opens it to the exporter. The use is then spent
+ *     by whichever comes first, each taking the record with an atomic
+ *     compare-and-swap on it, so only one of them spends it: the exporter,
+ *     which at its next grant (a buffer re-sent in a loop; at most one read
+ *     a millisecond, on the granting thread) reads the logs that opened
+ *     records since it last looked, spends each open record
+ *     with a valid HMAC and writes the outcome into it (spent, and whether
+ *     the buffer lives on; or refused); or a library thread of this
+ *     process, as with VMMIPC_IMPORT_CONFIRM_LATER, which answers the uses
+ *     the exporter spent from their records and spends the rest (those it
+ *     refused included, so that the refusal's reason is heard) on a
+ *     session (vmmipc_cache_info counts table_hits, and confirms_pending
+ *     and confirms_failed for these too). The record is cleared once
+ *     answered. The exporter reads the
  *     logs of receivers that have exited (pid and start time, checked every
  *     250 ms while it has logs) and spends each record with a valid HMAC,
  *     so a receiver killed right after a hit (SIGKILL included) leaves no
@@ -888,7 +899,8 @@ typedef struct vmmipc_mapping {
  * exporter, each use proved with its own ticket's secret and answered on
  * its own; the uses queued together go on one session, as with
  * vmmipc_confirm_many, and hits that come as a stream (one within 20 ms of
- * the last session) wait up to 2 ms for others to join them
+ * the last session) wait up to 2 ms for others to join them (a table hit's
+ * use may meanwhile be spent by the exporter from the spend log, above)
  * (vmmipc_cache_info counts those pending and failed). The reference is
  * valid whatever that answer is, since the mapping holds its own references
  * to the memory; but until it comes, the hit has trusted the ticket's

@@ -94,7 +94,8 @@ def rebuild_host_buffer(ticket, chunk_size):
     table vouches for without a round trip: the whole ticket is compared (a
     changed byte is no hit, and the sender refuses it), and an ended,
     expired or used-up grant raises NotFoundError as for a new receiver;
-    its use is spent right after by a library thread (vmmipc.h,
+    its use is spent right after, by the sender at its next grant (a
+    buffer re-sent in a loop) or else by a library thread (vmmipc.h,
     vmmipc_import; at exit this process waits for those, and were it
     killed first, the sender spends them from this process's spend log).
     Nothing is held:

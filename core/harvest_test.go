@@ -1,0 +1,167 @@
+package core
+
+import (
+	"os"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// The exporter spends table hits' uses from its receivers' spend logs when
+// it grants again (spendlogs.go harvest), and the receiver's confirmer
+// answers them from their records, without a session (confirmer.go).
+
+func confirmSessions() uint64 {
+	confirms.mu.Lock()
+	defer confirms.mu.Unlock()
+	return confirms.sessions
+}
+
+// TestReSentHitsAreHarvested: a buffer re-sent in a loop (a new grant,
+// then a table hit on it, every 1.1 ms, as a pickle re-sent through a
+// queue) has its hits' uses spent by the exporter at its next grants: all
+// of them spent, none failed, most harvested and few sessions, and no
+// record left in the log.
+func TestReSentHitsAreHarvested(t *testing.T) {
+	before := cacheTest(t)
+	s := newTestServer(t)
+	anchor, first := tableGrant(t, s, 33)
+	defer unmapRef(t, first)
+	live := s.Live()
+	start, taken := confirmSessions(), s.reg.spends.taken.Load()
+	const hits = 60
+	for range hits {
+		if base := hitGrant(t, s, anchor); base != first.Base {
+			t.Fatalf("a hit at %#x, not the cached %#x", base, first.Base)
+		}
+		time.Sleep(harvestEvery + 100*time.Microsecond) // each grant harvests
+	}
+	got := cacheDelta(before) // waits for the confirmer
+	if got.TableHits != hits || got.ConfirmsFailed != 0 {
+		t.Fatalf("%d table hits and %d failed confirmations, want %d and 0", got.TableHits, got.ConfirmsFailed, hits)
+	}
+	if !waitUntil(5*time.Second, func() bool { return s.Live() == live }) {
+		t.Fatalf("%d grants still live after their hits were spent", s.Live()-live)
+	}
+	sessions, harvested := confirmSessions()-start, s.reg.spends.taken.Load()-taken
+	// Most are harvested: the first hit goes at once, the last one comes
+	// after the last grant, and on a loaded machine a hit whose next grant
+	// came after the confirmer's 2 ms goes on a session too. Without the
+	// harvest every batch of about two is a session and none is harvested.
+	if sessions > hits/4 || harvested < hits/2 {
+		t.Fatalf("%d sessions and %d uses harvested for %d re-sent hits, want at most %d and at least %d", sessions, harvested, hits, hits/4, hits/2)
+	}
+	if n := recordsInUse(anchor); n != 0 {
+		t.Fatalf("%d spend log records still in use", n)
+	}
+}
+
+// TestHarvestDeclinedRecord: a record opened for a grant that has ended
+// is marked declined by the harvester, which spends nothing; the receiver
+// takes it back to spend it on a session.
+func TestHarvestDeclinedRecord(t *testing.T) {
+	s := newTestServer(t)
+	fd := newMemfd(t, 4096, pattern(4096, 1))
+	defer closeFD(&fd)
+	anchor := registerFile(t, s, fd, 4096, 4096, RegisterOptions{})
+	ended := again(t, s, anchor, RegisterOptions{Uses: 1})
+	kept := again(t, s, anchor, RegisterOptions{Uses: 2})
+	s.Unregister(ended)
+	lfd, mem, err := newSpendLog()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer closeFD(&lfd)
+	var l spendLogs
+	l.spend, l.published = s.reg.spendRecorded, func() bool { return true }
+	if !l.adopt(lfd, uint32(os.Getpid()), ourStartTime()) {
+		t.Fatal("a well-made log was refused")
+	}
+	defer l.close()
+	writeRecord(mem, 1, ended.RegID, spendProof(ended.Secret, ended.RegID), 1)
+	writeRecord(mem, 2, kept.RegID, spendProof(kept.Secret, kept.RegID), 2)
+	writeRecord(mem, 3, kept.RegID, spendProof(kept.Secret, kept.RegID), 3) // not opened
+	openRecord(mem, 1)
+	openRecord(mem, 2)
+	l.harvest()
+	if send, spent, _, _ := takeRecord(mem, 1); !send || spent {
+		t.Fatalf("the ended grant's record: send %v spent %v, want it back to send", send, spent)
+	}
+	if send, spent, lives, _ := takeRecord(mem, 2); send || !spent || !lives {
+		t.Fatalf("the live grant's record: send %v spent %v lives %v, want spent, living on", send, spent, lives)
+	}
+	if send, _, _, _ := takeRecord(mem, 3); !send {
+		t.Fatal("a record never opened was not the receiver's")
+	}
+	l.harvest() // nothing new opened: nothing read
+	if s.Wait(kept, 0) == nil {
+		t.Fatal("the grant of two uses ended after one")
+	}
+	if n := l.taken.Load(); n != 2 {
+		t.Fatalf("%d records harvested, want 2", n)
+	}
+	s.Unregister(kept)
+}
+
+// TestConfirmerWaitsForAHarvestWithinItsTimeout: a record the exporter
+// took and never marked (an exporter stopped mid-harvest) is waited for
+// within the batch's timeout, then answered EIO, record kept; one marked
+// meanwhile is answered from its record.
+func TestConfirmerWaitsForAHarvestWithinItsTimeout(t *testing.T) {
+	cacheTest(t)
+	s := newTestServer(t)
+	anchor, first := tableGrant(t, s, 35)
+	defer unmapRef(t, first)
+	tk := again(t, s, anchor, RegisterOptions{Uses: 1})
+	answer, u := vouch(tk, false)
+	if answer != tableVouched {
+		t.Fatalf("vouch: %d, want vouched", answer)
+	}
+	word := word64(u.view.log, uint64(u.record*spendRecordSize)+recordClaim)
+	gen := atomic.LoadUint64(word) >> 8
+	atomic.StoreUint64(word, claimWord(gen, claimHarvesting)) // as an exporter that stopped
+	batch := []pendingConfirm{{t: tk, record: u.record, timeout: 30 * time.Millisecond}}
+	acks, errs := make([]uint64, 1), make([]error, 1)
+	start := time.Now()
+	send := confirms.harvested(batch, acks, errs)
+	if took := time.Since(start); len(send) != 0 || CodeOf(errs[0]) != EIO || took < 30*time.Millisecond || took > time.Second {
+		t.Fatalf("a record stuck in the exporter's hands: send %v, %v after %v; want EIO after the 30ms timeout", send, errs[0], took)
+	}
+	go func() {
+		time.Sleep(10 * time.Millisecond)
+		atomic.StoreUint64(word, claimWord(gen, claimLives)) // the exporter went on
+	}()
+	errs[0] = nil
+	batch[0].timeout = 5 * time.Second
+	if send := confirms.harvested(batch, acks, errs); len(send) != 0 || errs[0] != nil || acks[0] != ackBufferLives {
+		t.Fatalf("a record marked spent while waited for: send %v, err %v, acks %#x", send, errs[0], acks[0])
+	}
+	settle(tk, u.record, false)
+	if err := s.Unregister(tk); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestHarvestComesBeforeTheConfirmer: a stream's exporter harvests at
+// least twice within the time a receiver's confirmer waits before it
+// spends a hit's use on a session itself.
+func TestHarvestComesBeforeTheConfirmer(t *testing.T) {
+	if 2*harvestEvery > confirmGather {
+		t.Fatalf("harvests every %v, confirmations gathered for %v: hits of a stream would go on sessions", harvestEvery, confirmGather)
+	}
+}
+
+// recordsInUse counts the spend log records this process has not freed at
+// tk's exporter.
+func recordsInUse(tk *Ticket) (n int) {
+	tables.mu.Lock()
+	defer tables.mu.Unlock()
+	if v := tables.m[tk.exporterKey()]; v != nil {
+		for _, used := range v.used {
+			if used {
+				n++
+			}
+		}
+	}
+	return n
+}
