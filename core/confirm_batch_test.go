@@ -8,6 +8,13 @@ import (
 // The confirmer (confirmer.go) spends the uses of hits that come as a stream
 // together: one session for many, each use proved and answered on its own.
 
+// confirmSessions counts the confirmer's sessions so far.
+func confirmSessions() uint64 {
+	confirms.mu.Lock()
+	defer confirms.mu.Unlock()
+	return confirms.sessions
+}
+
 // TestStreamedHitsShareSessions: 60 table hits in a row, one new grant
 // each (a buffer re-sent in a loop), are all spent, with fewer sessions
 // than hits; 60 uses queued at once go on a few sessions; a lone hit later
@@ -18,12 +25,7 @@ func TestStreamedHitsShareSessions(t *testing.T) {
 	anchor, first := tableGrant(t, s, 31)
 	defer unmapRef(t, first)
 	live := s.Live()
-	sessions := func() uint64 {
-		confirms.mu.Lock()
-		defer confirms.mu.Unlock()
-		return confirms.sessions
-	}
-	start := sessions()
+	start := confirmSessions()
 	const hits = 60
 	for range hits {
 		if base := hitGrant(t, s, anchor); base != first.Base {
@@ -37,11 +39,11 @@ func TestStreamedHitsShareSessions(t *testing.T) {
 	if !waitUntil(5*time.Second, func() bool { return s.Live() == live }) {
 		t.Fatalf("%d grants still live after their hits were confirmed", s.Live()-live)
 	}
-	if n := sessions() - start; n >= hits {
+	if n := confirmSessions() - start; n >= hits {
 		t.Fatalf("%d sessions for %d streamed hits: they were not gathered", n, hits)
 	}
 
-	start = sessions()
+	start = confirmSessions()
 	queued := make([]*Ticket, hits)
 	for i := range queued {
 		queued[i] = again(t, s, anchor, RegisterOptions{Uses: 1})
@@ -55,7 +57,7 @@ func TestStreamedHitsShareSessions(t *testing.T) {
 		}
 	}
 	// The first goes at once; the rest join the next session or two.
-	if n := sessions() - start; n > 3 {
+	if n := confirmSessions() - start; n > 3 {
 		t.Fatalf("%d sessions for %d uses queued at once, want at most 3", n, hits)
 	}
 

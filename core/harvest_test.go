@@ -11,12 +11,6 @@ import (
 // it grants again (spendlogs.go harvest), and the receiver's confirmer
 // answers them from their records, without a session (confirmer.go).
 
-func confirmSessions() uint64 {
-	confirms.mu.Lock()
-	defer confirms.mu.Unlock()
-	return confirms.sessions
-}
-
 // TestReSentHitsAreHarvested: a buffer re-sent in a loop (a new grant,
 // then a table hit on it, every 1.1 ms, as a pickle re-sent through a
 // queue) has its hits' uses spent by the exporter at its next grants: all
