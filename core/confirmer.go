@@ -2,6 +2,7 @@ package core
 
 import (
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -59,9 +60,21 @@ type pendingConfirm struct {
 }
 
 const (
-	confirmGather = 2 * time.Millisecond  // how long a streamed hit waits for others
-	confirmLinger = 20 * time.Millisecond // how long a worker waits for the next hit
+	confirmGatherDefault = 2 * time.Millisecond  // how long a streamed hit waits for others
+	confirmLinger        = 20 * time.Millisecond // how long a worker waits for the next hit
 )
+
+// gatherNs is confirmGather's value where a test changed it (0: the
+// default), read atomically by workers that may be running.
+var gatherNs atomic.Int64
+
+// confirmGather is how long a streamed hit waits for others.
+func confirmGather() time.Duration {
+	if ns := gatherNs.Load(); ns > 0 {
+		return time.Duration(ns)
+	}
+	return confirmGatherDefault
+}
 
 var confirms = &confirmer{queues: map[string]*confirmQueue{}}
 
@@ -119,7 +132,8 @@ func (c *confirmer) work(key string, q *confirmQueue) {
 		}
 		// Streaming, a batch waits until its first hit has waited
 		// confirmGather, and comes at most every confirmGather.
-		wait := confirmGather - min(time.Since(q.items[0].at), time.Since(last))
+		gather := confirmGather()
+		wait := gather - min(time.Since(q.items[0].at), time.Since(last))
 		if streaming && wait > 0 && len(q.items) < spendRecords/2 {
 			c.mu.Unlock()
 			time.Sleep(wait)
@@ -130,7 +144,7 @@ func (c *confirmer) work(key string, q *confirmQueue) {
 			// Only those that have waited their while: a younger hit may
 			// still be spent by the exporter at its next grant.
 			n = 1
-			for n < len(q.items) && n <= maxMoreUses && time.Since(q.items[n].at) >= confirmGather {
+			for n < len(q.items) && n <= maxMoreUses && time.Since(q.items[n].at) >= gather {
 				n++
 			}
 		}

@@ -14,14 +14,19 @@ import (
 // TestReSentHitsAreHarvested: a buffer re-sent in a loop (a new grant,
 // then a table hit on it, every 1.1 ms, as a pickle re-sent through a
 // queue) has its hits' uses spent by the exporter at its next grants: all
-// of them spent, none failed, most harvested and few sessions, and no
-// record left in the log.
+// of them spent, none failed, all but the first and the last harvested,
+// and no record left in the log.
 func TestReSentHitsAreHarvested(t *testing.T) {
 	before := cacheTest(t)
 	s := newTestServer(t)
 	anchor, first := tableGrant(t, s, 33)
 	defer unmapRef(t, first)
 	live := s.Live()
+	// Each hit's next grant comes harvestEvery later, within the default
+	// gathering's 2 ms; a loaded machine may take longer between two
+	// steps of this loop, so the confirmer waits longer here.
+	gatherNs.Store(int64(50 * time.Millisecond))
+	defer gatherNs.Store(0)
 	start, taken := confirmSessions(), s.reg.spends.taken.Load()
 	const hits = 60
 	for range hits {
@@ -38,12 +43,9 @@ func TestReSentHitsAreHarvested(t *testing.T) {
 		t.Fatalf("%d grants still live after their hits were spent", s.Live()-live)
 	}
 	sessions, harvested := confirmSessions()-start, s.reg.spends.taken.Load()-taken
-	// Most are harvested: the first hit goes at once, the last one comes
-	// after the last grant, and on a loaded machine a hit whose next grant
-	// came after the confirmer's 2 ms goes on a session too. Without the
-	// harvest every batch of about two is a session and none is harvested.
-	if sessions > hits/4 || harvested < hits/2 {
-		t.Fatalf("%d sessions and %d uses harvested for %d re-sent hits, want at most %d and at least %d", sessions, harvested, hits, hits/4, hits/2)
+	// The first hit goes at once, the last one comes after the last grant.
+	if sessions > 3 || harvested < hits-3 {
+		t.Fatalf("%d sessions and %d uses harvested for %d re-sent hits, want at most 3 and at least %d", sessions, harvested, hits, hits-3)
 	}
 	if n := recordsInUse(anchor); n != 0 {
 		t.Fatalf("%d spend log records still in use", n)
@@ -140,8 +142,8 @@ func TestConfirmerWaitsForAHarvestWithinItsTimeout(t *testing.T) {
 // least twice within the time a receiver's confirmer waits before it
 // spends a hit's use on a session itself.
 func TestHarvestComesBeforeTheConfirmer(t *testing.T) {
-	if 2*harvestEvery > confirmGather {
-		t.Fatalf("harvests every %v, confirmations gathered for %v: hits of a stream would go on sessions", harvestEvery, confirmGather)
+	if 2*harvestEvery > confirmGatherDefault {
+		t.Fatalf("harvests every %v, confirmations gathered for %v: hits of a stream would go on sessions", harvestEvery, confirmGatherDefault)
 	}
 }
 
