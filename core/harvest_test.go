@@ -138,6 +138,35 @@ func TestConfirmerWaitsForAHarvestWithinItsTimeout(t *testing.T) {
 	}
 }
 
+// TestGrantDoesNotWaitForADrain: while the scanner holds the logs to drain
+// a dead receiver's (it may wait up to a second for claims per record), a
+// grant returns at once, without harvesting.
+func TestGrantDoesNotWaitForADrain(t *testing.T) {
+	cacheTest(t)
+	s := newTestServer(t)
+	anchor, first := tableGrant(t, s, 37)
+	defer unmapRef(t, first)
+	s.reg.spends.unmapping.Lock() // as drainExited does
+	granted := make(chan *Ticket, 1)
+	go func() {
+		tk, err := s.RegisterAgain(anchor, RegisterOptions{Uses: 1})
+		if err != nil {
+			t.Error(err)
+		}
+		granted <- tk
+	}()
+	select {
+	case tk := <-granted:
+		s.reg.spends.unmapping.Unlock()
+		if tk != nil {
+			s.Unregister(tk)
+		}
+	case <-time.After(5 * time.Second):
+		s.reg.spends.unmapping.Unlock()
+		t.Fatal("a grant waited for the drain of spend logs")
+	}
+}
+
 // TestHarvestComesBeforeTheConfirmer: a stream's exporter harvests at
 // least twice within the time a receiver's confirmer waits before it
 // spends a hit's use on a session itself.

@@ -122,7 +122,12 @@ func (l *spendLogs) harvestNow() {
 // since the last harvest: a stream of table hits is spent without
 // sessions. The receivers learn it from their records (takeRecord).
 func (l *spendLogs) harvest() {
-	l.unmapping.RLock() // no log is unmapped meanwhile
+	// No log is unmapped meanwhile. A drain of dead receivers' logs may
+	// hold the lock while it waits for claims: a grant does not wait for
+	// it, the next one harvests.
+	if !l.unmapping.TryRLock() {
+		return
+	}
 	defer l.unmapping.RUnlock()
 	// On a granting thread: a use that others have claimed is left to the
 	// receiver's session, which waits for them, and the registrations used
