@@ -8,6 +8,18 @@ import (
 // The confirmer (confirmer.go) spends the uses of hits that come as a stream
 // together: one session for many, each use proved and answered on its own.
 
+// streamFixture is a test server whose grant table this process has taken
+// (its anchor of pattern(seed) mapped: first, unmapped when the test ends),
+// and the cache's counters from before.
+func streamFixture(t *testing.T, seed byte) (before CacheInfo, s *Server, anchor *Ticket, first Ref) {
+	t.Helper()
+	before = cacheTest(t)
+	s = newTestServer(t)
+	anchor, first = tableGrant(t, s, seed)
+	t.Cleanup(func() { unmapRef(t, first) })
+	return before, s, anchor, first
+}
+
 // confirmSessions counts the confirmer's sessions so far.
 func confirmSessions() uint64 {
 	confirms.mu.Lock()
@@ -20,10 +32,7 @@ func confirmSessions() uint64 {
 // than hits; 60 uses queued at once go on a few sessions; a lone hit later
 // is spent too.
 func TestStreamedHitsShareSessions(t *testing.T) {
-	before := cacheTest(t)
-	s := newTestServer(t)
-	anchor, first := tableGrant(t, s, 31)
-	defer unmapRef(t, first)
+	before, s, anchor, first := streamFixture(t, 31)
 	live := s.Live()
 	start := confirmSessions()
 	const hits = 60

@@ -17,10 +17,7 @@ import (
 // of them spent, none failed, all but the first and the last harvested,
 // and no record left in the log.
 func TestReSentHitsAreHarvested(t *testing.T) {
-	before := cacheTest(t)
-	s := newTestServer(t)
-	anchor, first := tableGrant(t, s, 33)
-	defer unmapRef(t, first)
+	before, s, anchor, first := streamFixture(t, 33)
 	live := s.Live()
 	// Each hit's next grant comes harvestEvery later, within the default
 	// gathering's 2 ms; a loaded machine may take longer between two
@@ -104,10 +101,7 @@ func TestHarvestDeclinedRecord(t *testing.T) {
 // within the batch's timeout, then answered EIO, record kept; one marked
 // meanwhile is answered from its record.
 func TestConfirmerWaitsForAHarvestWithinItsTimeout(t *testing.T) {
-	cacheTest(t)
-	s := newTestServer(t)
-	anchor, first := tableGrant(t, s, 35)
-	defer unmapRef(t, first)
+	_, s, anchor, _ := streamFixture(t, 35)
 	tk := again(t, s, anchor, RegisterOptions{Uses: 1})
 	answer, u := vouch(tk, false)
 	if answer != tableVouched {
@@ -142,10 +136,7 @@ func TestConfirmerWaitsForAHarvestWithinItsTimeout(t *testing.T) {
 // a dead receiver's (it may wait up to a second for claims per record), a
 // grant returns at once, without harvesting.
 func TestGrantDoesNotWaitForADrain(t *testing.T) {
-	cacheTest(t)
-	s := newTestServer(t)
-	anchor, first := tableGrant(t, s, 37)
-	defer unmapRef(t, first)
+	_, s, anchor, _ := streamFixture(t, 37)
 	s.reg.spends.unmapping.Lock() // as drainExited does
 	granted := make(chan *Ticket, 1)
 	go func() {
