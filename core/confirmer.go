@@ -170,16 +170,12 @@ func (c *confirmer) confirmBatch(batch []pendingConfirm) (failed int) {
 	ts := make([]*Ticket, len(batch))
 	errs := make([]error, len(batch))
 	acks := make([]uint64, len(batch))
-	idx := c.harvested(batch, acks, errs)
-	timeout := time.Duration(0)
-	for _, i := range idx {
-		if timeout == 0 || batch[i].timeout < timeout {
-			timeout = batch[i].timeout
-		}
-	}
+	timeout := batch[0].timeout
 	for i, p := range batch {
 		ts[i] = p.t
+		timeout = min(timeout, p.timeout)
 	}
+	idx := c.harvested(batch, timeout, acks, errs)
 	dial := func(idx []int, hello uint64) (*conn, transcript, *clientLease, error) {
 		cn, tr, err := connect(ts[idx[0]], timeout, hello, nil, nil)
 		return cn, tr, nil, err
@@ -207,15 +203,11 @@ const harvestWait = 50 * time.Microsecond
 
 // harvested takes back the batch's spend log records (takeSpend): the uses
 // the exporter spent are answered from their records (acks); one it is
-// still spending is waited for, within the batch's shortest timeout and
+// still spending is waited for, within timeout (the batch's shortest) and
 // while the exporter's image lives (after that, unanswered: EIO, the
 // record kept); and the indices of the rest, to spend on a session, are
 // returned in order.
-func (c *confirmer) harvested(batch []pendingConfirm, acks []uint64, errs []error) (send []int) {
-	timeout := batch[0].timeout
-	for _, p := range batch {
-		timeout = min(timeout, p.timeout)
-	}
+func (c *confirmer) harvested(batch []pendingConfirm, timeout time.Duration, acks []uint64, errs []error) (send []int) {
 	deadline := time.Now().Add(timeout)
 	for i, p := range batch {
 		if p.record == 0 {

@@ -1,10 +1,13 @@
 package core
 
 import (
+	"fmt"
 	"os"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // The exporter spends table hits' uses from its receivers' spend logs when
@@ -113,7 +116,7 @@ func TestConfirmerWaitsForAHarvestWithinItsTimeout(t *testing.T) {
 	batch := []pendingConfirm{{t: tk, record: u.record, timeout: 30 * time.Millisecond}}
 	acks, errs := make([]uint64, 1), make([]error, 1)
 	start := time.Now()
-	send := confirms.harvested(batch, acks, errs)
+	send := confirms.harvested(batch, batch[0].timeout, acks, errs)
 	if took := time.Since(start); len(send) != 0 || CodeOf(errs[0]) != EIO || took < 30*time.Millisecond || took > time.Second {
 		t.Fatalf("a record stuck in the exporter's hands: send %v, %v after %v; want EIO after the 30ms timeout", send, errs[0], took)
 	}
@@ -123,7 +126,7 @@ func TestConfirmerWaitsForAHarvestWithinItsTimeout(t *testing.T) {
 	}()
 	errs[0] = nil
 	batch[0].timeout = 5 * time.Second
-	if send := confirms.harvested(batch, acks, errs); len(send) != 0 || errs[0] != nil || acks[0] != ackBufferLives {
+	if send := confirms.harvested(batch, batch[0].timeout, acks, errs); len(send) != 0 || errs[0] != nil || acks[0] != ackBufferLives {
 		t.Fatalf("a record marked spent while waited for: send %v, err %v, acks %#x", send, errs[0], acks[0])
 	}
 	settle(tk, u.record, false)
@@ -180,4 +183,146 @@ func recordsInUse(tk *Ticket) (n int) {
 		}
 	}
 	return n
+}
+
+// harvestLog is a receiver's spend log adopted by l, as this process (the
+// caller unmaps mem and closes l).
+func harvestLog(t *testing.T, l *spendLogs, writable bool) []byte {
+	t.Helper()
+	fd, mem, err := newSpendLog()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer closeFD(&fd)
+	send := fd
+	if !writable { // a description of its own that cannot write
+		if send, err = unix.Open(fmt.Sprintf("/proc/self/fd/%d", fd), unix.O_RDONLY|unix.O_CLOEXEC, 0); err != nil {
+			t.Fatal(err)
+		}
+		defer closeFD(&send)
+	}
+	if !l.adopt(send, uint32(os.Getpid()), ourStartTime()) {
+		t.Fatal("a well-made log was refused")
+	}
+	return mem
+}
+
+// TestHarvestIsBoundedAndFair: receivers that open every record of their
+// logs with proofs that spend nothing cost each harvest at most
+// harvestBudget records, and an honest receiver's record among them is
+// spent within the harvests it takes to go round.
+func TestHarvestIsBoundedAndFair(t *testing.T) {
+	s := newTestServer(t)
+	fd := newMemfd(t, 4096, pattern(4096, 1))
+	defer closeFD(&fd)
+	anchor := registerFile(t, s, fd, 4096, 4096, RegisterOptions{})
+	honest := again(t, s, anchor, RegisterOptions{Uses: 1})
+	var l spendLogs
+	l.spend, l.published = s.reg.spendRecorded, func() bool { return true }
+	defer l.close()
+	var hostile [][]byte
+	for range maxSpendLogsPerPid - 1 {
+		mem := harvestLog(t, &l, true)
+		defer unix.Munmap(mem)
+		hostile = append(hostile, mem)
+	}
+	mine := harvestLog(t, &l, true)
+	defer unix.Munmap(mine)
+	writeRecord(mine, 1, honest.RegID, spendProof(honest.Secret, honest.RegID), 1)
+	openRecord(mine, 1)
+	gen := uint64(1)
+	for round := 1; ; round++ {
+		for _, mem := range hostile { // every record open again, proofs of nothing
+			for i := 1; i <= spendRecords; i++ {
+				gen++
+				writeRecord(mem, i, anchor.RegID, [32]byte{byte(i)}, gen)
+				openRecord(mem, i)
+			}
+		}
+		before := l.taken.Load()
+		l.harvest()
+		if n := l.taken.Load() - before; n > harvestBudget {
+			t.Fatalf("one harvest took %d records, more than %d", n, harvestBudget)
+		}
+		if _, _, claim := readRecord(mine, 1); claimState(claim) == claimLives || claimState(claim) == claimEnded {
+			if err := s.Wait(honest, 5*time.Second); err != nil { // ended on a goroutine
+				t.Fatalf("the honest record was spent, its grant did not end: %v", err)
+			}
+			break
+		}
+		if want := (len(hostile)*spendRecords)/harvestBudget + 1; round > want {
+			t.Fatalf("the honest record was not spent after %d harvests (%d should go round)", round, want)
+		}
+	}
+}
+
+// TestHarvestTakesEachRecordOnce: the exporter harvesting while the
+// receiver's confirmer takes the same records back: each record is spent
+// by exactly one side, round after round.
+func TestHarvestTakesEachRecordOnce(t *testing.T) {
+	var spends atomic.Int64
+	var l spendLogs
+	l.spend = func(uint64, [32]byte, time.Duration) (bool, bool, func()) {
+		spends.Add(1)
+		return true, true, nil
+	}
+	l.published = func() bool { return true }
+	defer l.close()
+	mem := harvestLog(t, &l, true)
+	defer unix.Munmap(mem)
+	gen := uint64(0)
+	for range 2000 {
+		for i := 1; i <= spendRecords; i++ {
+			gen++
+			writeRecord(mem, i, 7, [32]byte{}, gen)
+			openRecord(mem, i)
+		}
+		before := spends.Load()
+		started, done := make(chan struct{}), make(chan struct{})
+		go func() { close(started); l.harvest(); close(done) }()
+		<-started
+		sent, answered := 0, 0
+		for i := spendRecords; i >= 1; i-- { // towards the harvest, which goes up
+			for {
+				send, spent, _, busy := takeRecord(mem, i)
+				if busy {
+					continue
+				}
+				if send {
+					sent++
+				} else if spent {
+					answered++
+				}
+				break
+			}
+		}
+		<-done
+		if harvested := int(spends.Load() - before); harvested != answered || sent+answered != spendRecords {
+			t.Fatalf("%d records: the exporter spent %d, the receiver read %d spent and took %d back", spendRecords, harvested, answered, sent)
+		}
+		for i := 1; i <= spendRecords; i++ {
+			clearRecord(mem, i)
+		}
+	}
+}
+
+// TestReadOnlyLogIsNotHarvested: a log whose descriptor cannot write is
+// mapped read only and never harvested: its opened records stay the
+// receiver's to spend.
+func TestReadOnlyLogIsNotHarvested(t *testing.T) {
+	var l spendLogs
+	l.spend = func(uint64, [32]byte, time.Duration) (bool, bool, func()) { return true, true, nil }
+	l.published = func() bool { return true }
+	defer l.close()
+	mem := harvestLog(t, &l, false)
+	defer unix.Munmap(mem)
+	if l.logs[0].writable {
+		t.Fatal("a read-only descriptor's log was mapped writable")
+	}
+	writeRecord(mem, 1, 7, [32]byte{}, 1)
+	openRecord(mem, 1)
+	l.harvest()
+	if send, _, _, _ := takeRecord(mem, 1); !send || l.taken.Load() != 0 {
+		t.Fatalf("a read-only log's record was harvested (taken %d)", l.taken.Load())
+	}
 }

@@ -50,10 +50,11 @@ type spendLogs struct {
 
 	// One harvest at a time (harvesting); unmapping excludes it from a log
 	// being unmapped.
-	harvesting bool
-	harvested  time.Time // when the last harvest began
-	unmapping  sync.RWMutex
-	taken      atomic.Uint64 // records the harvester took (spent or refused), for tests
+	harvesting  bool
+	lastHarvest time.Time // when the last harvest began
+	next        int       // the log where the last harvest ran out of budget
+	unmapping   sync.RWMutex
+	taken       atomic.Uint64 // records the harvester took (spent or refused), for tests
 }
 
 // adopt maps a receiver's log (fd stays the caller's) for the process pid
@@ -100,17 +101,21 @@ func (l *spendLogs) adopt(fd int, pid uint32, start uint64) bool {
 // harvests cost nothing more.
 const harvestEvery = time.Millisecond
 
+// harvestBudget is how many records one harvest takes at most: two logs'
+// worth (the granting thread checks each one's proof).
+const harvestBudget = 2 * spendRecords
+
 // harvestNow harvests on the caller's thread (the exporter has just
 // granted), unless another harvest runs: then that one, or the next
 // grant's, reads what this one would have.
 func (l *spendLogs) harvestNow() {
 	now := time.Now()
 	l.mu.Lock()
-	if len(l.logs) == 0 || l.closed || l.harvesting || now.Sub(l.harvested) < harvestEvery {
+	if len(l.logs) == 0 || l.closed || l.harvesting || now.Sub(l.lastHarvest) < harvestEvery {
 		l.mu.Unlock()
 		return
 	}
-	l.harvesting, l.harvested = true, now
+	l.harvesting, l.lastHarvest = true, now
 	l.mu.Unlock()
 	l.harvest()
 	l.mu.Lock()
@@ -143,7 +148,14 @@ func (l *spendLogs) harvest() {
 	l.mu.Lock()
 	logs := append([]*spendLog(nil), l.logs...)
 	l.mu.Unlock()
-	for _, s := range logs {
+	// From where the last harvest stopped, and at most harvestBudget
+	// records: a receiver that opens records in a loop (their proofs
+	// checked one by one) costs a grant a bounded time and cannot keep
+	// the others' logs from being read.
+	budget := harvestBudget
+	for k := range logs {
+		at := (l.next + k) % len(logs)
+		s := logs[at]
 		if !s.writable {
 			continue
 		}
@@ -152,10 +164,19 @@ func (l *spendLogs) harvest() {
 			continue
 		}
 		s.seen = opened
-		for i := 1; i <= spendRecords; i++ {
+		i := 1
+		for ; i <= spendRecords && budget > 0; i++ {
 			if harvestRecord(s.mem, i, spendAtOnce) {
 				l.taken.Add(1)
+				budget--
 			}
+		}
+		if budget == 0 {
+			l.next = at + 1 // the next harvest starts after this log...
+			if i <= spendRecords {
+				s.seen, l.next = opened-1, at // ...or here, with records not read yet
+			}
+			break
 		}
 	}
 	if len(ends) > 0 {

@@ -852,7 +852,8 @@ typedef struct vmmipc_mapping {
  *     by whichever comes first, each taking the record with an atomic
  *     compare-and-swap on it, so only one of them spends it: the exporter,
  *     which at its next grant (a buffer re-sent in a loop; at most one read
- *     a millisecond, on the granting thread) reads the logs that opened
+ *     a millisecond, on the granting thread, at most 126 records a read,
+ *     starting where the last one stopped) reads the logs that opened
  *     records since it last looked, spends each open record
  *     with a valid HMAC and writes the outcome into it (spent, and whether
  *     the buffer lives on; or refused); or a library thread of this
