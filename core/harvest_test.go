@@ -56,24 +56,12 @@ func TestReSentHitsAreHarvested(t *testing.T) {
 // is marked declined by the harvester, which spends nothing; the receiver
 // takes it back to spend it on a session.
 func TestHarvestDeclinedRecord(t *testing.T) {
-	s := newTestServer(t)
-	fd := newMemfd(t, 4096, pattern(4096, 1))
-	defer closeFD(&fd)
-	anchor := registerFile(t, s, fd, 4096, 4096, RegisterOptions{})
+	s, anchor, l := harvestServer(t)
 	ended := again(t, s, anchor, RegisterOptions{Uses: 1})
 	kept := again(t, s, anchor, RegisterOptions{Uses: 2})
 	s.Unregister(ended)
-	lfd, mem, err := newSpendLog()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer closeFD(&lfd)
-	var l spendLogs
-	l.spend, l.published = s.reg.spendRecorded, func() bool { return true }
-	if !l.adopt(lfd, uint32(os.Getpid()), ourStartTime()) {
-		t.Fatal("a well-made log was refused")
-	}
-	defer l.close()
+	mem := harvestLog(t, l, true)
+	defer unix.Munmap(mem)
 	writeRecord(mem, 1, ended.RegID, spendProof(ended.Secret, ended.RegID), 1)
 	writeRecord(mem, 2, kept.RegID, spendProof(kept.Secret, kept.RegID), 2)
 	writeRecord(mem, 3, kept.RegID, spendProof(kept.Secret, kept.RegID), 3) // not opened
@@ -185,6 +173,19 @@ func recordsInUse(tk *Ticket) (n int) {
 	return n
 }
 
+// harvestServer is a test server with a one-page host buffer (its anchor)
+// and spend logs of its own (closed when the test ends) that spend from it.
+func harvestServer(t *testing.T) (*Server, *Ticket, *spendLogs) {
+	t.Helper()
+	s := newTestServer(t)
+	fd := newMemfd(t, 4096, pattern(4096, 1))
+	t.Cleanup(func() { closeFD(&fd) })
+	anchor := registerFile(t, s, fd, 4096, 4096, RegisterOptions{})
+	l := &spendLogs{spend: s.reg.spendRecorded, published: func() bool { return true }}
+	t.Cleanup(l.close)
+	return s, anchor, l
+}
+
 // harvestLog is a receiver's spend log adopted by l, as this process (the
 // caller unmaps mem and closes l).
 func harvestLog(t *testing.T, l *spendLogs, writable bool) []byte {
@@ -212,21 +213,15 @@ func harvestLog(t *testing.T, l *spendLogs, writable bool) []byte {
 // harvestBudget records, and an honest receiver's record among them is
 // spent within the harvests it takes to go round.
 func TestHarvestIsBoundedAndFair(t *testing.T) {
-	s := newTestServer(t)
-	fd := newMemfd(t, 4096, pattern(4096, 1))
-	defer closeFD(&fd)
-	anchor := registerFile(t, s, fd, 4096, 4096, RegisterOptions{})
+	s, anchor, l := harvestServer(t)
 	honest := again(t, s, anchor, RegisterOptions{Uses: 1})
-	var l spendLogs
-	l.spend, l.published = s.reg.spendRecorded, func() bool { return true }
-	defer l.close()
 	var hostile [][]byte
 	for range maxSpendLogsPerPid - 1 {
-		mem := harvestLog(t, &l, true)
+		mem := harvestLog(t, l, true)
 		defer unix.Munmap(mem)
 		hostile = append(hostile, mem)
 	}
-	mine := harvestLog(t, &l, true)
+	mine := harvestLog(t, l, true)
 	defer unix.Munmap(mine)
 	writeRecord(mine, 1, honest.RegID, spendProof(honest.Secret, honest.RegID), 1)
 	openRecord(mine, 1)
