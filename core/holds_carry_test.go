@@ -110,7 +110,7 @@ func TestACarriedReleaseOnARefusedUse(t *testing.T) {
 	if _, err := useHeld(g3, 5*time.Second); err != nil {
 		t.Fatal(err)
 	}
-	if l := leaseOf(g3); l == nil || l == old {
+	if l := leaseHolding(g3); l == nil || l == old {
 		t.Fatalf("the use after the refused one is on lease %p, the lost one was %p: want a new one", l, old)
 	}
 	if err := Release(g3); err != nil {

@@ -186,6 +186,21 @@ func leaseOf(t *Ticket) *clientLease {
 	return nil
 }
 
+// leaseHolding is this process's lease that holds a use of t, or nil: a
+// lease that has ended may still be listed first for a moment (its
+// goroutine unmaps it, then unlists it).
+func leaseHolding(t *Ticket) *clientLease {
+	for _, l := range leasesOf(t) {
+		l.mu.Lock()
+		holds := l.held[t.RegID] > 0
+		l.mu.Unlock()
+		if holds {
+			return l
+		}
+	}
+	return nil
+}
+
 func leasesOf(t *Ticket) []*clientLease {
 	leases.mu.Lock()
 	defer leases.mu.Unlock()
