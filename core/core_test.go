@@ -5,6 +5,7 @@ import (
 	"encoding/hex"
 	"fmt"
 	"os"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -145,6 +146,48 @@ func TestTTLExpires(t *testing.T) {
 	}
 	if _, err := Open(tk, OpenOptions{}); CodeOf(err) != ENOENT || !strings.Contains(err.Error(), "expired") {
 		t.Fatalf("after ttl: %v", err)
+	}
+}
+
+// TestLiveMany: one call tells which tickets name live registrations of
+// this server, byte for byte as issued; everything else is not live.
+func TestLiveMany(t *testing.T) {
+	s := newTestServer(t)
+	fd := newMemfd(t, int(pageSize), pattern(int(pageSize), 1))
+	defer unix.Close(fd)
+	anchor := registerFile(t, s, fd, pageSize, pageSize, RegisterOptions{})
+	grant := func(o RegisterOptions) *Ticket {
+		g, err := s.RegisterAgain(anchor, o)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return g
+	}
+	live, used, unregistered, expired := grant(RegisterOptions{Uses: 1}), grant(RegisterOptions{Uses: 1}),
+		grant(RegisterOptions{Uses: 1}), grant(RegisterOptions{Uses: 1, TTL: time.Millisecond})
+	r := importHost(t, used, ImportOptions{NoCache: true})
+	if err := Unmap(r.ID, r.Base); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Unregister(unregistered); err != nil {
+		t.Fatal(err)
+	}
+	wrongSecret, otherBytes := *live, *live
+	wrongSecret.Secret[0] ^= 1
+	otherBytes.Total++
+	other := registerFile(t, newTestServer(t), fd, pageSize, pageSize, RegisterOptions{})
+	ts := []*Ticket{anchor, live, used, unregistered, expired, &wrongSecret, &otherBytes, other, nil}
+	want := []bool{true, true, false, false, false, false, false, false, false}
+	if !waitUntil(5*time.Second, func() bool { return slices.Equal(s.LiveMany(ts), want) }) {
+		t.Fatalf("live: %v, want %v (anchor, live, used, unregistered, expired, wrong secret, other bytes, another server's, nil)",
+			s.LiveMany(ts), want)
+	}
+	// An ended anchor's grants live on.
+	if err := s.Unregister(anchor); err != nil {
+		t.Fatal(err)
+	}
+	if got := s.LiveMany([]*Ticket{anchor, live}); !slices.Equal(got, []bool{false, true}) {
+		t.Fatalf("after the anchor ended: %v, want [false true]", got)
 	}
 }
 

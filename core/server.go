@@ -315,6 +315,25 @@ func DefaultLive() int {
 	return 0
 }
 
+// LiveMany reports, for each ticket, whether it is byte for byte one that
+// s issued and its registration has not ended (used up, expired or
+// unregistered; an ended one whose release is still to run counts as
+// ended). nil tickets and everything else are false: a host that keeps the
+// grants it made checks them in one call and forgets the rest
+// (vmmipc_live_many).
+func (s *Server) LiveMany(ts []*Ticket) []bool {
+	live := make([]bool, len(ts))
+	for i, t := range ts {
+		if t == nil {
+			continue
+		}
+		if g, err := s.own(t, false, "live"); err == nil {
+			live[i] = g.live()
+		}
+	}
+	return live
+}
+
 // Holds counts the uses receivers hold now on s's registrations.
 func (s *Server) Holds() int64 { return s.reg.Holds() }
 

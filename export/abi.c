@@ -294,6 +294,11 @@ int vmmipc_live_registrations(uint64_t *count_out) {
   return vmmipcgo_live_registrations(count_out);
 }
 
+int vmmipc_live_many(const vmmipc_ticket *tickets, size_t count, uint8_t *live_out) {
+  FORK_GUARD("vmmipc_live_many");
+  return vmmipcgo_live_many((vmmipc_ticket *)tickets, count, live_out);
+}
+
 int vmmipc_ticket_decode(const vmmipc_ticket *ticket, vmmipc_ticket_info *info_out) {
   FORK_GUARD("vmmipc_ticket_decode");
   return vmmipcgo_ticket_decode((vmmipc_ticket *)ticket, info_out);

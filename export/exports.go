@@ -286,6 +286,40 @@ func vmmipcgo_live_registrations(out *C.uint64_t) C.int {
 	})
 }
 
+//export vmmipcgo_live_many
+func vmmipcgo_live_many(tickets *C.vmmipc_ticket, count C.size_t, liveOut *C.uint8_t) C.int {
+	const fn = "vmmipc_live_many"
+	return call(fn, func() error {
+		switch {
+		case count == 0:
+			return nil
+		case tickets == nil:
+			return core.Errorf(core.EINVAL, "%s: tickets is NULL", fn)
+		case liveOut == nil:
+			return core.Errorf(core.EINVAL, "%s: live_out is NULL", fn)
+		case count > maxMany:
+			return core.Errorf(core.EINVAL, "%s: %d tickets, more than the %d of one call: split them", fn, count, maxMany)
+		}
+		n := int(count)
+		ts := make([]*core.Ticket, n)
+		for i, ct := range unsafe.Slice(tickets, n) {
+			ts[i], _ = readTicket(fn, &ct) // a malformed ticket names nothing live
+		}
+		var live []bool
+		if srv := core.StartedServer(); srv != nil {
+			live = srv.LiveMany(ts)
+		}
+		out := unsafe.Slice(liveOut, n)
+		for i := range out {
+			out[i] = 0
+			if live != nil && live[i] {
+				out[i] = 1
+			}
+		}
+		return nil
+	})
+}
+
 //export vmmipcgo_cuda_query_range
 func vmmipcgo_cuda_query_range(dptr, size C.uint64_t, info *C.vmmipc_cuda_range_info) C.int {
 	return call("vmmipc_cuda_query_range", func() error {
@@ -451,8 +485,8 @@ func vmmipcgo_confirm(ticket *C.vmmipc_ticket, opts *C.vmmipc_options) C.int {
 	})
 }
 
-// maxConfirmMany bounds the tickets of one vmmipc_confirm_many.
-const maxConfirmMany = 1 << 20
+// maxMany bounds the tickets of one vmmipc_confirm_many or vmmipc_live_many.
+const maxMany = 1 << 20
 
 //export vmmipcgo_confirm_many
 func vmmipcgo_confirm_many(tickets *C.vmmipc_ticket, count C.size_t, opts *C.vmmipc_options, statusOut *C.int) C.int {
@@ -461,8 +495,8 @@ func vmmipcgo_confirm_many(tickets *C.vmmipc_ticket, count C.size_t, opts *C.vmm
 		switch {
 		case tickets == nil && count > 0:
 			return core.Errorf(core.EINVAL, "%s: tickets is NULL", fn)
-		case count > maxConfirmMany:
-			return core.Errorf(core.EINVAL, "%s: %d tickets, more than the %d of one call: split them", fn, count, maxConfirmMany)
+		case count > maxMany:
+			return core.Errorf(core.EINVAL, "%s: %d tickets, more than the %d of one call: split them", fn, count, maxMany)
 		}
 		o, err := readOptions(opts)
 		if err != nil {

@@ -613,6 +613,22 @@ int vmmipc_wait(const vmmipc_ticket *ticket, uint32_t timeout_ms);
  * Returns: VMMIPC_OK, VMMIPC_EINVAL (NULL), VMMIPC_EFORK */
 int vmmipc_live_registrations(uint64_t *count_out);
 
+/* vmmipc_live_many tells which of `count` tickets name live registrations
+ * of this process, in one call: live_out[i] is set to 1 if tickets[i] is
+ * byte for byte a ticket this process issued and its registration has not
+ * ended (used up, expired or unregistered; unlike vmmipc_wait, an ended
+ * registration whose release_fn has not run yet counts as ended), else 0
+ * (a malformed ticket, another process's, a wrong secret). For hosts that
+ * keep the grants they made without a release_fn and forget the ended ones
+ * now and then (Python's HostBuffer does). At most 1048576 tickets a call;
+ * the tickets and live_out (room for `count` bytes) stay the caller's.
+ * Returns:
+ *   VMMIPC_OK      live_out is written (nothing is read with count 0)
+ *   VMMIPC_EINVAL  tickets or live_out NULL with count > 0, or count above
+ *                  1048576 (live_out untouched)
+ *   VMMIPC_EFORK   called after fork() */
+int vmmipc_live_many(const vmmipc_ticket *tickets, size_t count, uint8_t *live_out);
+
 /* ------------------------------------------------------------------ */
 /* CUDA ranges                                                        */
 /* ------------------------------------------------------------------ */

@@ -15,9 +15,9 @@ A grant that keeps nothing and holds nothing (a HostBuffer's or a cuda.core
 Buffer's pickle) is registered without a release callback: such a callback
 only told the anchor which grants had ended, and it cost the sender more
 than the grant itself (a library thread taking the GIL, for every pickle).
-The anchor asks the library instead (_still_live), when pending() is called
-and each time its list of such grants has doubled, so the list stays about
-twice the grants that are live.
+The anchor asks the library instead, one vmmipc_live_many call for all of
+them, when pending() is called and each time its list of such grants has
+doubled, so the list stays about twice the grants that are live.
 Ending an anchor (retire) ends no grant: each lives until used, expired or
 unregistered, and receivers' mappings outlive everything.
 
@@ -29,7 +29,6 @@ state in one place; anchors inherited that way are never ended by the child.
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import logging
 import os
@@ -38,7 +37,7 @@ import threading
 import weakref
 
 from . import _errors, _lib
-from ._register import register_again, unregister
+from ._register import live_many, register_again, unregister
 from ._ticket import Ticket
 
 log = logging.getLogger("vmmipc")
@@ -115,17 +114,6 @@ def end_quietly(ticket: Ticket) -> None:
         unregister(ticket)
     except _errors.NotFoundError:
         pass  # ended already (used up, unregistered by hand or at exit)
-
-
-def _still_live(ticket: Ticket) -> bool:
-    """Whether the library still counts this grant of this process as live:
-    vmmipc_wait(ticket, 0) answers VMMIPC_ETIMEDOUT while it is live or its
-    release is still to run, which its detail tells apart ("has ended").
-    Any other answer (OK: ended; a forked child's VMMIPC_EFORK) is not live."""
-    status = _lib.lib("vmmipc_wait").vmmipc_wait(ctypes.byref(ticket._c()), 0)
-    if status == _errors.ETIMEDOUT:
-        return "has ended" not in _lib.last_error()
-    return False
 
 
 # -------------------------------------------------------------------- anchor
@@ -232,8 +220,10 @@ class Anchor:
 
     def _prune_quiet(self) -> None:
         """Forget the grants without a callback that have ended (under _lock;
-        calls the library, which calls nothing back)."""
-        self._quiet = {k: t for k, t in self._quiet.items() if _still_live(t)}
+        one call into the library, which calls nothing back)."""
+        if self._quiet:
+            live = live_many(list(self._quiet.values()))
+            self._quiet = {k: t for (k, t), alive in zip(self._quiet.items(), live) if alive}
 
     def pending(self) -> list[Ticket]:
         """Tickets of grants that have not ended, in the order they were made."""

@@ -49,6 +49,7 @@ PYTHON_NAMES = {
     "vmmipc_exiting": "vmmipc (at exit)",
     "vmmipc_wait": "vmmipc.wait",
     "vmmipc_live_registrations": "vmmipc.live_registrations",
+    "vmmipc_live_many": "vmmipc (listing the grants still pending)",
     "vmmipc_cuda_query_range": "vmmipc.cuda_query_range",
     "vmmipc_ticket_decode": "Ticket.info",
     "vmmipc_open": "vmmipc.open",

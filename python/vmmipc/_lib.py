@@ -211,6 +211,7 @@ SIGNATURES = {
     "vmmipc_exiting": (c_int, []),
     "vmmipc_wait": (c_int, [_T, c_uint32]),
     "vmmipc_live_registrations": (c_int, [POINTER(c_uint64)]),
+    "vmmipc_live_many": (c_int, [_T, ctypes.c_size_t, POINTER(c_uint8)]),
     "vmmipc_cuda_query_range": (c_int, [c_uint64, c_uint64, POINTER(vmmipc_cuda_range_info)]),
     "vmmipc_ticket_decode": (c_int, [_T, POINTER(vmmipc_ticket_info)]),
     "vmmipc_open": (c_int, [_T, _O, POINTER(_STREAM)]),

@@ -1,6 +1,6 @@
 /* Tests of the 0.2 contract (vmmipc.h), each through the header only:
- * ticket integrity, vmmipc_register_again, vmmipc_wait, host files, option
- * bounds and status names. Part of test_vmmipc.c (one translation unit). */
+ * ticket integrity, vmmipc_register_again, vmmipc_wait, vmmipc_live_many,
+ * host files, option bounds and status names. Part of test_vmmipc.c (one translation unit). */
 #ifndef VMMIPC_CONTRACT_TESTS_H
 #define VMMIPC_CONTRACT_TESTS_H
 #include <sys/mman.h>
@@ -283,6 +283,51 @@ static int test_wait(void) {
   child_end(&w);
   CHECK(atoi(reply) == VMMIPC_ENOENT, "wait in a process that registered nothing: %s", reply);
   child_end(&s);
+  return 0;
+}
+
+/* vmmipc_live_many: 1 for live registrations of this process, 0 for ended
+ * ones (used up or unregistered), a wrong secret and another process's
+ * ticket; argument errors leave live_out untouched. */
+static int test_live_many(void) {
+  enum { SIZE = 4096 };
+  int fd = own_memfd(SIZE, 1);
+  CHECK(fd >= 0, "memfd");
+  vmmipc_options o = default_options();
+  o.uses = 0;
+  vmmipc_ticket t[6];
+  CHECK_RC(vmmipc_register_host_file(fd, SIZE, 4096, NULL, NULL, &o, &t[0]), VMMIPC_OK);
+  close(fd);
+  o.uses = 1;
+  for (int i = 1; i <= 3; i++) CHECK_RC(vmmipc_register_again(&t[0], NULL, NULL, &o, &t[i]), VMMIPC_OK);
+  vmmipc_mapping m;
+  CHECK_RC(vmmipc_import_stream(&t[2], VMMIPC_DEVICE_HOST, NULL, &m), VMMIPC_OK); /* uses t[2] up */
+  CHECK_RC(vmmipc_unmap(&m), VMMIPC_OK);
+  CHECK_RC(vmmipc_unregister(&t[3]), VMMIPC_OK);
+  t[4] = t[1];
+  t[4].bytes[TICKET_OFF_SECRET + 3] ^= 1;
+  START_SENDER(s, theirs, "file", 1, 4096, 1, -1, 0);
+  t[5] = theirs;
+  const uint8_t want[6] = {1, 1, 0, 0, 0, 0};
+  uint8_t live[6];
+  double deadline = now_ms() + 5000; /* the used-up grant ends once its receiver answered */
+  do {
+    memset(live, 7, sizeof live);
+    CHECK_RC(vmmipc_live_many(t, 6, live), VMMIPC_OK);
+  } while (memcmp(live, want, sizeof live) && now_ms() < deadline && usleep(1000) == 0);
+  CHECK(!memcmp(live, want, sizeof live), "live: %d %d %d %d %d %d, want 1 1 0 0 0 0 (anchor, grant, used up, "
+        "unregistered, wrong secret, another process's)", live[0], live[1], live[2], live[3], live[4], live[5]);
+  child_end(&s);
+
+  memset(live, 7, sizeof live);
+  CHECK_RC(vmmipc_live_many(NULL, 1, live), VMMIPC_EINVAL);
+  CHECK_RC(vmmipc_live_many(t, 1, NULL), VMMIPC_EINVAL);
+  CHECK_RC(vmmipc_live_many(t, (size_t)1048576 + 1, live), VMMIPC_EINVAL);
+  CHECK(strstr(vmmipc_last_error(), "split them") != NULL, "too many: %s", vmmipc_last_error());
+  CHECK(live[0] == 7, "an argument error wrote live_out");
+  CHECK_RC(vmmipc_live_many(NULL, 0, NULL), VMMIPC_OK);
+  CHECK_RC(vmmipc_unregister(&t[1]), VMMIPC_OK);
+  CHECK_RC(vmmipc_unregister(&t[0]), VMMIPC_OK);
   return 0;
 }
 

@@ -584,6 +584,7 @@ static const struct {
     {"sender_inflight_limit", test_sender_inflight_limit},
     {"register_again", test_register_again},
     {"wait", test_wait},
+    {"live_many", test_live_many},
     {"host_file_close_and_reuse", test_host_file_close_and_reuse},
     {"host_file_refused", test_host_file_refused},
     {"host_file_same_memfd", test_host_file_same_memfd},
