@@ -127,3 +127,37 @@ func TestConfirmBatchAnswersEachUse(t *testing.T) {
 		t.Fatal("the two-use grant ended after one use")
 	}
 }
+
+// TestABacklogOfHitsGoesAtHalfALog: hits of grants made beforehand (the
+// exporter grants nothing meanwhile, so it harvests nothing), one every
+// 200 us, while the confirmer gathers a stream with a window of a second:
+// once half a spend log's records wait, the worker sends them at once, so
+// the log never fills and no hit asks the exporter on a session of its own.
+func TestABacklogOfHitsGoesAtHalfALog(t *testing.T) {
+	before, s, anchor, first := streamFixture(t, 33)
+	gatherNs.Store(int64(time.Second))
+	defer gatherNs.Store(0)
+	const hits = 3 * spendRecords
+	grants := make([]*Ticket, hits)
+	for i := range grants {
+		grants[i] = again(t, s, anchor, RegisterOptions{Uses: 1})
+	}
+	for _, g := range grants {
+		r, err := Import(g, DeviceHost, ImportOptions{}, nil)
+		if err != nil {
+			t.Fatalf("a hit: %v", err)
+		}
+		if r.Base != first.Base {
+			t.Fatalf("a hit at %#x, not the cached %#x", r.Base, first.Base)
+		}
+		unmapRef(t, r)
+		time.Sleep(200 * time.Microsecond)
+	}
+	got := cacheDelta(before) // waits for the confirmer
+	if got.ConfirmsFailed != 0 {
+		t.Fatalf("%d confirmations failed", got.ConfirmsFailed)
+	}
+	if got.TableHits != hits {
+		t.Fatalf("%d of %d hits were vouched by the table: the rest found the spend log full and asked the exporter (cache: %+v)", got.TableHits, hits, got)
+	}
+}

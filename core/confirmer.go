@@ -48,7 +48,7 @@ type confirmer struct {
 
 type confirmQueue struct {
 	items []pendingConfirm
-	kick  chan struct{} // an item came (buffered: the worker may be busy)
+	kick  chan struct{} // a first item came, or half a log's (buffered: the worker may be busy)
 }
 
 type pendingConfirm struct {
@@ -98,9 +98,14 @@ func (c *confirmer) addRecorded(t *Ticket, record int, timeout time.Duration, th
 	p := pendingConfirm{t: t, record: record, timeout: timeout, at: time.Now(), then: then}
 	if q := c.queues[key]; q != nil {
 		q.items = append(q.items, p)
-		select {
-		case q.kick <- struct{}{}:
-		default:
+		// The worker waits for a first item, or for half a log's records
+		// while it gathers a stream: a kick per hit would only wake it for
+		// nothing.
+		if n := len(q.items); n == 1 || n == spendRecords/2 {
+			select {
+			case q.kick <- struct{}{}:
+			default:
+			}
 		}
 		return
 	}
@@ -136,7 +141,16 @@ func (c *confirmer) work(key string, q *confirmQueue) {
 		wait := gather - min(time.Since(q.items[0].at), time.Since(last))
 		if streaming && wait > 0 && len(q.items) < spendRecords/2 {
 			c.mu.Unlock()
-			time.Sleep(wait)
+			// Woken early when half a log's records wait: hits that come
+			// faster than one every gather/spendRecords (a backlog of
+			// pickles unpickled at once) would otherwise fill the log, and
+			// each hit after that asks the exporter on a session of its own.
+			timer := time.NewTimer(wait)
+			select {
+			case <-q.kick:
+			case <-timer.C:
+			}
+			timer.Stop()
 			continue
 		}
 		n := min(len(q.items), maxMoreUses+1)

@@ -916,9 +916,10 @@ typedef struct vmmipc_mapping {
  * exporter, each use proved with its own ticket's secret and answered on
  * its own; the uses queued together go on one session, as with
  * vmmipc_confirm_many, and hits that come as a stream (one within 20 ms of
- * the last session) wait up to 2 ms for others to join them (a table hit's
- * use may meanwhile be spent by the exporter from the spend log, above)
- * (vmmipc_cache_info counts those pending and failed). The reference is
+ * the last session) wait up to 2 ms for others to join them, or until 31
+ * wait, half a spend log (a table hit's use may meanwhile be spent by the
+ * exporter from the spend log, above) (vmmipc_cache_info counts those
+ * pending and failed). The reference is
  * valid whatever that answer is, since the mapping holds its own references
  * to the memory; but until it comes, the hit has trusted the ticket's
  * exporter and buffer fields without proof, so use the flag only for
