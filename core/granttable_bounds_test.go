@@ -21,9 +21,16 @@ import (
 // address.
 func hitGrant(t *testing.T, s *Server, anchor *Ticket) uint64 {
 	t.Helper()
-	r, err := Import(again(t, s, anchor, RegisterOptions{Uses: 1}), DeviceHost, ImportOptions{}, nil)
+	return hit(t, again(t, s, anchor, RegisterOptions{Uses: 1}))
+}
+
+// hit imports g (a grant of a buffer this process has mapped) and lets go
+// of it; it returns the mapping's address.
+func hit(t *testing.T, g *Ticket) uint64 {
+	t.Helper()
+	r, err := Import(g, DeviceHost, ImportOptions{}, nil)
 	if err != nil {
-		t.Fatalf("a hit on a new grant: %v", err)
+		t.Fatalf("a hit on grant %d: %v", g.RegID, err)
 	}
 	unmapRef(t, r)
 	return r.Base
