@@ -397,3 +397,16 @@ func TestLeaseEndsWithItsExporter(t *testing.T) {
 		t.Fatalf("releasing again: %v, want ENOENT", err)
 	}
 }
+
+// TestLiveManyEndedWhileHeld: a grant used up while a receiver holds its
+// use has ended, though its release waits for the hold (vmmipc_wait says
+// ETIMEDOUT): vmmipc_live_many counts it as ended.
+func TestLiveManyEndedWhileHeld(t *testing.T) {
+	f := newHoldFixture(t)
+	g := heldImport(t, f)
+	if !waitUntil(5*time.Second, func() bool { return !f.s.LiveMany([]*Ticket{g})[0] }) {
+		t.Fatal("a used-up grant that a receiver holds is still live")
+	}
+	stillHeld(t, f, g, "used up and held")
+	letGo(t, f, g, "the hold of a used-up grant")
+}
