@@ -69,6 +69,12 @@ class vmmipc_ticket(Structure):
     _fields_ = [("bytes", c_uint8 * TICKET_SIZE)]
 
 
+def ticket_array(tickets) -> ctypes.Array:
+    """A C array of these tickets (Ticket values: 256 bytes each), for the
+    calls that take many (vmmipc_confirm_many, vmmipc_live_many)."""
+    return (vmmipc_ticket * len(tickets)).from_buffer_copy(b"".join(tickets))
+
+
 class vmmipc_options(Structure):
     _fields_ = [
         ("struct_size", c_uint32),

@@ -313,9 +313,7 @@ def confirm_many(tickets, *, hold: bool = False,
     fn = "vmmipc_confirm_many"
     ts = [as_ticket(t, fn) for t in tickets]
     n = len(ts)
-    arr = (_lib.vmmipc_ticket * n)()
-    for i, t in enumerate(ts):
-        arr[i] = t._c()
+    arr = _lib.ticket_array(ts)
     status = (ctypes.c_int * n)()
     opts = _lib.options(fn, timeout=timeout, import_flags=IMPORT_HOLD if hold else 0)
     rc = _lib.lib(fn).vmmipc_confirm_many(arr, n, ctypes.byref(opts), status)

@@ -254,9 +254,8 @@ def live_many(tickets: list[Ticket]) -> list[bool]:
     n = len(tickets)
     if n == 0:
         return []
-    arr = (_lib.vmmipc_ticket * n).from_buffer_copy(b"".join(tickets))
     live = (ctypes.c_uint8 * n)()
-    _lib.call(fn, arr, n, live)
+    _lib.call(fn, _lib.ticket_array(tickets), n, live)
     return [b == 1 for b in live]
 
 
