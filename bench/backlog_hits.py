@@ -20,16 +20,11 @@ table and the others (HostBuffer), and the total.
 import argparse
 import json
 import multiprocessing as mp
-import os
 import pickle
 import statistics
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "python"))
-
-SIZE = 1 << 30
+from gib import WAYS, gib
 
 
 def child(way, conn):
@@ -51,27 +46,17 @@ def child(way, conn):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--way", choices=("hostbuffer", "sharedmemory"), default="hostbuffer")
+    ap.add_argument("--way", choices=WAYS, default="hostbuffer")
     ap.add_argument("--pickles", type=int, default=3000)
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
-    if args.way == "hostbuffer":
-        import vmmipc
-        obj = vmmipc.HostBuffer(SIZE)
-    else:
-        from multiprocessing import shared_memory
-        obj = shared_memory.SharedMemory(create=True, size=SIZE)
-    try:
+    with gib(args.way) as obj:
         p = ctx.Process(target=child, args=(args.way, b))
         p.start()
         a.send([pickle.dumps(obj) for _ in range(args.pickles + 1)])
         times, table = a.recv()
         p.join(60)
-    finally:
-        obj.close()
-        if args.way == "sharedmemory":
-            obj.unlink()
     q = statistics.quantiles(times, n=20)
     print(json.dumps({"way": args.way, "pickles": args.pickles,
                       "median_us": round(statistics.median(times), 1),

@@ -22,13 +22,9 @@ import multiprocessing as mp
 import os
 import pickle
 import resource
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "python"))
-
-SIZE = 1 << 30
+from gib import WAYS, gib
 
 
 def child(conn):
@@ -49,7 +45,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--receivers", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=500)
-    ap.add_argument("--way", choices=("hostbuffer", "sharedmemory"), default="hostbuffer")
+    ap.add_argument("--way", choices=WAYS, default="hostbuffer")
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
     pipes, procs = [], []
@@ -59,20 +55,13 @@ def main():
         p.start()
         pipes.append(a)
         procs.append(p)
-    if args.way == "hostbuffer":
-        import vmmipc
-        obj = vmmipc.HostBuffer(SIZE)
-    else:
-        from multiprocessing import shared_memory
-        obj = shared_memory.SharedMemory(create=True, size=SIZE)
+    with gib(args.way) as obj:
+        def one_round():
+            for a in pipes:
+                a.send_bytes(pickle.dumps(obj))
+            for a in pipes:
+                a.recv_bytes()
 
-    def one_round():
-        for a in pipes:
-            a.send_bytes(pickle.dumps(obj))
-        for a in pipes:
-            a.recv_bytes()
-
-    try:
         for _ in range(50):
             one_round()
         marks = []
@@ -91,10 +80,6 @@ def main():
             child_cpu += sum(a.recv()) - mark
         for p in procs:
             p.join(30)
-    finally:
-        obj.close()
-        if args.way == "sharedmemory":
-            obj.unlink()
     sends = args.rounds * args.receivers
     print(json.dumps({
         "way": args.way, "library": os.environ.get("VMMIPC_LIBRARY", ""),

@@ -22,13 +22,9 @@ import os
 import pickle
 import statistics
 import struct
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "python"))
-
-SIZE = 1 << 30
+from gib import WAYS, gib
 PHASES = ("dumps", "to_child", "loads", "close", "ack_back")
 
 
@@ -48,7 +44,7 @@ def child(conn):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--way", choices=("hostbuffer", "sharedmemory"), default="hostbuffer")
+    ap.add_argument("--way", choices=WAYS, default="hostbuffer")
     ap.add_argument("--sends", type=int, default=3000)
     ap.add_argument("--warm", type=int, default=200)
     args = ap.parse_args()
@@ -56,15 +52,9 @@ def main():
     a, b = ctx.Pipe()
     p = ctx.Process(target=child, args=(b,))
     p.start()
-    if args.way == "hostbuffer":
-        import vmmipc
-        obj = vmmipc.HostBuffer(SIZE)
-    else:
-        from multiprocessing import shared_memory
-        obj = shared_memory.SharedMemory(create=True, size=SIZE)
     mono = time.monotonic_ns
     rows = []
-    try:
+    with gib(args.way) as obj:
         for i in range(args.warm + args.sends):
             start = mono()
             data = pickle.dumps(obj)
@@ -76,10 +66,6 @@ def main():
                 rows.append((sent - start, woke - sent, loaded - woke, closed - loaded, back - closed))
         a.send_bytes(b"end")
         p.join(30)
-    finally:
-        obj.close()
-        if args.way == "sharedmemory":
-            obj.unlink()
     out = {"way": args.way, "library": os.environ.get("VMMIPC_LIBRARY", ""), "sends": args.sends}
     for name, col in zip(PHASES, zip(*rows)):
         out[name] = {"median_us": round(statistics.median(col) / 1000, 1),
