@@ -3,6 +3,7 @@ package core
 import (
 	"fmt"
 	"os"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -85,6 +86,52 @@ func TestHarvestDeclinedRecord(t *testing.T) {
 		t.Fatalf("%d records harvested, want 2", n)
 	}
 	s.Unregister(kept)
+}
+
+// TestHarvestEndsQuietGrantsAtOnce: a use harvested at a grant that uses
+// up a grant without a release callback ends it before the harvest
+// returns, on the granting thread (no goroutine, no thread woken per
+// grant); one with a callback is ended too, but its callback runs on a
+// library thread, never the granting one (a caller may hold a lock that
+// the callback takes).
+func TestHarvestEndsQuietGrantsAtOnce(t *testing.T) {
+	s, anchor, l := harvestServer(t)
+	quiet := again(t, s, anchor, RegisterOptions{Uses: 1})
+	gate, ran := make(chan struct{}), make(chan struct{})
+	open := sync.OnceFunc(func() { close(gate) })
+	defer open() // a failure must not leave the callback stuck
+	loud := again(t, s, anchor, RegisterOptions{Uses: 1, OnRelease: func() {
+		<-gate // would stop the harvest were it run there
+		close(ran)
+	}})
+	mem := harvestLog(t, l, true)
+	defer unix.Munmap(mem)
+	writeRecord(mem, 1, quiet.RegID, spendProof(quiet.Secret, quiet.RegID), 1)
+	writeRecord(mem, 2, loud.RegID, spendProof(loud.Secret, loud.RegID), 2)
+	openRecord(mem, 1)
+	openRecord(mem, 2)
+	done := make(chan struct{})
+	go func() { l.harvest(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the harvest waited for a release callback")
+	}
+	if err := s.Wait(quiet, 0); err != nil {
+		t.Fatalf("the used-up grant without a callback, right after the harvest: %v; want it ended and released", err)
+	}
+	if _, err := s.reg.lookup(loud.RegID); CodeOf(err) != ENOENT {
+		t.Fatalf("the used-up grant with a callback, right after the harvest: %v; want it ended", err)
+	}
+	open()
+	select {
+	case <-ran:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the release callback never ran")
+	}
+	if err := s.Wait(loud, 5*time.Second); err != nil {
+		t.Fatal(err)
+	}
 }
 
 // TestConfirmerWaitsForAHarvestWithinItsTimeout: a record the exporter
@@ -257,7 +304,7 @@ func TestHarvestIsBoundedAndFair(t *testing.T) {
 func TestHarvestTakesEachRecordOnce(t *testing.T) {
 	var spends atomic.Int64
 	var l spendLogs
-	l.spend = func(uint64, [32]byte, time.Duration) (bool, bool, func()) {
+	l.spend = func(uint64, [32]byte, time.Duration) (bool, bool, func() func()) {
 		spends.Add(1)
 		return true, true, nil
 	}
@@ -306,7 +353,7 @@ func TestHarvestTakesEachRecordOnce(t *testing.T) {
 // receiver's to spend.
 func TestReadOnlyLogIsNotHarvested(t *testing.T) {
 	var l spendLogs
-	l.spend = func(uint64, [32]byte, time.Duration) (bool, bool, func()) { return true, true, nil }
+	l.spend = func(uint64, [32]byte, time.Duration) (bool, bool, func() func()) { return true, true, nil }
 	l.published = func() bool { return true }
 	defer l.close()
 	mem := harvestLog(t, &l, false)

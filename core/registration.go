@@ -260,10 +260,23 @@ func (g *registration) drop(c *claim) {
 // refuses new receivers, cuts the sessions still being sent chunks, leaves
 // its buffer and releases what it lent.
 func (g *registration) end(why string) bool {
+	rest, ended := g.endQuiet(why)
+	if rest != nil {
+		rest()
+	}
+	return ended
+}
+
+// endQuiet is end up to the library user's code: what would run it (g's
+// release callback; the exporter's release, when g was its buffer's last
+// registration) is returned for the caller to run, nil when there is
+// none. A grant made again in a loop ends its predecessor on the granting
+// thread with it: a goroutine per grant would wake a thread per grant.
+func (g *registration) endQuiet(why string) (rest func(), ended bool) {
 	g.mu.Lock()
 	if g.ended != "" {
 		g.mu.Unlock()
-		return false
+		return nil, false
 	}
 	g.ended = why
 	if g.published {
@@ -284,14 +297,24 @@ func (g *registration) end(why string) bool {
 	}
 	g.mu.Unlock()
 
-	g.reg.forget(g)
+	last := g.reg.forget(g)
 	for _, cancel := range cancels {
 		cancel() // wakes the session; it sees the end and stops
 	}
-	if !g.lendsExporter {
-		g.release()
+	if !last && (g.lendsExporter || g.onRelease == nil) {
+		if !g.lendsExporter {
+			g.release() // no callback: it only tells waiters
+		}
+		return nil, true
 	}
-	return true
+	return func() {
+		if last {
+			g.buf.finish()
+		}
+		if !g.lendsExporter {
+			g.release()
+		}
+	}, true
 }
 
 // release runs the owner's callback once and tells waiters, as soon as no

@@ -144,9 +144,10 @@ func (r *Registry) newRegistration(b *buffer, opts RegisterOptions) (*registrati
 	return g, nil
 }
 
-// forget moves an ended registration out of the live set; the last one of
-// a buffer ends the buffer.
-func (r *Registry) forget(g *registration) {
+// forget moves an ended registration out of the live set and reports
+// whether it was its buffer's last, which the caller then finishes (the
+// exporter's release may run the library user's code).
+func (r *Registry) forget(g *registration) (last bool) {
 	r.mu.Lock()
 	delete(r.live, g.id)
 	r.releasing[g.id] = g
@@ -158,7 +159,7 @@ func (r *Registry) forget(g *registration) {
 	}
 	b := g.buf
 	delete(b.regs, g)
-	last := len(b.regs) == 0
+	last = len(b.regs) == 0
 	if last {
 		delete(r.buffers, b.id)
 		if b.key != "" && r.byKey[b.key] == b {
@@ -166,9 +167,7 @@ func (r *Registry) forget(g *registration) {
 		}
 	}
 	r.mu.Unlock()
-	if last {
-		b.finish()
-	}
+	return last
 }
 
 // released drops a registration whose release has run.
@@ -276,10 +275,12 @@ func (r *Registry) Holds() int64 { return r.holds.Load() }
 // proof its secret makes, waiting at most grace for a use that receivers
 // being served have claimed. lives: the buffer lives on after it, as a
 // confirmation's answer would say (ackFlags). end, if not nil, ends the
-// registration that this use used up: the caller runs it on a library
-// thread, since it runs the owner's release callback (and, with the
-// buffer's last registration, the exporter's release).
-func (r *Registry) spendRecorded(id uint64, proof [32]byte, grace time.Duration) (spent, lives bool, end func()) {
+// registration that this use used up, on the caller's thread as far as
+// that runs none of the library user's code (registration.endQuiet), and
+// returns the rest (its release callback; with the buffer's last
+// registration, the exporter's release), nil if none, for the caller to
+// run on a library thread.
+func (r *Registry) spendRecorded(id uint64, proof [32]byte, grace time.Duration) (spent, lives bool, end func() (rest func())) {
 	r.mu.Lock()
 	g := r.live[id]
 	r.mu.Unlock()
@@ -298,7 +299,10 @@ func (r *Registry) spendRecorded(id uint64, proof [32]byte, grace time.Duration)
 	g.drop(cl)
 	lives = (!usedUp && g.live()) || r.bufferHasOthers(g)
 	if usedUp {
-		end = func() { g.end(usedUpWhy(g)) }
+		end = func() func() {
+			rest, _ := g.endQuiet(usedUpWhy(g))
+			return rest
+		}
 	}
 	return true, lives, end
 }

@@ -37,10 +37,11 @@ type spendLogs struct {
 	// What the registry lends: spending a record's use, waiting at most
 	// grace for a use claimed by receivers being served (spent: it was a
 	// live grant's that holds nothing, with its proof; lives: its buffer
-	// lives on; end: to run on a library thread, ending the registration
-	// it used up), and whether any grant is published (else nothing could
-	// be spent).
-	spend     func(id uint64, proof [32]byte, grace time.Duration) (spent, lives bool, end func())
+	// lives on; end: ends the registration it used up, as far as that
+	// runs no user code, and returns the rest, to run on a library
+	// thread), and whether any grant is published (else nothing could be
+	// spent).
+	spend     func(id uint64, proof [32]byte, grace time.Duration) (spent, lives bool, end func() (rest func()))
 	published func() bool
 
 	mu       sync.Mutex
@@ -136,12 +137,15 @@ func (l *spendLogs) harvest() {
 	defer l.unmapping.RUnlock()
 	// On a granting thread: a use that others have claimed is left to the
 	// receiver's session, which waits for them, and the registrations used
-	// up are ended on a goroutine.
-	var ends []func()
+	// up are ended here, but what of their ends would run the library
+	// user's code (release callbacks) runs on a goroutine.
+	var rests []func()
 	spendAtOnce := func(id uint64, proof [32]byte) (spent, lives bool) {
 		spent, lives, end := l.spend(id, proof, 0)
 		if end != nil {
-			ends = append(ends, end)
+			if rest := end(); rest != nil {
+				rests = append(rests, rest)
+			}
 		}
 		return spent, lives
 	}
@@ -179,10 +183,10 @@ func (l *spendLogs) harvest() {
 			break
 		}
 	}
-	if len(ends) > 0 {
-		go func() { // a library thread: the ends run owners' release callbacks
-			for _, end := range ends {
-				end()
+	if len(rests) > 0 {
+		go func() { // a library thread: owners' release callbacks
+			for _, rest := range rests {
+				rest()
 			}
 		}()
 	}
@@ -230,7 +234,9 @@ func (l *spendLogs) drainExited() {
 		for i := 1; spendable && i <= spendRecords; i++ {
 			if id, proof, claim := readRecord(s.mem, i); id != 0 && unspent(claim) {
 				if _, _, end := l.spend(id, proof, claimGrace); end != nil {
-					end() // the scanner's goroutine
+					if rest := end(); rest != nil {
+						rest() // the scanner's goroutine
+					}
 				}
 			}
 		}
