@@ -98,8 +98,8 @@ func TestHarvestEndsQuietGrantsAtOnce(t *testing.T) {
 	s, anchor, l := harvestServer(t)
 	quiet := again(t, s, anchor, RegisterOptions{Uses: 1})
 	gate, ran := make(chan struct{}), make(chan struct{})
-	open := sync.OnceFunc(func() { close(gate) })
-	defer open() // a failure must not leave the callback stuck
+	letGo := sync.OnceFunc(func() { close(gate) })
+	defer letGo() // a failure must not leave the callback stuck
 	loud := again(t, s, anchor, RegisterOptions{Uses: 1, OnRelease: func() {
 		<-gate // would stop the harvest were it run there
 		close(ran)
@@ -123,7 +123,7 @@ func TestHarvestEndsQuietGrantsAtOnce(t *testing.T) {
 	if _, err := s.reg.lookup(loud.RegID); CodeOf(err) != ENOENT {
 		t.Fatalf("the used-up grant with a callback, right after the harvest: %v; want it ended", err)
 	}
-	open()
+	letGo()
 	select {
 	case <-ran:
 	case <-time.After(5 * time.Second):
