@@ -1,9 +1,8 @@
 /* coldcall: what one call into the library costs a C thread, back to back
  * and after the thread was away for a while, against a plain system call.
  *
- *   make lib
- *   cc -O2 -Iinclude bench/coldcall.c -Lbuild -lvmmipc -Wl,-rpath,$PWD/build \
- *      -o build/coldcall && build/coldcall [--gap-us G] [--calls N]
+ *   make test-c        # or any build of the C tests; then
+ *   build/cmake/vmmipc_coldcall [--gap-us G] [--calls N]
  *
  * The call is vmmipc_live_registrations, which does almost nothing in Go:
  * what it costs is the crossing. Each row is the median and the 90th
