@@ -732,7 +732,7 @@ func FuzzSpendLogDrain(f *testing.F) {
 // cannot take every other's room), and maxSpendLogs in all.
 func TestSpendLogsBoundedPerReceiver(t *testing.T) {
 	var l spendLogs
-	l.spend, l.published = func(uint64, [32]byte, time.Duration) (bool, bool, func() func()) { return false, false, nil }, func() bool { return false }
+	l.spend, l.published = func(uint64, [32]byte, time.Duration) (bool, bool, *registration) { return false, false, nil }, func() bool { return false }
 	defer l.close()
 	take := func(pid uint32) bool {
 		fd, mem, err := newSpendLog()

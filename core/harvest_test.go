@@ -304,7 +304,7 @@ func TestHarvestIsBoundedAndFair(t *testing.T) {
 func TestHarvestTakesEachRecordOnce(t *testing.T) {
 	var spends atomic.Int64
 	var l spendLogs
-	l.spend = func(uint64, [32]byte, time.Duration) (bool, bool, func() func()) {
+	l.spend = func(uint64, [32]byte, time.Duration) (bool, bool, *registration) {
 		spends.Add(1)
 		return true, true, nil
 	}
@@ -353,7 +353,7 @@ func TestHarvestTakesEachRecordOnce(t *testing.T) {
 // receiver's to spend.
 func TestReadOnlyLogIsNotHarvested(t *testing.T) {
 	var l spendLogs
-	l.spend = func(uint64, [32]byte, time.Duration) (bool, bool, func() func()) { return true, true, nil }
+	l.spend = func(uint64, [32]byte, time.Duration) (bool, bool, *registration) { return true, true, nil }
 	l.published = func() bool { return true }
 	defer l.close()
 	mem := harvestLog(t, &l, false)

@@ -274,13 +274,11 @@ func (r *Registry) Holds() int64 { return r.holds.Load() }
 // receiver's log): only a live grant that holds nothing, only with the
 // proof its secret makes, waiting at most grace for a use that receivers
 // being served have claimed. lives: the buffer lives on after it, as a
-// confirmation's answer would say (ackFlags). end, if not nil, ends the
-// registration that this use used up, on the caller's thread as far as
-// that runs none of the library user's code (registration.endQuiet), and
-// returns the rest (its release callback; with the buffer's last
-// registration, the exporter's release), nil if none, for the caller to
-// run on a library thread.
-func (r *Registry) spendRecorded(id uint64, proof [32]byte, grace time.Duration) (spent, lives bool, end func() (rest func())) {
+// confirmation's answer would say (ackFlags). usedUp, if not nil, is the
+// registration this use used up, for the caller to end (endQuiet on a
+// granting thread: its release callback, and with the buffer's last
+// registration the exporter's release, must not run there).
+func (r *Registry) spendRecorded(id uint64, proof [32]byte, grace time.Duration) (spent, lives bool, usedUp *registration) {
 	r.mu.Lock()
 	g := r.live[id]
 	r.mu.Unlock()
@@ -295,16 +293,13 @@ func (r *Registry) spendRecorded(id uint64, proof [32]byte, grace time.Duration)
 	if err != nil {
 		return false, false, nil
 	}
-	usedUp := g.spend(cl)
+	used := g.spend(cl)
 	g.drop(cl)
-	lives = (!usedUp && g.live()) || r.bufferHasOthers(g)
-	if usedUp {
-		end = func() func() {
-			rest, _ := g.endQuiet(usedUpWhy(g))
-			return rest
-		}
+	lives = (!used && g.live()) || r.bufferHasOthers(g)
+	if used {
+		usedUp = g
 	}
-	return true, lives, end
+	return true, lives, usedUp
 }
 
 // fileOf is the file that holds b whole from offset 0, if its exporter has

@@ -37,11 +37,10 @@ type spendLogs struct {
 	// What the registry lends: spending a record's use, waiting at most
 	// grace for a use claimed by receivers being served (spent: it was a
 	// live grant's that holds nothing, with its proof; lives: its buffer
-	// lives on; end: ends the registration it used up, as far as that
-	// runs no user code, and returns the rest, to run on a library
-	// thread), and whether any grant is published (else nothing could be
+	// lives on; usedUp: the registration it used up, for the caller to
+	// end), and whether any grant is published (else nothing could be
 	// spent).
-	spend     func(id uint64, proof [32]byte, grace time.Duration) (spent, lives bool, end func() (rest func()))
+	spend     func(id uint64, proof [32]byte, grace time.Duration) (spent, lives bool, usedUp *registration)
 	published func() bool
 
 	mu       sync.Mutex
@@ -141,9 +140,9 @@ func (l *spendLogs) harvest() {
 	// user's code (release callbacks) runs on a goroutine.
 	var rests []func()
 	spendAtOnce := func(id uint64, proof [32]byte) (spent, lives bool) {
-		spent, lives, end := l.spend(id, proof, 0)
-		if end != nil {
-			if rest := end(); rest != nil {
+		spent, lives, usedUp := l.spend(id, proof, 0)
+		if usedUp != nil {
+			if rest, _ := usedUp.endQuiet(usedUpWhy(usedUp)); rest != nil {
 				rests = append(rests, rest)
 			}
 		}
@@ -233,10 +232,8 @@ func (l *spendLogs) drainExited() {
 	for _, s := range gone {
 		for i := 1; spendable && i <= spendRecords; i++ {
 			if id, proof, claim := readRecord(s.mem, i); id != 0 && unspent(claim) {
-				if _, _, end := l.spend(id, proof, claimGrace); end != nil {
-					if rest := end(); rest != nil {
-						rest() // the scanner's goroutine
-					}
+				if _, _, usedUp := l.spend(id, proof, claimGrace); usedUp != nil {
+					usedUp.end(usedUpWhy(usedUp)) // the scanner's goroutine
 				}
 			}
 		}
