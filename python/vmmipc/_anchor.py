@@ -221,9 +221,8 @@ class Anchor:
     def _prune_quiet(self) -> None:
         """Forget the grants without a callback that have ended (under _lock;
         one call into the library, which calls nothing back)."""
-        if self._quiet:
-            live = live_many(list(self._quiet.values()))
-            self._quiet = {k: t for (k, t), alive in zip(self._quiet.items(), live) if alive}
+        live = live_many(list(self._quiet.values()))  # no call for none
+        self._quiet = {k: t for (k, t), alive in zip(self._quiet.items(), live) if alive}
 
     def pending(self) -> list[Ticket]:
         """Tickets of grants that have not ended, in the order they were made."""
