@@ -287,15 +287,15 @@ static int test_wait(void) {
 }
 
 /* vmmipc_live_many: 1 for live registrations of this process, 0 for ended
- * ones (used up or unregistered), a wrong secret and another process's
- * ticket; argument errors leave live_out untouched. */
+ * ones (used up or unregistered), a wrong secret, another process's ticket
+ * and a malformed one; argument errors leave live_out untouched. */
 static int test_live_many(void) {
   enum { SIZE = 4096 };
   int fd = own_memfd(SIZE, 1);
   CHECK(fd >= 0, "memfd");
   vmmipc_options o = default_options();
   o.uses = 0;
-  vmmipc_ticket t[6];
+  vmmipc_ticket t[7];
   CHECK_RC(vmmipc_register_host_file(fd, SIZE, 4096, NULL, NULL, &o, &t[0]), VMMIPC_OK);
   close(fd);
   o.uses = 1;
@@ -308,15 +308,18 @@ static int test_live_many(void) {
   t[4].bytes[TICKET_OFF_SECRET + 3] ^= 1;
   START_SENDER(s, theirs, "file", 1, 4096, 1, -1, 0);
   t[5] = theirs;
-  const uint8_t want[6] = {1, 1, 0, 0, 0, 0};
-  uint8_t live[6];
+  t[6] = t[1];
+  t[6].bytes[TICKET_OFF_ADDR_KIND] = 9; /* no such address kind: malformed */
+  const uint8_t want[7] = {1, 1, 0, 0, 0, 0, 0};
+  uint8_t live[7];
   double deadline = now_ms() + 5000; /* the used-up grant ends once its receiver answered */
   do {
     memset(live, 7, sizeof live);
-    CHECK_RC(vmmipc_live_many(t, 6, live), VMMIPC_OK);
+    CHECK_RC(vmmipc_live_many(t, 7, live), VMMIPC_OK);
   } while (memcmp(live, want, sizeof live) && now_ms() < deadline && usleep(1000) == 0);
-  CHECK(!memcmp(live, want, sizeof live), "live: %d %d %d %d %d %d, want 1 1 0 0 0 0 (anchor, grant, used up, "
-        "unregistered, wrong secret, another process's)", live[0], live[1], live[2], live[3], live[4], live[5]);
+  CHECK(!memcmp(live, want, sizeof live), "live: %d %d %d %d %d %d %d, want 1 1 0 0 0 0 0 (anchor, grant, used up, "
+        "unregistered, wrong secret, another process's, malformed)", live[0], live[1], live[2], live[3], live[4], live[5],
+        live[6]);
   child_end(&s);
 
   memset(live, 7, sizeof live);
