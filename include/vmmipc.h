@@ -831,65 +831,60 @@ typedef struct vmmipc_mapping {
  * mapping, at the same address, with no descriptor and no driver call (the
  * device is resolved from a table read once per process), once the ticket
  * is vouched for in one of two ways:
- *   - The grant table, for a registration made without
- *     VMMIPC_REGISTER_HOLD whose exporter is in this process's PID and time
- *     namespaces. Each exporter publishes its live grants that hold nothing
- *     in a memfd that it alone can write (sealed F_SEAL_FUTURE_WRITE,
- *     against resizing and further seals): per grant its id, uses and uses
- *     spent, ttl deadline and a hash of the whole ticket. A receiver gets a
- *     read-only descriptor of it in its first session with that exporter,
- *     maps it (384 KiB of address space, MADV_DONTFORK) and closes the
- *     descriptor, and answers with a descriptor of its own spend log (one
- *     page of a memfd, sealed against resizing, which both map writable,
- *     the exporter read-only where the descriptor does not allow writing;
- *     one round trip more, once per exporter). A hit then makes no round
- *     trip: the grant
- *     must be published with this very ticket (a ticket changed in any byte
- *     is no table hit), within its ttl, with a use left that this process
- *     has not taken already (else VMMIPC_ENOENT, as the exporter would
- *     answer; where that depends on this process's uses still being
- *     spent, the hit asks the exporter once they are answered, within its
- *     timeout), and the exporter alive: a word of the table's header that
- *     the kernel marks when the exporter's image ends (its exit, SIGKILL
- *     included, before it is a zombie, or an exec; the word is a robust
- *     futex held by a thread the exporter keeps for its whole life, and the
- *     receiver checks once that it names a thread of the exporter's pid),
- *     read with one load on every hit; where the exporter could not set
- *     that up (set_robust_list refused), its own descriptor of the table
- *     still open instead (/proc/<pid>/fd/<n>; an exec or exit closes it;
- *     hidden from receivers without CAP_SYS_PTRACE where the exporter made
- *     itself non-dumpable, whose hits then ask it); and its pid's start
- *     time and state in /proc (a zombie has exited), read at most every
- *     50 ms per exporter (within that time the word, or the descriptor,
- *     tells the same, but for an exporter killed so recently that its
- *     other threads are still ending). Before it returns, the hit writes a record of the use to
- *     its spend log (the grant's id and an HMAC that only the ticket's
- *     secret makes) and opens it to the exporter. The use is then spent
- *     by whichever comes first, each taking the record with an atomic
- *     compare-and-swap on it, so only one of them spends it: the exporter,
- *     which at its next grant (a buffer re-sent in a loop; at most one read
- *     a millisecond, on the granting thread, at most 126 records a read,
- *     starting where the last one stopped) reads the logs that opened
- *     records since it last looked, spends each open record
- *     with a valid HMAC and writes the outcome into it (spent, and whether
- *     the buffer lives on; or refused); or a library thread of this
- *     process, as with VMMIPC_IMPORT_CONFIRM_LATER, which answers the uses
- *     the exporter spent from their records and spends the rest (those it
- *     refused included, so that the refusal's reason is heard) on a
- *     session (vmmipc_cache_info counts table_hits, and confirms_pending
- *     and confirms_failed for these too). The record is cleared once
- *     answered. The exporter reads the
- *     logs of receivers that have exited (pid and start time, checked every
- *     250 ms while it has logs) and spends each record with a valid HMAC,
- *     so a receiver killed right after a hit (SIGKILL included) leaves no
- *     grant pending. Bounds: 64 tables per receiver
- *     process (those of exporters gone are dropped for room), 63 uses in
- *     its log per exporter not yet answered (hits' and first imports'),
- *     256 logs per exporter and 4 of one receiver process; beyond them hits
- *     ask the exporter, and first imports stream. Two processes
- *     that each map the buffer may both hit the last use of one ticket at the
- *     same instant (the later spend fails; neither gets memory it did not
- *     have).
+ *   - The grant table, for a registration made without VMMIPC_REGISTER_HOLD
+ *     whose exporter is in this process's PID and time namespaces. Each
+ *     exporter publishes its live grants that hold nothing in a memfd that it
+ *     alone can write (sealed F_SEAL_FUTURE_WRITE, against resizing and further
+ *     seals): per grant its id, uses and uses spent, ttl deadline and a hash of
+ *     the whole ticket. A receiver gets a read-only descriptor of it in its
+ *     first session with that exporter, maps it (384 KiB of address space,
+ *     MADV_DONTFORK) and closes the descriptor, and answers with a descriptor
+ *     of its own spend log (one page of a memfd, sealed against resizing, which
+ *     both map writable, the exporter read-only where the descriptor does not
+ *     allow writing; one round trip more, once per exporter). A hit then makes
+ *     no round trip: the grant must be published with this very ticket (a
+ *     ticket changed in any byte is no table hit), within its ttl, with a use
+ *     left that this process has not taken already (else VMMIPC_ENOENT, as the
+ *     exporter would answer; where that depends on this process's uses still
+ *     being spent, the hit asks the exporter once they are answered, within its
+ *     timeout), and the exporter alive: a word of the table's header that the
+ *     kernel marks when the exporter's image ends (its exit, SIGKILL included,
+ *     before it is a zombie, or an exec; the word is a robust futex held by a
+ *     thread the exporter keeps for its whole life, and the receiver checks
+ *     once that it names a thread of the exporter's pid), read with one load on
+ *     every hit; where the exporter could not set that up (set_robust_list
+ *     refused), its own descriptor of the table still open instead
+ *     (/proc/<pid>/fd/<n>; an exec or exit closes it; hidden from receivers
+ *     without CAP_SYS_PTRACE where the exporter made itself non-dumpable, whose
+ *     hits then ask it); and its pid's start time and state in /proc (a zombie
+ *     has exited), read at most every 50 ms per exporter (within that time the
+ *     word, or the descriptor, tells the same, but for an exporter killed so
+ *     recently that its other threads are still ending). Before it returns, the
+ *     hit writes a record of the use to its spend log (the grant's id and an
+ *     HMAC that only the ticket's secret makes) and opens it to the exporter.
+ *     The use is then spent by whichever comes first, each taking the record
+ *     with an atomic compare-and-swap on it, so only one of them spends it: the
+ *     exporter, which at its next grant (a buffer re-sent in a loop; at most
+ *     one read a millisecond, on the granting thread, at most 126 records a
+ *     read, starting where the last one stopped) reads the logs that opened
+ *     records since it last looked, spends each open record with a valid HMAC
+ *     and writes the outcome into it (spent, and whether the buffer lives on;
+ *     or refused); or a library thread of this process, as with
+ *     VMMIPC_IMPORT_CONFIRM_LATER, which answers the uses the exporter spent
+ *     from their records and spends the rest (those it refused included, so
+ *     that the refusal's reason is heard) on a session (vmmipc_cache_info
+ *     counts table_hits, and confirms_pending and confirms_failed for these
+ *     too). The record is cleared once answered. The exporter reads the logs of
+ *     receivers that have exited (pid and start time, checked every 250 ms
+ *     while it has logs) and spends each record with a valid HMAC, so a
+ *     receiver killed right after a hit (SIGKILL included) leaves no grant
+ *     pending. Bounds: 64 tables per receiver process (those of exporters gone
+ *     are dropped for room), 63 uses in its log per exporter not yet answered
+ *     (hits' and first imports'), 256 logs per exporter and 4 of one receiver
+ *     process; beyond them hits ask the exporter, and first imports stream. Two
+ *     processes that each map the buffer may both hit the last use of one
+ *     ticket at the same instant (the later spend fails; neither gets memory it
+ *     did not have).
  *   - Otherwise (a held registration, no table, another namespace, or
  *     anything the table cannot vouch for) the hit connects, proves the
  *     secret both ways, spends one use and has the exporter confirm that
