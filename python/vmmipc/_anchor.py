@@ -37,7 +37,7 @@ import threading
 import weakref
 
 from . import _errors, _lib
-from ._register import live_many, register_again, unregister
+from ._register import live_many, register_again, register_again_quiet, unregister
 from ._ticket import Ticket
 
 log = logging.getLogger("vmmipc")
@@ -158,6 +158,7 @@ class Anchor:
 
     def __init__(self, ticket: Ticket):
         self.ticket = ticket
+        self._c_ticket = None  # ticket as the library takes it, made by the first quiet grant
         self._generation = _generation[0]
         self._lock = threading.Lock()
         self._grants: dict[int, Ticket | None] = {}  # grants with a release callback
@@ -182,7 +183,9 @@ class Anchor:
         (retired, or unregistered at exit)."""
         key = next(self._keys)
         if keep is None and not hold and limit is None:
-            ticket = register_again(self.ticket, uses=uses, ttl=ttl)
+            if self._c_ticket is None:
+                self._c_ticket = self.ticket._c()
+            ticket = register_again_quiet(self._c_ticket, uses, ttl)
             with self._lock:
                 self._quiet[key] = ticket
                 if len(self._quiet) >= self._quiet_check:

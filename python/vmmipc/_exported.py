@@ -140,29 +140,30 @@ def disarm(obj) -> bool:
     tomb = _tombstone(max(ctypes.sizeof(armed), 1))
     if tomb is None:
         return False
-    obj._exported_tombstone = tomb  # mapped while obj lives
-    words[ptr_at] = ctypes.addressof(ctypes.c_char.from_buffer(tomb))
+    obj._exported_tombstone = tomb[0]  # mapped while obj lives
+    words[ptr_at] = tomb[1]
     return True
 
 
 # Zero pages by size, shared by the objects disarmed at that size and kept:
 # mapping and unmapping them at each close was a quarter of an imported
 # HostBuffer's close(). Bounded, as address space counts in RLIMIT_AS.
-_tombstones: dict[int, mmap.mmap] = {}
+_tombstones: dict[int, tuple[mmap.mmap, int]] = {}
 TOMBSTONE_BYTES = 16 << 30  # kept at most, over at most 64 sizes
 
 
-def _tombstone(size: int) -> mmap.mmap | None:
-    """size bytes of private anonymous zero pages (MAP_NORESERVE): kept
-    ones, or new ones for this object alone once the bound is reached;
-    None when they cannot be mapped."""
+def _tombstone(size: int) -> tuple[mmap.mmap, int] | None:
+    """size bytes of private anonymous zero pages (MAP_NORESERVE) and their
+    address: kept ones, or new ones for this object alone once the bound is
+    reached; None when they cannot be mapped."""
     tomb = _tombstones.get(size)
     if tomb is None:
         try:
-            tomb = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | _NORESERVE)
+            mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | _NORESERVE)
         except OSError:
             return None
-        if len(_tombstones) < 64 and sum(map(len, _tombstones.values())) + size <= TOMBSTONE_BYTES:
+        tomb = (mm, ctypes.addressof(ctypes.c_char.from_buffer(mm)))
+        if len(_tombstones) < 64 and sum(len(t[0]) for t in _tombstones.values()) + size <= TOMBSTONE_BYTES:
             _tombstones[size] = tomb
     return tomb
 

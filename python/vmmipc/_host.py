@@ -195,11 +195,12 @@ class HostBuffer(_exported.Buffer, _lib.Closeable):
         memory it made (_exported.instance)."""
 
     def _init(self, size, chunk_size, uses, ttl):
+        """uses and ttl were checked (__new__), or are an import's 1, None."""
         self._closed = False
         self._size = size
         self._chunk_size = chunk_size
-        self.pickle_uses = uses
-        self.pickle_ttl = ttl
+        self._pickle_uses = uses
+        self._pickle_ttl = ttl
 
     @classmethod
     def from_ticket(cls, ticket, chunk_size: int | None = None, *,
@@ -219,7 +220,7 @@ class HostBuffer(_exported.Buffer, _lib.Closeable):
                                        "HostBuffer.from_ticket")
         mapping = import_private(t, _lib.DEVICE_HOST, timeout=timeout, cache=cache,
                                  confirm_later=confirm_later, hold=hold)
-        self = _exported.instance(cls, mapping.addr, mapping.size)  # mapping outlives self
+        self = _exported.instance(cls, mapping._addr, mapping.size)  # mapping outlives self
         self._init(mapping.size, chunk_size, 1, None)
         self._fd = -1
         self._anchor = None
@@ -313,14 +314,13 @@ class HostBuffer(_exported.Buffer, _lib.Closeable):
         pickle_uses) and `ttl` seconds (default pickle_ttl). Opens no
         descriptor. It lives on after close() until used, expired or
         unregistered."""
-        if not self.is_owner:
+        if self._mapping is not None:
             raise TypeError("an imported HostBuffer cannot be shared again: this process "
                             "holds a mapping, not the memfd; share it from its owner")
-        if self.closed:
+        if self._closed:
             raise ValueError("HostBuffer is closed: it can no longer be shared or pickled")
-        uses = self.pickle_uses if uses is None else uses
-        ttl = self.pickle_ttl if ttl is None else ttl
-        return self._anchor.grant(uses=uses, ttl=ttl)
+        return self._anchor.grant(uses=self._pickle_uses if uses is None else uses,
+                                  ttl=self._pickle_ttl if ttl is None else ttl)
 
     def pending_tickets(self) -> list[Ticket]:
         """Tickets of this buffer's shares and pickles that have not ended

@@ -84,7 +84,10 @@ def reduce_host_buffer(hb: HostBuffer):
         from . import _mp
 
     def reduce():
-        return (rebuild_host_buffer, (hb.grant(), hb.chunk_size))
+        # The ticket as plain bytes: a Ticket pickles through its class (a
+        # global saved, a constructor called back), which doubled what
+        # pickling and unpickling this tuple cost.
+        return (rebuild_host_buffer, (bytes(hb.grant()), hb.chunk_size))
     return _mp.guarded_reduce("HostBuffer", reduce)
 
 

@@ -230,6 +230,18 @@ def register_again(ticket, *, uses: int = 1, ttl: float | None = None,
     return _registered(_record_for(release), do)
 
 
+def register_again_quiet(anchor: _lib.vmmipc_ticket, uses: int, ttl: float | None) -> Ticket:
+    """register_again without a release callback or hold, of the live
+    registration whose C ticket is `anchor`: what Anchor.grant makes for a
+    HostBuffer's pickle, with the anchor's ticket converted once (the
+    arguments are checked by options(), as register_again checks them)."""
+    fn = "vmmipc_register_again"
+    opts = _lib.options(fn, uses=uses, ttl=ttl)
+    out = _lib.vmmipc_ticket()
+    _lib.call(fn, ctypes.byref(anchor), _NO_RELEASE, None, ctypes.byref(opts), ctypes.byref(out))
+    return Ticket._made(out.bytes)
+
+
 def unregister(ticket) -> None:
     """End a registration of this process early (NotFoundError if it is not
     ours or has already ended). Memory already imported stays valid. Its
