@@ -115,3 +115,23 @@ func BenchmarkHeldUse(b *testing.B) {
 		}
 	}
 }
+
+// BenchmarkRegisterAgain is a pickle's grant: a new registration of a live
+// anchor, ended at once (as a receiver's use would), so the registry and
+// the grant table stay the size a re-send loop keeps them.
+//
+//	go test -run '^$' -bench RegisterAgain -benchmem ./core
+func BenchmarkRegisterAgain(b *testing.B) {
+	s, fd := benchBuffer(b)
+	anchor := registerFile(b, s, fd, benchSize, benchChunkSize, RegisterOptions{})
+	b.ReportAllocs()
+	for b.Loop() {
+		t, err := s.RegisterAgain(anchor, RegisterOptions{Uses: 1})
+		if err != nil {
+			b.Fatal(err)
+		}
+		if err := s.Unregister(t); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
