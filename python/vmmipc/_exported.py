@@ -163,7 +163,8 @@ def _tombstone(size: int) -> tuple[mmap.mmap, int] | None:
         except OSError:
             return None
         tomb = (mm, ctypes.addressof(ctypes.c_char.from_buffer(mm)))
-        if len(_tombstones) < 64 and sum(len(t[0]) for t in _tombstones.values()) + size <= TOMBSTONE_BYTES:
+        kept = sum(len(mm) for mm, _ in _tombstones.values())
+        if len(_tombstones) < 64 and kept + size <= TOMBSTONE_BYTES:
             _tombstones[size] = tomb
     return tomb
 
