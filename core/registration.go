@@ -301,7 +301,8 @@ func (g *registration) endQuiet(why string) (rest func(), ended bool) {
 	for _, cancel := range cancels {
 		cancel() // wakes the session; it sees the end and stops
 	}
-	if !last && (g.lendsExporter || g.onRelease == nil) {
+	userCode := last || (!g.lendsExporter && g.onRelease != nil)
+	if !userCode {
 		if !g.lendsExporter {
 			g.release() // no callback: it only tells waiters
 		}

@@ -163,7 +163,7 @@ def _tombstone(size: int) -> tuple[mmap.mmap, int] | None:
         except OSError:
             return None
         tomb = (mm, ctypes.addressof(ctypes.c_char.from_buffer(mm)))
-        kept = sum(len(mm) for mm, _ in _tombstones.values())
+        kept = sum(len(pages) for pages, _ in _tombstones.values())
         if len(_tombstones) < 64 and kept + size <= TOMBSTONE_BYTES:
             _tombstones[size] = tomb
     return tomb
