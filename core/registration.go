@@ -146,9 +146,12 @@ type claim struct {
 
 func (g *registration) why() string { return fmt.Sprintf("registration %d %s", g.id, g.ended) }
 
-func usedUpWhy(g *registration) string {
+func (g *registration) usedUpWhy() string {
 	return fmt.Sprintf("was used up: all %d use(s) consumed", g.uses)
 }
+
+// endUsedUp ends a registration that spend reported used up, saying so.
+func (g *registration) endUsedUp() bool { return g.end(g.usedUpWhy()) }
 
 // claim reserves one use for a receiver that is about to be served.
 func (g *registration) claim(cancel func()) (*claim, error) {
@@ -167,7 +170,7 @@ func (g *registration) claimWithin(cancel func(), grace time.Duration) (*claim, 
 		if g.usedUpLocked() {
 			// Used up, if not yet ended (that waits for the last
 			// receiver's answer): the same words either way.
-			return nil, Errorf(ENOENT, "registration %d %s", g.id, usedUpWhy(g))
+			return nil, Errorf(ENOENT, "registration %d %s", g.id, g.usedUpWhy())
 		}
 		if g.uses == 0 || g.consumed+g.claimed < g.uses {
 			c := &claim{cancel: cancel}

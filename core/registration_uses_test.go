@@ -171,5 +171,5 @@ func TestAUsedUpSiblingDoesNotKeepTheBufferAlive(t *testing.T) {
 	if s.reg.bufferHasOthers(second) {
 		t.Fatal("a used-up registration that has not ended yet counts as one that can serve")
 	}
-	first.end(usedUpWhy(first))
+	first.endUsedUp()
 }

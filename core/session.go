@@ -146,7 +146,7 @@ func (ss *session) serveUse(g *registration, hello helloMsg, l *lease) bool {
 	}
 	defer func() {
 		if usedUp {
-			g.end(usedUpWhy(g))
+			g.endUsedUp()
 		}
 	}()
 	acked := false

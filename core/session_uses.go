@@ -20,16 +20,16 @@ func (ss *session) serveMoreUses(l *lease) {
 	// A used-up registration ends only once its answer is out (or could
 	// not go): its release (the owner's release_fn, which in Python waits
 	// for the GIL) may take a while, and the receiver need not wait for it.
-	endUsedUp := func() {
+	endAnswered := func() {
 		for _, g := range usedUp {
-			g.end(usedUpWhy(g))
+			g.endUsedUp()
 		}
 		usedUp = usedUp[:0]
 	}
-	defer endUsedUp()
+	defer endAnswered()
 	flush := func() bool {
 		err := ss.c.send(nil, -1) // what is queued
-		endUsedUp()
+		endAnswered()
 		return err == nil
 	}
 	for n := 0; ; n++ {
@@ -68,7 +68,7 @@ func (ss *session) serveMoreUses(l *lease) {
 		if !sent && held { // the receiver never learns of it: nor may the lease keep it
 			ss.reg.leases.letGo(l, []uint64{g.id}, false)
 		}
-		endUsedUp()
+		endAnswered()
 		if !sent {
 			return
 		}

@@ -142,7 +142,7 @@ func (l *spendLogs) harvest() {
 	spendAtOnce := func(id uint64, proof [32]byte) (spent, lives bool) {
 		spent, lives, usedUp := l.spend(id, proof, 0)
 		if usedUp != nil {
-			if rest, _ := usedUp.endQuiet(usedUpWhy(usedUp)); rest != nil {
+			if rest, _ := usedUp.endQuiet(usedUp.usedUpWhy()); rest != nil {
 				rests = append(rests, rest)
 			}
 		}
@@ -233,7 +233,7 @@ func (l *spendLogs) drainExited() {
 		for i := 1; spendable && i <= spendRecords; i++ {
 			if id, proof, claim := readRecord(s.mem, i); id != 0 && unspent(claim) {
 				if _, _, usedUp := l.spend(id, proof, claimGrace); usedUp != nil {
-					usedUp.end(usedUpWhy(usedUp)) // the scanner's goroutine
+					usedUp.endUsedUp() // the scanner's goroutine
 				}
 			}
 		}
