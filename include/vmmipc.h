@@ -56,9 +56,10 @@
  *     hundred MiB of headroom above what you map.
  *   - After fork(), every function returns VMMIPC_EFORK in the child (the Go
  *     runtime inside does not survive fork), except the arena calls, which
- *     are plain C made for forked children ("Arenas"), and
- *     vmmipc_last_error. Start helpers with exec or posix_spawn, or with
- *     Python's "spawn"/"forkserver" start methods.
+ *     are plain C made for forked children ("Arenas"), vmmipc_last_error,
+ *     vmmipc_version and vmmipc_strerror (which there names VMMIPC_EFORK
+ *     and calls every other status unknown). Start helpers with exec or
+ *     posix_spawn, or with Python's "spawn"/"forkserver" start methods.
  *
  * Trust
  *   Tickets hold a 256-bit secret: whoever holds a ticket can map the memory,
@@ -202,9 +203,10 @@ extern "C" {
 #define VMMIPC_VERSION_MINOR 2
 #define VMMIPC_VERSION_PATCH 0
 
-/* Size of a ticket in bytes. The layout carries a format version (3: it
- * records the exporter's namespaces); a ticket of another version is
- * refused with VMMIPC_EINVAL naming both versions. */
+/* Size of a ticket in bytes. The layout carries a format version (4: it
+ * records the exporter's namespaces and whether the registration holds);
+ * a ticket of another version is refused with VMMIPC_EINVAL naming both
+ * versions. */
 #define VMMIPC_TICKET_SIZE 256
 
 /* Device arguments of vmmipc_import_stream. Values >= 0 are CUDA device

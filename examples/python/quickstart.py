@@ -9,7 +9,7 @@ import multiprocessing as mp
 import vmmipc
 
 def child(q):
-    hb = q.get()                   # streams 4096 chunks, ~1 descriptor at a time
+    hb = q.get()                   # maps the sender's memfd: one descriptor, closed at once
     hb[:5] = b"HELLO"              # same memory as the parent's
 
 if __name__ == "__main__":

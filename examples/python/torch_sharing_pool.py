@@ -30,7 +30,7 @@ if __name__ == "__main__":
     q, results = ctx.Queue(), ctx.Queue()
     p = ctx.Process(target=child, args=(q, results))
     p.start()
-    q.put(model.state_dict())                        # keep model alive while the child uses it
+    q.put(model.state_dict())                        # may be freed now: the child holds it
     same, imports = results.get()
     p.join()
     print(f"{pool.info().mapped_bytes >> 20} MiB in {pool.info().mapped_bytes // pool.chunk_size} "

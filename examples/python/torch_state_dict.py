@@ -26,7 +26,7 @@ if __name__ == "__main__":
     q, results = ctx.Queue(), ctx.Queue()
     p = ctx.Process(target=child, args=(q, results))
     p.start()
-    q.put((model.state_dict(), x))          # keep model and x alive while the child uses them
+    q.put((model.state_dict(), x))          # may be freed now: the child holds the memory
     got = torch.from_numpy(results.get())
     p.join()
 # end readme-snippet

@@ -159,6 +159,8 @@ static int test_bad_tickets(void) {
   t = good;
   t.bytes[8] = 9; /* format version */
   if (try_open(&t, VMMIPC_EINVAL, "format version 9")) return 1;
+  t.bytes[8] = 1; /* an old format: refused naming both versions */
+  if (try_open(&t, VMMIPC_EINVAL, "format version 1, this libvmmipc reads version")) return 1;
   t = good;
   memset(t.bytes + 64, 0, sizeof t.bytes - 64); /* truncated: only the first 64 bytes arrived */
   if (try_open(&t, VMMIPC_EINVAL, "ticket")) return 1;
