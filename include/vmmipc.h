@@ -64,11 +64,14 @@
  * Trust
  *   Tickets hold a 256-bit secret: whoever holds a ticket can map the memory,
  *   so treat it like a password. A receiver accepts a descriptor only from a
- *   server that proved, over fresh random nonces from both sides, that it
+ *   server that proved, over a fresh random nonce of the receiver's, that it
  *   knows the ticket's secret (HMAC-SHA256, bound to the registration, to
  *   this very connection, by the kernel's cookie of the exporter's socket of
  *   it, and to a digest of the whole ticket); a server exports nothing
- *   before the receiver proved the same. A process that takes the
+ *   before the receiver proved the same, over a fresh nonce of the server's
+ *   or, in the exporter's PID and time namespaces (one round trip), bound
+ *   to the receiver's pid and start time, which the server reads from the
+ *   kernel. A process that takes the
  *   exporter's address after it exited or exec'd, that reuses its pid, that
  *   inherited its listening socket, or that relays between the two (in any
  *   namespace), learns nothing and is refused (VMMIPC_EAUTH, or VMMIPC_EIO
@@ -151,7 +154,7 @@
  *   dropped at once (at most 64 at a time; beyond that, without a word).
  *   Holds cost a sender one descriptor in all, its lease file, whatever the
  *   number of receivers holding from it, and its grant table one more (see
- *   vmmipc_import), whatever the number of grants and receivers; no
+ *   vmmipc_import_stream), whatever the number of grants and receivers; no
  *   connection stays open for
  *   them (see "Holds"): a held use or a release is a short connection,
  *   counted as any other while it runs. A receiver process may have at
@@ -374,7 +377,7 @@ typedef struct vmmipc_options {
  *   - A registration made without VMMIPC_REGISTER_HOLD says so in its
  *     tickets, and a receiver asks for no lease for it: the flag then costs
  *     nothing. Only such registrations enter the exporter's grant table, so
- *     a held hit is never believed from the table (see vmmipc_import).
+ *     a held hit is never believed from the table (see vmmipc_import_stream).
  *   - Bounds: at most 4 live leases per receiver process at one exporter
  *     (threads of one process share one; a fifth is refused with
  *     VMMIPC_EIO saying so), 4096 in all, 2^20 holds per lease. A lease
@@ -1092,7 +1095,7 @@ typedef struct vmmipc_cache_info {
                                   kept from when these were connections */
   uint64_t table_hits;         /* hits that the exporter's grant table
                                   vouched for, without a round trip (see
-                                  vmmipc_import) */
+                                  vmmipc_import_stream) */
   uint64_t table_imports;      /* misses mapped from the file the grant
                                   table names, without a round trip (see
                                   vmmipc_import_stream); among misses */

@@ -20,6 +20,7 @@ This module knows nothing of torch; _torch_arena builds tensors on it.
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 import secrets
@@ -70,7 +71,18 @@ class Arena:
 
     def _map(self, fd: int, size: int) -> None:
         self.size = size
-        self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as e:
+            if e.errno != errno.ENOMEM:
+                raise
+            raise _errors.VmmipcMemoryError(
+                f"cannot map an arena of {size} bytes ({size / 2**30:.1f} GiB) of address space "
+                f"(memory only as touched): mmap: {e.strerror}; the address space (RLIMIT_AS) or "
+                "the memory overcommit policy does not allow it; make a smaller one, e.g. "
+                "vmmipc.torch.loader_options(arena=vmmipc.torch.Arena(regions=N, "
+                "region_bytes=B)): N workers at most, B the most a worker's live batches take",
+                _errors.ENOMEM, "vmmipc arena") from None
         self._anchor = ctypes.c_char.from_buffer(self.mm)  # pins the mapping: never unmapped
         self.base = ctypes.addressof(self._anchor)
         self.view = memoryview(self.mm)

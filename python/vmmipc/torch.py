@@ -79,7 +79,7 @@ import vmmipc as _vmmipc
 from . import (_args, _reductions, _torch_arena, _torch_batch, _torch_env, _torch_host,
                _torch_received, _torch_reductions)
 from ._arena import Arena
-from ._torch_batch import EVENT_KEEP_SECONDS, MAX_PENDING_PICKLES, batch
+from ._torch_batch import EVENT_KEEP_SECONDS, MAX_EVENTS, MAX_PENDING_PICKLES, batch
 from ._torch_blob import open_tensors, share_tensors
 from ._torch_env import POSIX_FD_HANDLE, handle_type_names
 from ._torch_pool import PoolInfo, SharingPool, release_sharing_pool, sharing_pool, sharing_pools
@@ -198,9 +198,9 @@ def loader_options(collate_fn=None, *, arena: Arena | None = None) -> dict:
     stacking each tensor batch straight into an arena block) run in the
     workers, every CPU tensor of its result sent as an arena block. Call it
     in the main process, before the loader's workers start (the arena is
-    made here). With fork (torch's default), spawn and forkserver;
-    pin_memory and persistent_workers as they are. docs/dataloader.md has
-    the design and the limits."""
+    made here). With fork (Linux's default before Python 3.14), spawn and
+    forkserver; pin_memory and persistent_workers as they are.
+    docs/dataloader.md has the design and the limits."""
     return {"collate_fn": Collate(arena if arena is not None else default_arena(), collate_fn)}
 
 
@@ -227,7 +227,7 @@ except ImportError:
 
 __all__ = ["Arena", "arena_info", "batch", "Collate", "default_arena", "EVENT_KEEP_SECONDS",
            "get_cpu_sharing", "handle_type_names", "host_arena_info", "install", "is_vmm_tensor",
-           "loader_options", "MAX_PENDING_PICKLES", "open_tensors", "PoolInfo", "POSIX_FD_HANDLE",
-           "reduce_storage", "reduce_tensor", "release_sharing_pool", "set_cpu_sharing",
-           "set_ordering", "set_pickle_ttl", "set_receive_device", "share_tensors", "sharing_pool",
-           "sharing_pools", "SharingPool"]
+           "loader_options", "MAX_EVENTS", "MAX_PENDING_PICKLES", "open_tensors", "PoolInfo",
+           "POSIX_FD_HANDLE", "reduce_storage", "reduce_tensor", "release_sharing_pool",
+           "set_cpu_sharing", "set_ordering", "set_pickle_ttl", "set_receive_device",
+           "share_tensors", "sharing_pool", "sharing_pools", "SharingPool"]

@@ -478,6 +478,37 @@ def test_the_arena_calls_check_what_they_are_given(vt):
     assert ctypes.sizeof(_lib.vmmipc_arena_block) == 32
 
 
+ADDRESS_SPACE = textwrap.dedent(r"""
+    import os, resource, vmmipc
+    from vmmipc import _lib
+    from vmmipc._arena import Arena
+    _lib.lib("test")  # the Go runtime starts before the limit
+    fds = len(os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_AS, (8 << 30, resource.RLIM_INFINITY))
+    try:
+        Arena()  # 32 regions of 4 GiB of address space
+        print("mapped")
+    except vmmipc.VmmipcMemoryError as e:
+        print("refused", len(os.listdir("/proc/self/fd")) - fds, e)
+    small = Arena(regions=2, region_bytes=64 << 20)
+    print("small", small.size)
+""")
+
+
+def test_an_arena_larger_than_the_address_space_is_a_clear_error():
+    """The default arena is 128 GiB of address space: under an RLIMIT_AS
+    that cannot hold it, Arena() raises VmmipcMemoryError saying what to
+    make instead, not mmap's bare OSError, and keeps no descriptor; a
+    smaller arena maps."""
+    out = subprocess.run([sys.executable, "-c", ADDRESS_SPACE], capture_output=True, text=True,
+                         env=child_env(), timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("refused 0 ") and "RLIMIT_AS" in lines[0], lines
+    assert "loader_options(arena=" in lines[0] and "GiB" in lines[0], lines
+    assert lines[1].startswith("small "), lines
+
+
 def test_the_documented_example_runs():
     # docs/dataloader.md's one line is an excerpt of this example: it must run.
     example = os.path.join(conftest.ROOT, "examples", "python", "torch_dataloader.py")
