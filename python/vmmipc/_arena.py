@@ -20,14 +20,13 @@ This module knows nothing of torch; _torch_arena builds tensors on it.
 from __future__ import annotations
 
 import ctypes
-import errno
-import mmap
 import os
 import secrets
 import threading
 import weakref
 
 from . import _errors, _lib
+from ._memfd import map_shared
 
 REGIONS = 32                 # concurrent writers (DataLoader workers) per arena
 SLOTS = 16384                # blocks per region, live or free
@@ -71,18 +70,11 @@ class Arena:
 
     def _map(self, fd: int, size: int) -> None:
         self.size = size
-        try:
-            self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError as e:
-            if e.errno != errno.ENOMEM:
-                raise
-            raise _errors.VmmipcMemoryError(
-                f"cannot map an arena of {size} bytes ({size / 2**30:.1f} GiB) of address space "
-                f"(memory only as touched): mmap: {e.strerror}; the address space (RLIMIT_AS) or "
-                "the memory overcommit policy does not allow it; make a smaller one, e.g. "
-                "vmmipc.torch.loader_options(arena=vmmipc.torch.Arena(regions=N, "
-                "region_bytes=B)): N workers at most, B the most a worker's live batches take",
-                _errors.ENOMEM, "vmmipc arena") from None
+        self.mm = map_shared(
+            fd, size, f"an arena (memory only as touched) of {size}",
+            "; make a smaller one, e.g. vmmipc.torch.loader_options(arena=vmmipc.torch.Arena("
+            "regions=N, region_bytes=B)): N workers at most, B the most a worker's live batches "
+            "take", "vmmipc arena")
         self._anchor = ctypes.c_char.from_buffer(self.mm)  # pins the mapping: never unmapped
         self.base = ctypes.addressof(self._anchor)
         self.view = memoryview(self.mm)

@@ -26,8 +26,6 @@ valid after that. wait() blocks until every such registration has ended.
 from __future__ import annotations
 
 import copyreg
-import errno
-import fcntl
 import mmap
 import os
 import sys
@@ -37,52 +35,12 @@ import weakref
 from . import _args, _errors, _exported, _lib
 from ._anchor import Anchor
 from ._mapping import import_private
+from ._memfd import map_shared, new_memfd
 from ._register import register_host_file, unregister
 from ._ticket import Ticket, as_ticket
 
 PAGE_SIZE = mmap.PAGESIZE
 DEFAULT_CHUNK_SIZE = 2 << 20  # 2 MiB, the CUDA granularity, for symmetry
-
-
-def _memfd(name: str, size: int) -> int:
-    flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
-    fd = os.memfd_create(name, flags)
-    try:
-        os.ftruncate(fd, size)
-        # A receiver must never see SIGBUS: the file can no longer shrink.
-        # And no seal can be added any more: a receiver gets a read-write
-        # descriptor of it, and could otherwise add F_SEAL_WRITE or
-        # F_SEAL_FUTURE_WRITE, refusing every later receiver of the
-        # registrations already pickled (registering would add F_SEAL_SEAL
-        # anyway; include/vmmipc.h).
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def new_memfd(name: str, size: int, what: str = "HostBuffer") -> int:
-    """_memfd() for `what` (named in errors), with running out of
-    descriptors told as vmmipc tells it everywhere else:
-    OutOfDescriptorsError (also an OSError), saying which limit and what to
-    do."""
-    try:
-        return _memfd(name, size)
-    except OSError as e:
-        if e.errno == errno.EMFILE:
-            why = ("this process has as many descriptors open as its limit allows "
-                   "(RLIMIT_NOFILE); close some, or raise the soft limit (`ulimit -n`, or "
-                   "resource.setrlimit(resource.RLIMIT_NOFILE, ...))")
-        elif e.errno == errno.ENFILE:
-            why = ("the system's file table is full (fs.file-max); close descriptors, in this "
-                   "process or others, or raise fs.file-max")
-        else:
-            raise
-        err = _errors.OutOfDescriptorsError(
-            f"cannot create the {what}'s memfd: {e.strerror}: {why}", _errors.ENFILE, what)
-        err.errno = e.errno
-        raise err from None
 
 
 def _release_owner(fd: int, anchor: Anchor) -> None:
@@ -159,15 +117,7 @@ class HostBuffer(_exported.Buffer, _lib.Closeable):
         fd = new_memfd(name, size)
         try:
             kw = {"trackfd": False} if sys.version_info >= (3, 13) else {}
-            try:
-                mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, **kw)
-            except OSError as e:
-                if e.errno != errno.ENOMEM:
-                    raise
-                raise _errors.VmmipcMemoryError(
-                    f"cannot map a HostBuffer of size={size} bytes ({size / 2**30:.1f} GiB): "
-                    f"mmap: {e.strerror}; the address space (RLIMIT_AS) or the memory "
-                    "overcommit policy does not allow it", _errors.ENOMEM, where) from None
+            mm = map_shared(fd, size, f"a HostBuffer of size={size}", "", where, **kw)
             try:
                 anchor = register_host_file(fd, size, chunk_size, uses=0)
             except BaseException:

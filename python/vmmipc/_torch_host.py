@@ -49,7 +49,7 @@ import weakref
 
 from . import _errors, _lib
 from ._anchor import Anchor, after_fork, reaper
-from ._host import new_memfd
+from ._memfd import new_memfd
 from ._register import register_host_file
 from ._torch_env import torch_module
 

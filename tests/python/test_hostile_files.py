@@ -16,7 +16,7 @@ import pytest
 
 import conftest
 import vmmipc
-from vmmipc import _host
+from vmmipc import _memfd
 
 PAGE = mmap.PAGESIZE
 F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # Linux 5.1
@@ -43,7 +43,7 @@ print(" ".join(got))
 
 
 def test_a_hostbuffers_memfd_takes_no_more_seals():
-    fd = _host._memfd("vmmipc-test", 4 * PAGE)
+    fd = _memfd.sealed_memfd("vmmipc-test", 4 * PAGE)
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
         want = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
