@@ -23,7 +23,8 @@ import-cache hits. Every SharedMemory send opens and maps the segment anew
 descriptor counts of both processes from /proc/<pid>/fd about every
 millisecond. The children run at a soft RLIMIT_NOFILE of L (default 64).
 Prints one JSON object per send (approach "hostrows"; path "hostbuffer",
-"sharedmemory" or "bytes").
+"sharedmemory" or "bytes"), and at the end, on stderr, each way's median
+over sends 2-S with a HostBuffer's ratios to SharedMemory's.
 """
 
 import argparse
@@ -31,6 +32,7 @@ import json
 import multiprocessing as mp
 import os
 import resource
+import statistics
 import sys
 import time
 import traceback
@@ -145,6 +147,7 @@ def run_way(way, again, a):
     row = {"approach": "hostrows", "path": way, "again": again, "memory": "host", "N": -(-a.size // chunk),
            "chunk_size": chunk, "size": a.size, "nofile": None, "child_nofile": a.nofile}
     w = Way(way, a.size, chunk, again)
+    times = []  # ms of the sends after the first, where they went right
     ctx = mp.get_context("spawn")
     q, results = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=child, args=(way, q, results, a.size, a.nofile))
@@ -180,9 +183,12 @@ def run_way(way, again, a):
                                   cache_hits=hits, cache_misses=misses, error=err)), flush=True)
             if state == "failed":
                 break
+            if send > 1 and not err:
+                times.append(ms)
     finally:
         stop_child(proc, q)
         w.close()
+    return times
 
 
 def main():
@@ -196,8 +202,25 @@ def main():
                     help="WAY (a new object each send) or WAY-again (the same object every send)")
     ap.add_argument("--timeout", type=float, default=120, help="seconds to wait for a child at each step")
     a = ap.parse_args()
+    medians = {}
     for way in a.ways.split(","):
-        run_way(way.removesuffix("-again"), way.endswith("-again"), a)
+        times = run_way(way.removesuffix("-again"), way.endswith("-again"), a)
+        if times:
+            medians[way] = statistics.median(times)
+    summarize(medians, a.sends)
+
+
+def summarize(medians, sends):
+    """One line on stderr: each way's median over sends 2-S, and a
+    HostBuffer's against SharedMemory's of the same kind (new, again)."""
+    if not medians:
+        return
+    parts = [f"{way} {ms:.3f} ms" for way, ms in medians.items()]
+    for kind in ("", "-again"):
+        hb, sm = medians.get("hostbuffer" + kind), medians.get("sharedmemory" + kind)
+        if hb and sm:
+            parts.append(f"hostbuffer{kind} / sharedmemory{kind} {hb / sm:.2f}x")
+    print(f"hostrows: medians of sends 2-{sends}: " + ", ".join(parts), file=sys.stderr)
 
 
 if __name__ == "__main__":
