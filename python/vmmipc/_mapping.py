@@ -3,9 +3,10 @@ at a time, into one contiguous range; a Mapping holds one reference to it.
 
 The import cache (include/vmmipc.h, vmmipc_import_stream): a process keeps
 what it imported, keyed by the exporter and the buffer identity. Importing a
-ticket of a buffer mapped here already still authenticates and spends a use,
-then returns another reference to the same mapping (same addr, no
-descriptor, no driver call). Closing the last Mapping of it leaves it mapped,
+ticket of a buffer mapped here already returns another reference to the same
+mapping (same addr, no descriptor, no driver call) and spends a use: at once
+where the exporter's grant table vouches for the ticket (the use spent just
+after), else after an authenticated session. Closing the last Mapping of it leaves it mapped,
 unreferenced, while the exporter says the buffer lives on, within a byte
 bound (set_cache_limit; cache_info tells what is held).
 """

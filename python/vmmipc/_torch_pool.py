@@ -14,11 +14,12 @@ torch's: its caching allocator splits and caches the pool's segments as it
 does its own, and vmmipc.torch shares them like any VMM tensor.
 
 The pieces, and why:
-  - One CUDAPluggableAllocator and one torch MemPool per device, kept for
-    the process's life: torch calls the allocator's free hook through the
-    pool's raw pointer whenever it releases a segment, also after the
-    MemPool object is gone (its freed blocks are released by a later
-    torch.cuda.empty_cache()), so neither may ever be collected.
+  - One CUDAPluggableAllocator per device, kept for the process's life:
+    torch calls the allocator's free hook through the pool's raw pointer
+    whenever it releases a segment, also after the MemPool object is gone
+    (its freed blocks are released by a later torch.cuda.empty_cache()), so
+    it may never be collected. One torch MemPool per device over it, until
+    release_sharing_pool() drops it (the next sharing_pool() makes another).
   - torch refuses a MemPool with a custom allocator while expandable
     segments are on ("MemPool doesn't currently support
     expandable_segments"). The block therefore turns them off, for the

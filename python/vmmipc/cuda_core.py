@@ -15,8 +15,9 @@ Registrations: the first pickle (or grant_buffer) of a Buffer registers its
 range once as an anchor (vmmipc_register_cuda, unlimited uses: the library
 retains every allocation), kept while that Buffer object lives and is not
 closed; every pickle is then a register_again of the anchor (no driver
-call), so a receiver that has the buffer cached imports it in one round
-trip. The anchor belongs to that very Buffer object: it is dropped when the
+call), so a receiver that has the buffer cached imports it without a
+transfer: vouched for by the grant table (no round trip), else in one
+authenticated session. The anchor belongs to that very Buffer object: it is dropped when the
 Buffer is collected, when a later pickle finds it closed or resized, or by
 drop_anchor(buf). A freed Buffer can never match a new one at the same
 address. The sender may free its buffer right after put(): what was pickled
