@@ -237,9 +237,10 @@ def register_again_quiet(anchor: _lib.vmmipc_ticket, uses: int, ttl: float | Non
     arguments are checked by options(), as register_again checks them)."""
     fn = "vmmipc_register_again"
     opts = _lib.options(fn, uses=uses, ttl=ttl)
-    out = _lib.vmmipc_ticket()
-    _lib.call(fn, ctypes.byref(anchor), _NO_RELEASE, None, ctypes.byref(opts), ctypes.byref(out))
-    return Ticket._made(out.bytes)
+
+    def do(release_fn, user, out):
+        _lib.call(fn, ctypes.byref(anchor), release_fn, user, ctypes.byref(opts), out)
+    return _registered(None, do)
 
 
 def unregister(ticket) -> None:
