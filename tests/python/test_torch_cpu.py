@@ -814,6 +814,7 @@ def test_interprocess_events_are_bounded_and_reused(monkeypatch):
     """At most MAX_EVENTS exist; an event that completed and is older than
     EVENT_KEEP_SECONDS is recorded again (same handle); with every event in
     use a pickle synchronizes its stream and sends none (torch's bound)."""
+    assert vt.MAX_EVENTS == _torch_batch.MAX_EVENTS == 1000, "the bound python/README.md names"
     torch = FakeCudaTorch()
     monkeypatch.setattr(_torch_batch, "MAX_EVENTS", 3)
     monkeypatch.setattr(_torch_batch, "EVENT_KEEP_SECONDS", 0.0)
