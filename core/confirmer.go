@@ -30,7 +30,13 @@ import (
 // waits up to confirmGather for others to join it, or until half a spend
 // log's records wait (spendlog.go: a full log would send the next hits to
 // the exporter), and a batch takes only the hits that have waited so long.
-// A lone hit is sent at once.
+// A lone hit is sent at once. 10 ms: a buffer re-sent every few
+// milliseconds (a sender doing other work between sends) would otherwise
+// take a session per hit, each one a few hundred microseconds of both
+// processes' CPU on a 2-vCPU machine, and a round trip 1.3x SharedMemory's
+// where one per 10 ms keeps it near 1.1x
+// (bench/results/2026-12-06-grants-ahead-cpu.md); the cost is that the
+// exporter sees a streamed hit's use spent up to 10 ms later.
 //
 // A table hit's use has a record in this process's spend log, which the
 // hit opens to the exporter (openSpend): an exporter that grants again
@@ -60,7 +66,7 @@ type pendingConfirm struct {
 }
 
 const (
-	confirmGatherDefault = 2 * time.Millisecond  // how long a streamed hit waits for others
+	confirmGatherDefault = 10 * time.Millisecond // how long a streamed hit waits for others (below)
 	confirmLinger        = 20 * time.Millisecond // how long a worker waits for the next hit
 )
 

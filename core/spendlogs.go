@@ -95,9 +95,9 @@ func (l *spendLogs) adopt(fd int, pid uint32, start uint64) bool {
 }
 
 // harvestEvery is how often at most a grant harvests: the receivers'
-// confirmers wait 2 ms (confirmGatherDefault) before they spend a streamed hit's
-// use themselves, so a harvest every half of that reaches every hit of a
-// stream (TestHarvestComesBeforeTheConfirmer), and the grants between two
+// confirmers wait 10 ms (confirmGatherDefault) before they spend a streamed
+// hit's use themselves, so a harvest every millisecond reaches every hit of
+// a stream (TestHarvestComesBeforeTheConfirmer), and the grants between two
 // harvests cost nothing more.
 const harvestEvery = time.Millisecond
 

@@ -916,7 +916,7 @@ typedef struct vmmipc_mapping {
  * exporter, each use proved with its own ticket's secret and answered on
  * its own; the uses queued together go on one session, as with
  * vmmipc_confirm_many, and hits that come as a stream (one within 20 ms of
- * the last session) wait up to 2 ms for others to join them, or until 31
+ * the last session) wait up to 10 ms for others to join them, or until 31
  * wait, half a spend log (a table hit's use may meanwhile be spent by the
  * exporter from the spend log, above) (vmmipc_cache_info counts those
  * pending and failed). The reference is
@@ -927,7 +927,8 @@ typedef struct vmmipc_mapping {
  * secret is wrong gets the mapping this process already has of that buffer,
  * and a failed confirmation). A miss streams as without the flag. Whoever
  * waits on the sender (vmmipc_wait) sees the registration end only once the
- * confirmation ran, usually within a few milliseconds; confirmations still
+ * confirmation ran (a hit that came alone: within a few milliseconds; one
+ * of a stream: within about 10 ms); confirmations still
  * queued when this process exits are lost (the sender's registration then
  * lives until its ttl or its process's end), so a program that may exit
  * soon after a hit waits first until vmmipc_cache_info reports
