@@ -24,11 +24,12 @@ from ._lib import (DEVICE_HOST, DEVICE_SAME, IMPORT_CONFIRM_LATER, IMPORT_HOLD, 
                    MAX_ACCESS_DEVICES, MAX_CHUNKS, MAX_TTL_MS, MAX_WINDOW, MEMORY_CUDA,
                    MEMORY_HOST, TICKET_SIZE)
 from ._ticket import Ticket, TicketInfo, wait
-from ._register import (holds, live_registrations, register, register_again, register_cuda,
+from ._register import (holds, register, register_again, register_cuda,
                         register_cuda_handles, register_host_file, share, strerror, unregister,
                         version)
 from ._mapping import (CacheInfo, Mapping, cache_info, confirm, confirm_many, import_stream,
                        release, set_cache_limit)
+from ._anchor import live_registrations
 from ._host import DEFAULT_CHUNK_SIZE, HostBuffer
 from . import _reductions
 

@@ -21,6 +21,17 @@ doubled, so the list stays about twice the grants that are live.
 Ending an anchor (retire) ends no grant: each lives until used, expired or
 unregistered, and receivers' mappings outlive everything.
 
+Grants made ahead: a sender that re-sends one buffer in a loop would call
+into the library once per pickle, and on a small machine that call costs
+far more than its work: each call from a thread that has waited wakes the
+Go runtime's threads, which then compete with the receiver for the CPUs
+(bench/results/2026-12-07-grants-ahead-cpu.md). So a grant without a
+callback or ttl that comes within AHEAD_WINDOW of the anchor's last makes
+AHEAD grants at once, and the next pickles take them in order. A grant made
+ahead is a registration whose ticket nobody has seen: no receiver can use
+it, and until a pickle names it live_registrations() does not count it
+(made_ahead()). Those left when the anchor ends are ended with it.
+
 Fork: a child made by fork() inherits this module's state but cannot use
 libvmmipc (its Go runtime does not survive fork). after_fork(fn) registers
 fn to run in such a child (os.register_at_fork), so each module resets its
@@ -34,10 +45,12 @@ import logging
 import os
 import queue
 import threading
+import time
 import weakref
 
 from . import _errors, _lib
-from ._register import live_many, register_again, register_again_quiet, unregister
+from ._register import (library_live_registrations, live_many, register_again,
+                        register_again_quiet, unregister)
 from ._ticket import Ticket
 
 log = logging.getLogger("vmmipc")
@@ -129,6 +142,9 @@ after_fork(_forked)
 
 
 _QUIET_FIRST_CHECK = 64  # grants without a callback listed before the first prune
+AHEAD = 32            # grants made at once for a buffer re-sent in a loop (module doc)
+AHEAD_WINDOW = 1.0    # seconds: a grant this soon after the last one makes AHEAD
+_ahead_lock = threading.Lock()  # grants made ahead change, or are counted, under it
 _anchors: "weakref.WeakSet[Anchor]" = weakref.WeakSet()  # for the exit hook below
 _anchors_lock = threading.Lock()  # a WeakSet is not safe to add to while it is copied
 
@@ -142,6 +158,7 @@ def _end_quiet_grants_at_exit() -> None:
         anchors = list(_anchors)
     for anchor in anchors:
         if anchor._generation == _generation[0]:
+            anchor._end_ahead()
             with anchor._lock:
                 anchor._prune_quiet()
                 quiet = list(anchor._quiet.values())
@@ -164,6 +181,9 @@ class Anchor:
         self._grants: dict[int, Ticket | None] = {}  # grants with a release callback
         self._quiet: dict[int, Ticket] = {}  # grants without one, maybe ended (module doc)
         self._quiet_check = _QUIET_FIRST_CHECK  # prune _quiet when it is this long
+        self._ahead: list[Ticket] = []  # grants made ahead, for _ahead_uses receivers each
+        self._ahead_uses = 0
+        self._last_quiet = float("-inf")  # when the last grant without a callback was asked for
         self._keys = itertools.count()
         with _anchors_lock:
             _anchors.add(self)
@@ -183,9 +203,7 @@ class Anchor:
         (retired, or unregistered at exit)."""
         key = next(self._keys)
         if keep is None and not hold and limit is None:
-            if self._c_ticket is None:
-                self._c_ticket = self.ticket._c()
-            ticket = register_again_quiet(self._c_ticket, uses, ttl)
+            ticket = self._quiet_grant(uses, ttl)
             with self._lock:
                 self._quiet[key] = ticket
                 if len(self._quiet) >= self._quiet_check:
@@ -217,6 +235,57 @@ class Anchor:
                 self._grants[key] = ticket
         return ticket
 
+    def _quiet_grant(self, uses: int, ttl: float | None) -> Ticket:
+        """A grant without a callback: the oldest made ahead for `uses`
+        receivers, else one made now, with AHEAD - 1 more when the last
+        came within AHEAD_WINDOW (module doc). A ttl counts from the grant,
+        so such grants are made one at a time."""
+        with self._lock:
+            if self._c_ticket is None:
+                self._c_ticket = self.ticket._c()
+            if ttl is not None or self.retired or self._generation != _generation[0]:
+                return register_again_quiet(self._c_ticket, uses, ttl)
+            now, last = time.monotonic(), self._last_quiet
+            self._last_quiet = now
+            with _ahead_lock:
+                if self._ahead and self._ahead_uses == uses:
+                    return self._ahead.pop(0)
+            n = AHEAD if now - last < AHEAD_WINDOW and not self._ahead else 1
+            ticket = register_again_quiet(self._c_ticket, uses, None)
+            if n > 1:  # none is left ahead: nothing is dropped here
+                ahead = []
+                try:
+                    for _ in range(n - 1):
+                        ahead.append(register_again_quiet(self._c_ticket, uses, None))
+                except _errors.VmmipcError:
+                    pass  # this grant stands; the next ones are made when asked for
+                with _ahead_lock:
+                    self._ahead, self._ahead_uses = ahead, uses
+            return ticket
+
+    def make_ahead(self, uses: int) -> None:
+        """Make one grant ahead for `uses` receivers, for the first pickle
+        (HostBuffer makes it with its anchor: module doc). A failure leaves
+        it to that pickle."""
+        with self._lock:
+            if self._c_ticket is None:
+                self._c_ticket = self.ticket._c()
+            if self._ahead or self.retired:
+                return
+            try:
+                ticket = register_again_quiet(self._c_ticket, uses, None)
+            except _errors.VmmipcError:
+                return
+            with _ahead_lock:
+                self._ahead, self._ahead_uses = [ticket], uses
+
+    def _end_ahead(self) -> None:
+        """End the grants made ahead that no pickle has named."""
+        with _ahead_lock:
+            ahead, self._ahead = self._ahead, []
+        for t in ahead:
+            end_quietly(t)
+
     def _ended(self, key: int) -> None:
         with self._lock:
             self._grants.pop(key, None)
@@ -247,9 +316,14 @@ class Anchor:
         if self._generation != _generation[0]:
             return
         if now:
-            end_quietly(self.ticket)
+            self._end()
         else:
-            reaper.submit(end_quietly, self.ticket)
+            reaper.submit(self._end)
+
+    def _end(self) -> None:
+        with self._lock:  # after a grant being made, whose grants made ahead it ends
+            self._end_ahead()
+        end_quietly(self.ticket)
 
 
 class _Release:
@@ -265,3 +339,19 @@ class _Release:
         self.anchor._ended(self.key)
         if keep is not None:
             reaper.submit(_let_go, keep)
+
+
+def made_ahead() -> int:
+    """Grants that this process's anchors made ahead and no pickle has
+    named yet (under _ahead_lock)."""
+    with _anchors_lock:
+        anchors = list(_anchors)
+    return sum(len(a._ahead) for a in anchors if a._generation == _generation[0])
+
+
+def live_registrations() -> int:
+    """Registrations of this process that have not ended yet
+    (vmmipc_live_registrations), less the grants made ahead that no pickle
+    has named (module doc): a receiver can see only those it was sent."""
+    with _ahead_lock:
+        return library_live_registrations() - made_ahead()

@@ -131,6 +131,8 @@ class HostBuffer(_exported.Buffer, _lib.Closeable):
         self._init(size, chunk_size, pickle_uses, pickle_ttl)
         self._fd = fd
         self._anchor: Anchor | None = Anchor(anchor)
+        if pickle_ttl is None:
+            self._anchor.make_ahead(pickle_uses)  # the first pickle calls no library
         self._mmap = mm
         self._memory = memory
         self._mapping = None

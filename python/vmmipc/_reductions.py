@@ -97,12 +97,12 @@ def rebuild_host_buffer(ticket, chunk_size):
     table vouches for without a round trip: the whole ticket is compared (a
     changed byte is no hit, and the sender refuses it), and an ended,
     expired or used-up grant raises NotFoundError as for a new receiver;
-    its use is spent right after, by the sender at its next grant (a
-    buffer re-sent in a loop) or else by a library thread (vmmipc.h,
-    vmmipc_import; at exit this process waits for those, and were it
-    killed first, the sender spends them from this process's spend log).
-    Nothing is held:
-    a HostBuffer's memfd is its own, and its pages live as long as any
+    its use is spent soon after, by the sender when it next makes grants
+    (a loop's come 32 at a time: _anchor.py) or else by a library thread,
+    within about 10 ms of a stream's hit (vmmipc.h, vmmipc_import; at exit
+    this process waits for those, and were it killed first, the sender
+    spends them from this process's spend log). Nothing is held: a
+    HostBuffer's memfd is its own, and its pages live as long as any
     mapping of them (holds are for memory handed out again, vmmipc.h
     "Holds")."""
     return HostBuffer.from_ticket(ticket, chunk_size)

@@ -251,8 +251,10 @@ def unregister(ticket) -> None:
     _lib.call("vmmipc_unregister", ctypes.byref(as_ticket(ticket, "vmmipc_unregister")._c()))
 
 
-def live_registrations() -> int:
-    """Registrations of this process that have not ended yet."""
+def library_live_registrations() -> int:
+    """Registrations of this process that have not ended yet, as the
+    library counts them (vmmipc.live_registrations leaves out the grants
+    anchors made ahead: _anchor.py)."""
     n = c_uint64()
     _lib.call("vmmipc_live_registrations", ctypes.byref(n))
     return n.value
