@@ -75,8 +75,11 @@ def child(way, q, results, size, nofile):
             vmmipc.cache_info()  # loads the library before any timing
         results.put(("ready", os.getpid()))
         send = 0
+        # Each send's hits and misses are the counters' change since the
+        # last send's (a close changes neither): one call into the library
+        # a send for them, after the clock stopped.
+        before = vmmipc.cache_info() if way == "hostbuffer" else None
         while True:
-            before = vmmipc.cache_info() if way == "hostbuffer" else None
             item = q.get()
             t1 = time.monotonic()
             if item is None:
@@ -86,6 +89,7 @@ def child(way, q, results, size, nofile):
             if way == "hostbuffer":
                 after = vmmipc.cache_info()
                 hits, misses = after.hits - before.hits, after.misses - before.misses
+                before = after
                 err = check(item.view, size, send)
                 item.close()  # the mapping stays cached for the next send
             elif way == "sharedmemory":
