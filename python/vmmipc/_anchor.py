@@ -25,7 +25,7 @@ Grants made ahead: a sender that re-sends one buffer in a loop would call
 into the library once per pickle, and on a small machine that call costs
 far more than its work: each call from a thread that has waited wakes the
 Go runtime's threads, which then compete with the receiver for the CPUs
-(bench/results/2026-12-07-grants-ahead-cpu.md). So a grant without a
+(bench/results/2026-12-06-grants-ahead-cpu.md). So a grant without a
 callback or ttl that comes within AHEAD_WINDOW of the anchor's last makes
 AHEAD grants at once, and the next pickles take them in order. A grant made
 ahead is a registration whose ticket nobody has seen: no receiver can use
