@@ -16,9 +16,10 @@ the child checks it and the markers, reading 4 pages either way.
 Time is on CLOCK_MONOTONIC, which both processes share: from the sender's
 put() to the return of the child's get() (unpickling done: the child holds
 the memory, mapped or copied). The child's reads of the markers come after
-and are not timed, for every way alike. Send 1 of a HostBuffer maps anew
-(the child's vmmipc.cache_info() must say so); its later sends are
-import-cache hits. Every SharedMemory send opens and maps the segment anew
+and are not timed, for every way alike. Send 1 of a HostBuffer maps anew;
+its later sends are import-cache hits (the child tells them apart by the
+address they come at, and its vmmipc.cache_info() counters, read once at
+the end, must agree). Every SharedMemory send opens and maps the segment anew
 (it keeps nothing between sends). A thread in the sender samples the
 descriptor counts of both processes from /proc/<pid>/fd about every
 millisecond. The children run at a soft RLIMIT_NOFILE of L (default 64).
@@ -28,6 +29,7 @@ over sends 2-S with a HostBuffer's ratios to SharedMemory's.
 """
 
 import argparse
+import ctypes
 import json
 import multiprocessing as mp
 import os
@@ -71,25 +73,28 @@ def child(way, q, results, size, nofile):
     try:
         if nofile:
             resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-        if way == "hostbuffer":
-            vmmipc.cache_info()  # loads the library before any timing
+        start = vmmipc.cache_info() if way == "hostbuffer" else None  # loads the library first
         results.put(("ready", os.getpid()))
-        send = 0
-        # Each send's hits and misses are the counters' change since the
-        # last send's (a close changes neither): one call into the library
-        # a send for them, after the clock stopped.
-        before = vmmipc.cache_info() if way == "hostbuffer" else None
+        send, last = 0, None
         while True:
             item = q.get()
             t1 = time.monotonic()
             if item is None:
+                if way == "hostbuffer":
+                    end = vmmipc.cache_info()
+                    results.put(("counted", end.hits - start.hits, end.misses - start.misses))
                 return
             send += 1
             hits = misses = 0
             if way == "hostbuffer":
-                after = vmmipc.cache_info()
-                hits, misses = after.hits - before.hits, after.misses - before.misses
-                before = after
+                # A hit comes at the address of the mapping it hits, a new
+                # mapping elsewhere (the last send's is still mapped, in the
+                # cache): no call into the library a send, which SharedMemory's
+                # child does not make either. The cache's counters, read once
+                # at the end, must say the same (run_way).
+                addr = ctypes.addressof(item)
+                hits, misses = (1, 0) if addr == last else (0, 1)
+                last = addr
                 err = check(item.view, size, send)
                 item.close()  # the mapping stays cached for the next send
             elif way == "sharedmemory":
@@ -152,6 +157,7 @@ def run_way(way, again, a):
            "chunk_size": chunk, "size": a.size, "nofile": None, "child_nofile": a.nofile}
     w = Way(way, a.size, chunk, again)
     times = []  # ms of the sends after the first, where they went right
+    counted = [0, 0]  # hits and misses the child saw
     ctx = mp.get_context("spawn")
     q, results = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=child, args=(way, q, results, a.size, a.nofile))
@@ -187,8 +193,17 @@ def run_way(way, again, a):
                                   cache_hits=hits, cache_misses=misses, error=err)), flush=True)
             if state == "failed":
                 break
+            counted[0] += hits
+            counted[1] += misses
             if send > 1 and not err:
                 times.append(ms)
+        else:
+            if way == "hostbuffer":
+                q.put(None)
+                msg = results.get(timeout=a.timeout)
+                if msg != ("counted", *counted):
+                    raise SystemExit(f"hostrows child ({way}): the import cache counted {msg}, "
+                                     f"the sends' addresses (hits, misses) {tuple(counted)}")
     finally:
         stop_child(proc, q)
         w.close()
