@@ -869,7 +869,8 @@ typedef struct vmmipc_mapping {
  *     HMAC that only the ticket's secret makes) and opens it to the exporter.
  *     The use is then spent by whichever comes first, each taking the record
  *     with an atomic compare-and-swap on it, so only one of them spends it: the
- *     exporter, which at its next grant (a buffer re-sent in a loop; at most
+ *     exporter, which at its next grant (a sender registering again for each
+ *     re-send of a buffer; at most
  *     one read a millisecond, on the granting thread, at most 126 records a
  *     read, starting where the last one stopped) reads the logs that opened
  *     records since it last looked, spends each open record with a valid HMAC
