@@ -8,10 +8,13 @@ on a multiprocessing Queue (start method "spawn").
 
 For each way the sender makes --size bytes (default 1 GiB; HostBuffer
 chunks of --chunk-size, default 2 MiB) with markers at the start, the middle
-and the end, starts one child and sends S times (pickled bytes K times,
-default 1: each takes seconds). Before each send it writes a fresh byte at
-the end (pickled bytes: a fresh bytes object, made before the clock starts);
-the child checks it and the markers, reading 4 pages either way.
+and the end, starts one child and sends S times (default 40; pickled bytes
+K times, default 1: each takes seconds). Every way's first sends are slower,
+a HostBuffer's for about eight, while the processes' code paths warm up, so
+the medians of sends 2-40 are mostly a warm child's. Before each send it
+writes a fresh byte at the end (pickled bytes: a fresh bytes object, made
+before the clock starts); the child checks it and the markers, reading 4
+pages either way.
 
 Time is on CLOCK_MONOTONIC, which both processes share: from the sender's
 put() to the return of the child's get() (unpickling done: the child holds
@@ -214,7 +217,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", type=int, default=1 << 30)
     ap.add_argument("--chunk-size", type=int, default=2 << 20)
-    ap.add_argument("--sends", type=int, default=5)
+    ap.add_argument("--sends", type=int, default=40)
     ap.add_argument("--bytes-sends", type=int, default=1)
     ap.add_argument("--nofile", type=int, default=64, help="the children's soft RLIMIT_NOFILE (0: leave it)")
     ap.add_argument("--ways", default="hostbuffer,sharedmemory,hostbuffer-again,sharedmemory-again,bytes",
