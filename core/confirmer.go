@@ -33,10 +33,10 @@ import (
 // A lone hit is sent at once. 10 ms: a buffer re-sent every few
 // milliseconds (a sender doing other work between sends) would otherwise
 // take a session per hit, each one a few hundred microseconds of both
-// processes' CPU on a 2-vCPU machine, and a round trip 1.3x SharedMemory's
-// where one per 10 ms keeps it near 1.1x
-// (bench/results/2026-12-06-grants-ahead-cpu.md); the cost is that the
-// exporter sees a streamed hit's use spent up to 10 ms later.
+// processes' CPU; on a 2-vCPU machine hostrows' re-send went from a median
+// of 1.42x SharedMemory's to 1.19x with this alone
+// (bench/results/2026-12-06-grants-ahead-cpu.md). The cost: the exporter
+// sees a streamed hit's use spent up to 10 ms later.
 //
 // A table hit's use has a record in this process's spend log, which the
 // hit opens to the exporter (openSpend): an exporter that grants again

@@ -321,7 +321,7 @@ class Anchor:
             reaper.submit(self._end)
 
     def _end(self) -> None:
-        with self._lock:  # after a grant being made, whose grants made ahead it ends
+        with self._lock:  # a batch being made finishes first, and is ended too
             self._end_ahead()
         end_quietly(self.ticket)
 
