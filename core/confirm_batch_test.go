@@ -82,6 +82,40 @@ func TestStreamedHitsShareSessions(t *testing.T) {
 	}
 }
 
+// TestSpacedHitsShareSessions: table hits 3 ms apart, with no grant between
+// them whose harvest would spend their uses (a sender that made its grants
+// ahead, as the Python package does in a loop), are spent on a session per
+// gather (confirmGatherDefault), not one each: with a 2 ms gather every hit
+// took its own.
+func TestSpacedHitsShareSessions(t *testing.T) {
+	before, s, anchor, first := streamFixture(t, 33)
+	const hits = 30
+	grants := make([]*Ticket, hits)
+	for i := range grants {
+		grants[i] = again(t, s, anchor, RegisterOptions{Uses: 1})
+	}
+	start := confirmSessions()
+	for _, g := range grants {
+		time.Sleep(3 * time.Millisecond)
+		if base := hit(t, g); base != first.Base {
+			t.Fatalf("a hit at %#x, not the cached %#x", base, first.Base)
+		}
+	}
+	got := cacheDelta(before) // waits for the confirmer
+	if got.TableHits != hits || got.ConfirmsFailed != 0 {
+		t.Fatalf("%d table hits and %d failed confirmations, want %d and 0", got.TableHits, got.ConfirmsFailed, hits)
+	}
+	for _, g := range grants {
+		if err := s.Wait(g, 5*time.Second); err != nil {
+			t.Fatalf("a spaced hit's use was not spent: %v", err)
+		}
+	}
+	// 30 hits over about 90 ms: a session per 10 ms, and the first alone.
+	if n := confirmSessions() - start; n > hits/2 {
+		t.Fatalf("%d sessions for %d hits 3 ms apart: they were not gathered", n, hits)
+	}
+}
+
 // TestConfirmBatchAnswersEachUse: a batch whose uses include an ended
 // grant (first and in the middle) and a ticket changed in its secret
 // spends every other use, and each item gets its own answer.
