@@ -8,6 +8,7 @@ out."""
 import gc
 import os
 import pickle
+import threading
 import time
 
 import pytest
@@ -174,3 +175,28 @@ def test_a_forked_child_hands_out_no_grant_made_ahead():
         assert got == b"\x00", "the child pickled with its parent's grant (1) or failed otherwise (2)"
     finally:
         hb.close()
+
+
+def test_threads_pickling_one_buffer_each_get_a_grant_of_their_own():
+    _, base_library = steady()
+    hb = vmmipc.HostBuffer(1 << 20)
+    blobs: list[bytes] = []
+    lock = threading.Lock()
+
+    def pickles():
+        mine = [pickle.dumps(hb) for _ in range(200)]
+        with lock:
+            blobs.extend(mine)
+    threads = [threading.Thread(target=pickles) for _ in range(4)]
+    try:
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert len(set(blobs)) == 800, "two pickles named the same grant"
+        assert len(hb.pending_tickets()) == 800
+        assert library_count() == base_library + 1 + 800 + len(hb._anchor._ahead)
+        assert hb.unregister_all() == 800
+    finally:
+        hb.close()
+    assert library_count() == base_library
