@@ -24,7 +24,7 @@ func TestReSentHitsAreHarvested(t *testing.T) {
 	before, s, anchor, first := streamFixture(t, 33)
 	live := s.Live()
 	// Each hit's next grant comes harvestEvery later, within the default
-	// gathering's 2 ms; a loaded machine may take longer between two
+	// gathering's 10 ms; a loaded machine may take longer between two
 	// steps of this loop, so the confirmer waits longer here.
 	gatherNs.Store(int64(50 * time.Millisecond))
 	defer gatherNs.Store(0)
