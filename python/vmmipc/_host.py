@@ -98,8 +98,8 @@ class HostBuffer(_exported.Buffer, _lib.Closeable):
     ``pickle_ttl`` seconds (default None: until used or unregistered);
     unpickling maps it, so the receiver sees and writes the same bytes.
     Without a ttl those registrations are made ahead, one with the buffer
-    and 32 at a time for a loop of pickles (_anchor.py): vmmipc.
-    live_registrations() counts only those a pickle has named.
+    and 32 at a time for a loop of pickles (_anchor.py), and
+    vmmipc.live_registrations() counts only those a pickle has named.
     """
 
     def __new__(cls, size: int, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
