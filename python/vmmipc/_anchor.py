@@ -175,7 +175,7 @@ class Anchor:
 
     def __init__(self, ticket: Ticket):
         self.ticket = ticket
-        self._c_ticket = None  # ticket as the library takes it, made by the first quiet grant
+        self._c_ticket = None  # the ticket as the library takes it (_c)
         self._generation = _generation[0]
         self._lock = threading.Lock()
         self._grants: dict[int, Ticket | None] = {}  # grants with a release callback
@@ -241,43 +241,44 @@ class Anchor:
         came within AHEAD_WINDOW (module doc). A ttl counts from the grant,
         so such grants are made one at a time."""
         with self._lock:
-            if self._c_ticket is None:
-                self._c_ticket = self.ticket._c()
             if ttl is not None or self.retired or self._generation != _generation[0]:
-                return register_again_quiet(self._c_ticket, uses, ttl)
+                return register_again_quiet(self._c(), uses, ttl)
             now, last = time.monotonic(), self._last_quiet
             self._last_quiet = now
             with _ahead_lock:
                 if self._ahead and self._ahead_uses == uses:
                     return self._ahead.pop(0)
-            n = AHEAD if now - last < AHEAD_WINDOW and not self._ahead else 1
-            ticket = register_again_quiet(self._c_ticket, uses, None)
-            if n > 1:  # none is left ahead: nothing is dropped here
-                ahead = []
-                try:
-                    for _ in range(n - 1):
-                        ahead.append(register_again_quiet(self._c_ticket, uses, None))
-                except _errors.VmmipcError:
-                    pass  # this grant stands; the next ones are made when asked for
-                with _ahead_lock:
-                    self._ahead, self._ahead_uses = ahead, uses
+            ticket = register_again_quiet(self._c(), uses, None)
+            if now - last < AHEAD_WINDOW and not self._ahead:
+                self._stock(uses, AHEAD - 1)
             return ticket
+
+    def _c(self) -> _lib.vmmipc_ticket:
+        """The anchor's ticket as the library takes it, made by the first
+        grant without a callback (under _lock)."""
+        if self._c_ticket is None:
+            self._c_ticket = self.ticket._c()
+        return self._c_ticket
 
     def make_ahead(self, uses: int) -> None:
         """Make one grant ahead for `uses` receivers, for the first pickle
-        (HostBuffer makes it with its anchor: module doc). A failure leaves
-        it to that pickle."""
+        (HostBuffer makes it with its anchor: module doc)."""
         with self._lock:
-            if self._c_ticket is None:
-                self._c_ticket = self.ticket._c()
-            if self._ahead or self.retired:
-                return
-            try:
-                ticket = register_again_quiet(self._c_ticket, uses, None)
-            except _errors.VmmipcError:
-                return
-            with _ahead_lock:
-                self._ahead, self._ahead_uses = [ticket], uses
+            if not self._ahead and not self.retired:
+                self._stock(uses, 1)
+
+    def _stock(self, uses: int, n: int) -> None:
+        """Make n grants ahead for `uses` receivers (under _lock, none
+        ahead: nothing is dropped). A failure stops there: the grants not
+        made are made when asked for."""
+        ahead = []
+        try:
+            for _ in range(n):
+                ahead.append(register_again_quiet(self._c(), uses, None))
+        except _errors.VmmipcError:
+            pass
+        with _ahead_lock:
+            self._ahead, self._ahead_uses = ahead, uses
 
     def _end_ahead(self) -> None:
         """End the grants made ahead that no pickle has named."""

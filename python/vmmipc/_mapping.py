@@ -382,8 +382,9 @@ def cache_info() -> CacheInfo:
 # on a library thread; were the process to end first, each confirm_later
 # grant would stay pending, keeping what it lends alive until its ttl (the
 # sender of a table hit or import spends it from this process's spend log).
-# A batch of them takes a few milliseconds; the bound is for a sender that
-# has stopped answering.
+# A stream's batch waits up to 10 ms for others (core/confirmer.go) and
+# takes a few milliseconds more; the bound is for a sender that has stopped
+# answering.
 EXIT_CONFIRM_SECONDS = 5.0
 
 
